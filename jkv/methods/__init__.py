@@ -1,0 +1,3 @@
+"""Built-in cache methods; importing this package registers them."""
+
+from jkv.methods import dense  # noqa: F401

@@ -1,0 +1,158 @@
+"""The Llama-family decoder as pure functions: ``forward(params, tokens, positions, cache) -> (logits, cache)``.
+
+Layers are stacked and run with ``jax.lax.scan``; the KV cache rides in the scan carry and each cache operation
+gets the layer index, so compile time does not grow with depth and cache updates stay in place.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jkv.cache import KVCache
+from jkv.config import ModelConfig
+from jkv.params import Params
+from jkv_kernels.attention_reference import gqa_attention_reference
+
+
+def rms_norm(x, weight, eps):
+  """HF order: normalize in fp32, cast back to the activation dtype, then scale."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * normed.astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig):
+  """[D/2] fp32 inverse frequencies, with Llama-3 scaling when the config has it."""
+  d = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv_freq
+  wavelen = 2 * jnp.pi / inv_freq
+  low_wavelen = rs.original_max_position / rs.low_freq_factor
+  high_wavelen = rs.original_max_position / rs.high_freq_factor
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+  smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotate-half RoPE (the HF layout). x: [B, T, heads, D]; positions: [B, T] int32."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def _qkv(layer, h, positions, cfg):
+  """Projections and RoPE. Returns q [B, H, T, g, D], k and v [B, H, T, D]."""
+  q = jnp.einsum("bte,ehd->bthd", h, layer.q)
+  k = jnp.einsum("bte,ehd->bthd", h, layer.k)
+  v = jnp.einsum("bte,ehd->bthd", h, layer.v)
+  if cfg.qkv_bias:
+    q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+  inv_freq = rope_frequencies(cfg)
+  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  B, T = h.shape[:2]
+  q = q.reshape(B, T, cfg.kv_heads, cfg.q_per_kv, cfg.head_dim).transpose(0, 2, 1, 3, 4)
+  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _mlp(layer, x, cfg):
+  h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
+  gate = jnp.einsum("bte,ef->btf", h, layer.w_gate)
+  up = jnp.einsum("bte,ef->btf", h, layer.w_up)
+  return x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down)
+
+
+def _attn_out(layer, x, attn, cfg):
+  B, H, T, g, D = attn.shape
+  attn = attn.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D)
+  return x + jnp.einsum("bthd,hde->bte", attn, layer.o)
+
+
+def prompt_mask(positions):
+  """[B, T, T] causal mask among prompt tokens; padding (position < 0) is never a key."""
+  valid = positions >= 0
+  causal = jnp.tril(jnp.ones((positions.shape[1],) * 2, bool))
+  return causal[None] & valid[:, None, :]
+
+
+def _embed(params, tokens, cfg):
+  return params.embedding[tokens].astype(cfg.jnp_dtype)
+
+
+def _logits(params, x, cfg):
+  x = rms_norm(x, params.final_norm, cfg.norm_eps)
+  if params.lm_head is None:
+    return jnp.einsum("bte,ve->btv", x, params.embedding).astype(jnp.float32)
+  return jnp.einsum("bte,ev->btv", x, params.lm_head).astype(jnp.float32)
+
+
+def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False):
+  """One model step over the cache.
+
+  Args:
+    params: the parameter tree.
+    tokens: [B, T] int32.
+    positions: [B, T] int32 RoPE positions. At prefill the prompt sits in slots [0, T) and padding has
+      position -1; at decode the rows are the next positions, ``cache.lengths[:, None] + arange(T)``.
+    cache: the KV cache; at prefill it must be empty.
+    cfg: model config (static).
+    prefill: store the prompt (attention is exact among its tokens) rather than append and attend the cache.
+
+  Returns:
+    logits [B, T, vocab] float32 and the updated cache.
+  """
+  method = cache.method
+  x = _embed(params, tokens, cfg)
+  if prefill:
+    lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    mask = prompt_mask(positions)
+  else:
+    lengths = cache.lengths + tokens.shape[1]
+
+  def body(carry, xs):
+    x, state = carry
+    layer, i = xs
+    with jax.named_scope("qkv"):
+      q, k, v = _qkv(layer, rms_norm(x, layer.attn_norm, cfg.norm_eps), positions, cfg)
+    if prefill:
+      with jax.named_scope("attention"):
+        attn = gqa_attention_reference(q, k, v, mask)
+      with jax.named_scope("cache_update"):
+        state = method.prefill(state, i, k, v, q, lengths)
+    else:
+      with jax.named_scope("cache_update"):
+        state = method.append(state, i, k, v, q, cache.lengths)
+      with jax.named_scope("attention"):
+        attn = method.attend(state, i, q, positions, lengths)
+    x = _attn_out(layer, x, attn, cfg)
+    with jax.named_scope("mlp"):
+      x = _mlp(layer, x, cfg)
+    return (x, state), None
+
+  (x, state), _ = jax.lax.scan(body, (x, cache.state), (params.layers, jnp.arange(cfg.num_layers)))
+  return _logits(params, x, cfg), cache.replace(state=state, lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_no_cache(params: Params, cfg: ModelConfig, tokens):
+  """Causal logits [B, T, vocab] float32 for full sequences, no cache (the parity reference path)."""
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  mask = prompt_mask(positions)
+  x = _embed(params, tokens, cfg)
+
+  def body(x, layer):
+    q, k, v = _qkv(layer, rms_norm(x, layer.attn_norm, cfg.norm_eps), positions, cfg)
+    x = _attn_out(layer, x, gqa_attention_reference(q, k, v, mask), cfg)
+    return _mlp(layer, x, cfg), None
+
+  x, _ = jax.lax.scan(body, x, params.layers)
+  return _logits(params, x, cfg)
