@@ -1,0 +1,143 @@
+"""The one quantizer and the one bit-packing routine of jkv, in plain jnp.
+
+Asymmetric min-max quantization over groups of ``group_size`` consecutive elements along one axis (KIVI spec §2.1):
+
+    z = min(group), s = (max(group) - min(group)) / (2**bits - 1)      (fp32, then stored in ``meta_dtype``)
+    c = round_half_even(clip((x - z) / s, 0, 2**bits - 1))            (with the *stored* s and z)
+    x' = c * s + z
+
+Codes are computed from the stored (rounded) s and z, so quantize and dequantize agree; a constant group (s = 0)
+divides by 1 instead and reconstructs exactly. Codes are packed into uint32 words, ``32 // bits`` per word along
+one axis, element j of a word at bits [bits*j, bits*j + bits), j = 0 least significant (spec §2.8).
+
+The ``*_last_axis`` / ``quantize_groups`` forms are the in-register versions that the Pallas kernels call on a tile:
+they use only operations the Triton lowering has (no ``round``, no gathers), so the kernels and the references here
+run the very same arithmetic.
+"""
+
+import jax.numpy as jnp
+
+BITS = (1, 2, 4, 8)
+
+
+def codes_per_word(bits: int) -> int:
+  """Number of ``bits``-wide codes in one uint32 word."""
+  check_bits(bits)
+  return 32 // bits
+
+
+def check_bits(bits: int, allowed: tuple[int, ...] = BITS) -> None:
+  if bits not in allowed:
+    raise ValueError(f"bits must be one of {allowed}, got {bits}")
+
+
+def _round_half_even(y):
+  """jnp.round (ties to even) from floor and compares, because the Triton lowering has no round primitive."""
+  r = jnp.floor(y)
+  frac = y - r
+  r_is_odd = (r - 2.0 * jnp.floor(0.5 * r)) == 1.0
+  return jnp.where((frac > 0.5) | ((frac == 0.5) & r_is_odd), r + 1.0, r)
+
+
+def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16):
+  """Quantizes each row of the last axis as one group.
+
+  Args:
+    x: [..., G] values; every slice along the last axis is one group.
+    bits: code width.
+    meta_dtype: dtype in which scale and zero are stored.
+
+  Returns:
+    codes [..., G] uint32, scale [...] and zero [...] in ``meta_dtype``.
+  """
+  qmax = 2**bits - 1
+  x = x.astype(jnp.float32)
+  lo = jnp.min(x, axis=-1)
+  hi = jnp.max(x, axis=-1)
+  scale = ((hi - lo) / qmax).astype(meta_dtype)
+  zero = lo.astype(meta_dtype)
+  # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
+  s = scale.astype(jnp.float32)[..., None]
+  z = zero.astype(jnp.float32)[..., None]
+  y = jnp.clip((x - z) / jnp.where(s == 0.0, 1.0, s), 0.0, float(qmax))
+  return _round_half_even(y).astype(jnp.uint32), scale, zero
+
+
+def _group_view(x, axis: int, group_size: int):
+  """Moves ``axis`` last and splits it into [n_groups, group_size]; checks divisibility."""
+  axis = axis % x.ndim
+  length = x.shape[axis]
+  if length % group_size:
+    raise ValueError(f"axis {axis} has length {length}, which is not divisible by group_size {group_size}")
+  moved = jnp.moveaxis(x, axis, -1)
+  return moved.reshape(*moved.shape[:-1], length // group_size, group_size), axis
+
+
+def quantize(x, *, bits: int, axis: int, group_size: int, meta_dtype=jnp.float16):
+  """Asymmetric min-max quantization over groups of ``group_size`` consecutive elements along ``axis``.
+
+  Args:
+    x: array of any float dtype; ``x.shape[axis]`` must be divisible by ``group_size``.
+    bits: one of 1, 2, 4, 8.
+    axis: the grouping axis (keys: tokens, values: channels).
+    group_size: elements per group along ``axis``.
+    meta_dtype: storage dtype of scale and zero.
+
+  Returns:
+    codes: uint32, x.shape, values in [0, 2**bits - 1].
+    scale, zero: ``meta_dtype``, x.shape with ``axis`` divided by ``group_size``.
+  """
+  check_bits(bits)
+  groups, axis = _group_view(x, axis, group_size)
+  codes, scale, zero = quantize_groups(groups, bits=bits, meta_dtype=meta_dtype)
+  codes = jnp.moveaxis(codes.reshape(*codes.shape[:-2], -1), -1, axis)
+  return codes, jnp.moveaxis(scale, -1, axis), jnp.moveaxis(zero, -1, axis)
+
+
+def dequantize(codes, scale, zero, *, axis: int, group_size: int, dtype):
+  """x' = c * s + z in fp32, cast to ``dtype``; scale and zero have ``axis`` shorter by ``group_size``."""
+  axis = axis % codes.ndim
+  expected = codes.shape[:axis] + (codes.shape[axis] // group_size,) + codes.shape[axis + 1:]
+  if codes.shape[axis] % group_size or scale.shape != expected or zero.shape != expected:
+    raise ValueError(
+        f"codes {codes.shape} with group_size {group_size} along axis {axis} need scale and zero of shape "
+        f"{expected}, got {scale.shape} and {zero.shape}")
+  s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=axis)
+  z = jnp.repeat(zero.astype(jnp.float32), group_size, axis=axis)
+  return (codes.astype(jnp.float32) * s + z).astype(dtype)
+
+
+def pack_last_axis(codes, *, bits: int):
+  """[..., n * P] codes (uint32, each < 2**bits) -> [..., n] uint32 words, P = 32 // bits."""
+  per_word = 32 // bits
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+  fields = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_word, per_word) << shifts
+  # The bit fields are disjoint, so their sum is their bitwise or (and the Triton lowering has sum, not or).
+  return jnp.sum(fields, axis=-1, dtype=jnp.uint32)
+
+
+def unpack_last_axis(words, *, bits: int):
+  """[..., n] uint32 words -> [..., n * P] uint32 codes, P = 32 // bits; the inverse of ``pack_last_axis``."""
+  per_word = 32 // bits
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+  codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)
+  return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def pack(codes, *, bits: int, axis: int):
+  """Packs ``32 // bits`` codes per uint32 word along ``axis`` (whose length must be a multiple of that)."""
+  per_word = codes_per_word(bits)
+  axis = axis % codes.ndim
+  if codes.shape[axis] % per_word:
+    raise ValueError(f"axis {axis} has length {codes.shape[axis]}, not a multiple of {per_word} codes per word "
+                     f"at {bits} bits")
+  words = pack_last_axis(jnp.moveaxis(codes.astype(jnp.uint32), axis, -1), bits=bits)
+  return jnp.moveaxis(words, -1, axis)
+
+
+def unpack(words, *, bits: int, axis: int):
+  """Inverse of ``pack``: ``axis`` grows by ``32 // bits``."""
+  check_bits(bits)
+  axis = axis % words.ndim
+  codes = unpack_last_axis(jnp.moveaxis(words.astype(jnp.uint32), axis, -1), bits=bits)
+  return jnp.moveaxis(codes, -1, axis)

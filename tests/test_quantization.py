@@ -1,0 +1,193 @@
+"""The quantizer and the bit packing: KIVI spec §8 Q1-Q10, on literal arrays and hypothesis-drawn groups."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jkv_kernels import quantization
+from jkv_kernels.quantization import pack, unpack
+
+SETTINGS = settings(max_examples=25, deadline=None)
+# Jitted so that each drawn shape compiles once instead of dispatching op by op.
+quantize = jax.jit(quantization.quantize, static_argnames=("bits", "axis", "group_size", "meta_dtype"))
+dequantize = jax.jit(quantization.dequantize, static_argnames=("axis", "group_size", "dtype"))
+
+
+@st.composite
+def grouped_arrays(draw):
+  """A [3, 2 * G] float32 array with one of several value distributions, plus its bits and G."""
+  bits = draw(st.sampled_from([2, 4, 8]))
+  group_size = draw(st.sampled_from([16, 32, 64]))
+  rows, n_groups = 3, 2
+  kind = draw(st.sampled_from(["normal", "uniform", "heavy_tailed", "outliers"]))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  shape = (rows, n_groups * group_size)
+  if kind == "normal":
+    x = rng.normal(size=shape)
+  elif kind == "uniform":
+    x = rng.uniform(-3, 5, size=shape)
+  elif kind == "heavy_tailed":
+    x = rng.standard_t(2, size=shape)
+  else:
+    x = rng.normal(size=shape)
+    x[rng.random(shape) < 0.05] *= 50.0
+  return x.astype(np.float32), bits, group_size
+
+
+def _group_stats(x, group_size):
+  """float64 per-group min and max of a [rows, n * G] array: [rows, n] each."""
+  g = np.asarray(x, np.float64).reshape(x.shape[0], -1, group_size)
+  return g.min(-1), g.max(-1)
+
+
+@SETTINGS
+@given(grouped_arrays())
+def test_round_trip_bound_and_range(case):
+  """Q1 + Q2: |x - x'| <= s/2 + tol per group; codes in [0, qmax]; min -> 0, max -> qmax; x'(argmin) == z."""
+  x, bits, group_size = case
+  qmax = 2**bits - 1
+  codes, scale, zero = quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)
+  x_hat = np.asarray(dequantize(codes, scale, zero, axis=1, group_size=group_size, dtype=jnp.float32), np.float64)
+  codes, s, z = np.asarray(codes), np.asarray(scale, np.float64), np.asarray(zero, np.float64)
+  lo, hi = _group_stats(x, group_size)
+  # Storing s and z in fp16 moves the grid: the top code can be off by qmax * |ds|, every code by |dz|.
+  tol = qmax * np.abs(s - (hi - lo) / qmax) + np.abs(z - lo) + 4 * np.spacing(np.abs(x).max())
+  err = np.abs(x - x_hat).reshape(x.shape[0], -1, group_size).max(-1)
+  assert np.all(err <= s / 2 + tol)
+  assert codes.min() >= 0 and codes.max() <= qmax
+  grouped = lambda a: a.reshape(x.shape[0], -1, group_size)
+  argmin, argmax = grouped(x).argmin(-1)[..., None], grouped(x).argmax(-1)[..., None]
+  assert np.all(np.take_along_axis(grouped(codes), argmin, -1) == 0)
+  assert np.all(np.take_along_axis(grouped(x_hat), argmin, -1)[..., 0] == z)
+  top = np.take_along_axis(grouped(codes), argmax, -1)[..., 0]
+  assert np.all((top == qmax) | (s == 0))
+
+
+def test_constant_group_is_exact():
+  """Q3: s = 0 gives no NaN and reconstructs bitwise."""
+  x = jnp.full((2, 64), 1.25, jnp.float32).at[1, 32:].set(-7.0)
+  codes, scale, zero = quantize(x, bits=2, axis=1, group_size=32)
+  assert np.all(np.asarray(scale) == 0) and np.all(np.asarray(codes) == 0)
+  x_hat = dequantize(codes, scale, zero, axis=1, group_size=32, dtype=jnp.float32)
+  np.testing.assert_array_equal(x_hat, x)
+
+
+@SETTINGS
+@given(grouped_arrays())
+def test_idempotent(case):
+  """Q4: quantizing the dequantized array gives the same codes, and s, z within one fp16 ulp."""
+  x, bits, group_size = case
+  codes, scale, zero = quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)
+  x_hat = dequantize(codes, scale, zero, axis=1, group_size=group_size, dtype=jnp.float32)
+  codes2, scale2, zero2 = quantize(x_hat, bits=bits, axis=1, group_size=group_size)
+  np.testing.assert_array_equal(codes2, codes)
+  for a, b in ((scale, scale2), (zero, zero2)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.abs(a - b) <= np.spacing(np.abs(a).astype(np.float16)).astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_exact_grid(bits):
+  """Q5: x = z + k * s with integer k (exactly representable s, z) gives codes k and x' == x."""
+  rng = np.random.default_rng(bits)
+  k = rng.integers(0, 2**bits, size=(3, 64))
+  k[:, 0], k[:, 1] = 0, 2**bits - 1  # pin min and max so the group's s and z are the chosen ones
+  x = jnp.asarray(-1.5 + 0.25 * k, jnp.float32)
+  codes, scale, zero = quantize(x, bits=bits, axis=1, group_size=64)
+  np.testing.assert_array_equal(codes, k)
+  np.testing.assert_array_equal(dequantize(codes, scale, zero, axis=1, group_size=64, dtype=jnp.float32), x)
+
+
+@SETTINGS
+@given(grouped_arrays())
+def test_codes_monotone_within_group(case):
+  """Q7: x_i <= x_j implies c_i <= c_j inside a group."""
+  x, bits, group_size = case
+  codes = np.asarray(quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)[0])
+  order = np.argsort(x.reshape(x.shape[0], -1, group_size), axis=-1, kind="stable")
+  sorted_codes = np.take_along_axis(codes.reshape(order.shape), order, -1)
+  assert np.all(np.diff(sorted_codes.astype(np.int64), axis=-1) >= 0)
+
+
+def test_affine_equivariance():
+  """Q6: alpha x + beta (alpha a power of two, so nothing rounds) keeps the codes and maps s, z affinely."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)), jnp.float32)
+  codes, scale, zero = quantize(x, bits=4, axis=1, group_size=32, meta_dtype=jnp.float32)
+  codes2, scale2, zero2 = quantize(4.0 * x, bits=4, axis=1, group_size=32, meta_dtype=jnp.float32)
+  np.testing.assert_array_equal(codes2, codes)
+  np.testing.assert_array_equal(scale2, 4.0 * scale)
+  np.testing.assert_array_equal(zero2, 4.0 * zero)
+
+
+def test_tie_rule_half_to_even():
+  """Q8: the 2-bit group {0, 0.5, 2.5, 3} has z = 0, s = 1; the ties 0.5 and 2.5 go to the even codes 0 and 2."""
+  codes, scale, zero = quantize(jnp.array([[0.0, 0.5, 2.5, 3.0]]), bits=2, axis=1, group_size=4)
+  np.testing.assert_array_equal(codes, [[0, 0, 2, 3]])
+  assert float(scale[0, 0]) == 1.0 and float(zero[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("axis", [2, 3])
+def test_grouping_axis_and_locality(axis):
+  """Q9: stats are the min/max of the right G elements; a perturbation changes only its own group."""
+  group_size = 8
+  x = np.random.default_rng(axis).normal(size=(2, 3, 16, 32)).astype(np.float32)  # [B, H, T, D]
+  codes, scale, zero = map(np.asarray, quantize(jnp.asarray(x), bits=2, axis=axis, group_size=group_size))
+  moved = np.moveaxis(x, axis, -1).reshape(*np.moveaxis(x, axis, -1).shape[:-1], -1, group_size)
+  np.testing.assert_array_equal(np.moveaxis(zero, axis, -1), moved.min(-1).astype(np.float16))
+
+  b, h, t, d = 1, 2, 5, 9
+  bumped = x.copy()
+  bumped[b, h, t, d] += 10.0
+  codes2, scale2, zero2 = map(np.asarray, quantize(jnp.asarray(bumped), bits=2, axis=axis, group_size=group_size))
+  group = [b, h, t, d]
+  group[axis] //= group_size
+  changed = np.argwhere(scale2 != scale)
+  np.testing.assert_array_equal(changed, [group])
+  changed_codes = np.argwhere(codes2 != codes)
+  assert np.all(changed_codes[:, axis] // group_size == group[axis])
+  other_axes = [a for a in range(4) if a != axis]
+  assert np.all(changed_codes[:, other_axes] == np.array(group)[other_axes])
+
+
+def test_pack_known_answer():
+  """Q10: at 2 bits, codes [1, 2, 3, 0, 0, ...] pack to 0b00_11_10_01 = 57 (code j at bits 2j)."""
+  codes = jnp.zeros(16, jnp.uint32).at[:3].set(jnp.array([1, 2, 3], jnp.uint32))
+  np.testing.assert_array_equal(pack(codes, bits=2, axis=0), [57])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_pack_unpack_identity(bits, axis):
+  """Q10: unpack(pack(c)) == c at every width, along any axis; the packed axis shrinks by 32 / bits."""
+  per_word = 32 // bits
+  shape = [3, 2 * per_word, per_word] if axis == 1 else [per_word, 3, 4 * per_word]
+  codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, size=shape), jnp.uint32)
+  words = pack(codes, bits=bits, axis=axis)
+  expected = list(shape)
+  expected[axis] //= per_word
+  assert words.shape == tuple(expected) and words.dtype == jnp.uint32
+  np.testing.assert_array_equal(unpack(words, bits=bits, axis=axis), codes)
+
+
+def test_kivi_layouts():
+  """§2.8: keys [B, H, T, D] quantize per channel and pack along tokens into [B, H, D, T/P]; values along D."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 64, 32)), jnp.float32)
+  codes, scale, _ = quantize(jnp.swapaxes(x, 2, 3), bits=2, axis=3, group_size=32)
+  assert pack(codes, bits=2, axis=3).shape == (2, 3, 32, 4) and scale.shape == (2, 3, 32, 2)
+  codes, scale, _ = quantize(x, bits=2, axis=3, group_size=16)
+  assert pack(codes, bits=2, axis=3).shape == (2, 3, 64, 2) and scale.shape == (2, 3, 64, 2)
+
+
+def test_bad_arguments_raise():
+  x = jnp.ones((4, 48))
+  with pytest.raises(ValueError, match="bits must be one of"):
+    quantize(x, bits=3, axis=1, group_size=16)
+  with pytest.raises(ValueError, match="48.*32"):
+    quantize(x, bits=2, axis=1, group_size=32)
+  with pytest.raises(ValueError, match="bits must be one of"):
+    pack(jnp.zeros((4, 30), jnp.uint32), bits=3, axis=1)
+  with pytest.raises(ValueError, match="30.*16"):
+    pack(jnp.zeros((4, 30), jnp.uint32), bits=2, axis=1)
