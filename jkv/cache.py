@@ -141,3 +141,28 @@ class KVCache:
   def allocated_bytes(self) -> int:
     """Bytes of every buffer as allocated (capacity, not occupancy)."""
     return int(sum(x.nbytes for x in jax.tree.leaves(self.state)) + self.lengths.nbytes)
+
+
+def write_at(buf, layer, x, start, axis):
+  """Write x [B, ...] into buf [L, B, ...] at ``layer``, at per-sequence offsets start [B] along ``axis``.
+
+  ``axis`` indexes x (batch first); every other axis is written from 0. Under donation this is one in-place
+  scatter.
+  """
+  def one(b_buf, b_x, b_start):  # b_buf [L, ...], b_x [...]
+    idx = [0] * b_x.ndim
+    idx[axis - 1] = b_start
+    return jax.lax.dynamic_update_slice(b_buf, b_x[None].astype(b_buf.dtype), [layer] + idx)
+  return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf, x, start)
+
+
+def read_at(buf, layer, start, size, axis):
+  """Per-sequence slices of ``size`` from buf [L, B, ...] at ``layer``, from start [B] along ``axis`` (as in
+  ``write_at``); returns [B, ...]."""
+  def one(b_buf, b_start):
+    idx = [layer] + [0] * (b_buf.ndim - 1)
+    sizes = [1] + list(b_buf.shape[1:])
+    idx[axis] = b_start
+    sizes[axis] = size
+    return jax.lax.dynamic_slice(b_buf, idx, sizes)[0]
+  return jax.vmap(one, in_axes=(1, 0))(buf, start)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes, register
+from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes, register, write_at
 from jkv_kernels.attention_reference import gqa_attention_reference
 
 
@@ -15,13 +15,6 @@ from jkv_kernels.attention_reference import gqa_attention_reference
 class DenseState:
   k: jax.Array  # [L, B, H, C, D] model dtype
   v: jax.Array  # [L, B, H, C, D] model dtype
-
-
-def write_tokens(buf, layer, x, start):
-  """Write x [B, H, T, D] into buf [L, B, H, C, D] at layer ``layer``, slots start[b] + [0, T) per sequence."""
-  def one(b_buf, b_x, b_start):  # b_buf [L, H, C, D], b_x [H, T, D]
-    return jax.lax.dynamic_update_slice(b_buf, b_x[None].astype(b_buf.dtype), (layer, 0, b_start, 0))
-  return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf, x, start)
 
 
 def causal_mask(q_positions, num_keys):
@@ -41,11 +34,11 @@ class Dense(CacheMethod):
   def prefill(self, state, layer, k, v, q, lengths):
     del q, lengths  # padding slots past a sequence's length are never read
     zero = jnp.zeros((k.shape[0],), jnp.int32)
-    return DenseState(k=write_tokens(state.k, layer, k, zero), v=write_tokens(state.v, layer, v, zero))
+    return DenseState(k=write_at(state.k, layer, k, zero, axis=2), v=write_at(state.v, layer, v, zero, axis=2))
 
   def append(self, state, layer, k, v, q, lengths):
     del q
-    return DenseState(k=write_tokens(state.k, layer, k, lengths), v=write_tokens(state.v, layer, v, lengths))
+    return DenseState(k=write_at(state.k, layer, k, lengths, axis=2), v=write_at(state.v, layer, v, lengths, axis=2))
 
   def attend(self, state, layer, q, q_positions, lengths):
     del lengths  # q_positions already bound every row to the cached tokens
