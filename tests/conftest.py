@@ -1,0 +1,50 @@
+"""Shared fixtures: the real default model (jkv and transformers from the same GGUF) and a tiny random Llama."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jkv import hub
+from jkv.load import load_model
+
+
+@pytest.fixture(scope="session")
+def default_model():
+  """SmolLM2-135M-Instruct in fp32, loaded by jkv."""
+  return load_model("default", "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+  """The same GGUF loaded by transformers (it dequantizes with the same gguf routines)."""
+  path = hub.default_model_path()
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+  """A tiny random Llama with KIVI-compatible heads (D=64), saved by transformers and loaded by jkv.
+
+  Weights are scaled up from the init's 0.02 so attention is peaked enough for comparisons to mean something.
+  Returns (transformers model, jkv Model).
+  """
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                    num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=2048, eos_token_id=1, bos_token_id=0)
+  hf = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+  path = tmp_path_factory.mktemp("tiny_llama")
+  hf.save_pretrained(path)
+  return hf, load_model(str(path), "float32")
+
+
+def random_prompts(vocab, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(2, vocab, n).tolist() for n in lengths]

@@ -1,0 +1,103 @@
+"""generate: batching, stopping, sampling, compilation and bad input."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jkv import generate as gen
+from jkv.cache import make_method
+from jkv.sampling import Greedy, Sampling, make_sampler
+from conftest import random_prompts
+
+
+def test_batch_of_different_lengths_equals_each_alone(tiny_llama):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [7, 23, 40], seed=11)
+  batch = gen.generate(m.params, m.config, prompts, max_new_tokens=24, eos_ids=(), chunk=8)
+  for b, p in enumerate(prompts):
+    alone = gen.generate(m.params, m.config, [p], max_new_tokens=24, eos_ids=(), chunk=8)
+    assert alone.tokens[0] == batch.tokens[b]
+  assert all(len(t) == 24 for t in batch.tokens)
+
+
+def test_second_call_with_same_shapes_compiles_nothing(tiny_llama):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [9, 12], seed=1)
+  gen.generate(m.params, m.config, prompts, max_new_tokens=16, chunk=8)
+  with gen.CompileCounter() as counter:
+    # Other prompts of lengths in the same bucket: same shapes, nothing to compile.
+    res = gen.generate(m.params, m.config, random_prompts(m.config.vocab_size, [10, 3], seed=2),
+                       max_new_tokens=16, chunk=8)
+  assert counter.count == 0
+  assert res.stats["compiles"] == 0
+
+
+def test_stops_each_sequence_at_eos(tiny_llama):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [6, 13], seed=4)
+  free = gen.generate(m.params, m.config, prompts, max_new_tokens=20, eos_ids=(), chunk=4)
+  stop = free.tokens[0][5]  # make the first sequence's sixth token an end token
+  res = gen.generate(m.params, m.config, prompts, max_new_tokens=20, eos_ids=(stop,), chunk=4)
+  for b in range(2):
+    expect = free.tokens[b][:free.tokens[b].index(stop)] if stop in free.tokens[b] else free.tokens[b]
+    assert res.tokens[b] == expect
+  assert len(res.tokens[0]) == 5
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [8, 15], seed=7)
+  run = lambda sampler, seed=0: gen.generate(m.params, m.config, prompts, max_new_tokens=12, sampler=sampler,
+                                             seed=seed, eos_ids=()).tokens
+  hot = Sampling(temperature=2.0)
+  assert run(hot, 1) == run(hot, 1)
+  assert run(hot, 1) != run(hot, 2)
+  assert run(Sampling(temperature=0.7, top_k=1)) == run(Greedy())
+  assert run(Sampling(temperature=0.7, top_p=1e-6)) == run(Greedy())
+
+
+def test_top_p_keeps_only_the_nucleus():
+  import jax
+  import jax.numpy as jnp
+  # Probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two tokens only.
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  draws = jax.vmap(lambda k: Sampling(temperature=1.0, top_p=0.7).next_tokens(logits, k))(
+      jax.random.split(jax.random.key(0), 2000))
+  counts = np.bincount(np.asarray(draws).ravel(), minlength=4)
+  assert counts[2] == counts[3] == 0
+  assert 0.55 < counts[0] / counts[:2].sum() < 0.70  # 0.5 / 0.8 = 0.625
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=0.0, top_k=3), "top_k/top_p need a temperature"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+])
+def test_invalid_sampling_values_are_rejected(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    make_sampler(**kwargs)
+
+
+def test_prompt_longer_than_capacity_is_rejected(tiny_llama):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [100], seed=0)
+  with pytest.raises(ValueError, match="exceeds the cache capacity of 64"):
+    gen.generate(m.params, m.config, prompts, max_new_tokens=8, capacity=64)
+  long_cfg = dataclasses.replace(m.config, max_position=64)
+  with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+    gen.generate(m.params, long_cfg, prompts, max_new_tokens=8)
+
+
+def test_unknown_method_and_option_are_rejected():
+  with pytest.raises(ValueError, match="unknown cache method 'kiwi'; known methods: .*dense"):
+    make_method("kiwi")
+  with pytest.raises(ValueError, match="method 'dense' has no option bits"):
+    make_method("dense", bits=2)
+
+
+def test_empty_prompt_is_rejected(tiny_llama):
+  _, m = tiny_llama
+  with pytest.raises(ValueError, match="at least one token"):
+    gen.generate(m.params, m.config, [[]], max_new_tokens=4)
