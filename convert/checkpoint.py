@@ -13,6 +13,7 @@ import json
 import os
 from typing import Optional
 
+import jax
 import orbax.checkpoint as ocp
 
 from jkv import params as params_lib
@@ -56,7 +57,10 @@ def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[To
     fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
   fields["eos_ids"] = tuple(fields["eos_ids"])
   cfg = ModelConfig(**fields)
+  # Name the device: the sharding recorded at save time names the saving machine's device (say a CPU).
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), params_lib.abstract(cfg))
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(directory, "params"), params_lib.abstract(cfg))
+    params = ckptr.restore(os.path.join(directory, "params"), target)
   tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_dict(meta["tokenizer"])
   return cfg, params, tokenizer

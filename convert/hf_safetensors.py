@@ -195,22 +195,20 @@ KEY_TABLE: tuple[tuple[str, Optional[str], Optional[Callable]], ...] = (
 _COMPILED = tuple((re.compile(pattern), path, fn) for pattern, path, fn in KEY_TABLE)
 
 
-def _leaf_paths(tree: params_lib.Params) -> dict[str, jax.ShapeDtypeStruct]:
-  """``{"layers.q": leaf, ...}`` for every non-None leaf of a Params tree."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {".".join(k.name for k in path): leaf for path, leaf in flat}
-
-
 def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source: str) -> params_lib.Params:
   """Build ``Params`` from ``(HF name, array in HF layout)`` pairs through the key table.
 
-  Every array is checked against its HF shape, converted to ``cfg.dtype`` and placed at its path; per-layer
-  tensors are stacked along a new leading axis. Fails naming ``source`` on an unknown, duplicate or missing
-  tensor. A stored ``lm_head.weight`` is dropped when the config ties the embeddings (as transformers does).
+  Every array is checked against its HF shape, converted to ``cfg.dtype`` and written into its slot of the
+  preallocated host arrays (per-layer tensors at their layer index): no list of pieces and stacked copy of each.
+  Fails naming ``source`` on an unknown, duplicate or missing tensor. A stored ``lm_head.weight`` is dropped when
+  the config ties the embeddings (as transformers does).
   """
-  target = _leaf_paths(params_lib.abstract(cfg))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params_lib.abstract(cfg))
+  target = {".".join(k.name for k in path): leaf for path, leaf in flat}  # "layers.q" -> leaf; no None leaves
   dtype = np.dtype(cfg.jnp_dtype)
-  found: dict[str, dict[Optional[int], np.ndarray]] = {path: {} for path in target}
+  arrays = {path: np.zeros(leaf.shape, dtype) for path, leaf in target.items()}
+  # filled[path][i]: layer i of a per-layer leaf (or the whole leaf, i = 0) has been written.
+  filled = {path: np.zeros(cfg.num_layers if path.startswith("layers.") else 1, bool) for path in target}
   for name, array in tensors:
     for regex, path, fn in _COMPILED:
       m = regex.fullmatch(name)
@@ -226,23 +224,21 @@ def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source
     layer = int(m.group(1)) if m.groups() else None
     if layer is not None and not 0 <= layer < cfg.num_layers:
       raise ValueError(f"{source}: tensor {name!r} is for layer {layer}, but the config has {cfg.num_layers}")
-    if layer in found[path]:
+    slot = 0 if layer is None else layer
+    if filled[path][slot]:
       raise ValueError(f"{source}: duplicate tensor {name!r}")
-    found[path][layer] = fn(np.asarray(array), cfg, name).astype(dtype)
+    value = fn(np.asarray(array), cfg, name)
+    if layer is None:
+      arrays[path][...] = value
+    else:
+      arrays[path][layer] = value
+    filled[path][slot] = True
 
-  leaves = {}
-  for path, leaf in target.items():
-    per_layer = path.startswith("layers.")
-    want = list(range(cfg.num_layers)) if per_layer else [None]
-    missing = [i for i in want if i not in found[path]]
-    if missing:
-      where = f" for layers {missing}" if per_layer else ""
+  for path, done in filled.items():
+    if not done.all():
+      where = f" for layers {np.flatnonzero(~done).tolist()}" if path.startswith("layers.") else ""
       raise ValueError(f"{source}: missing tensor for {path}{where}")
-    array = np.stack([found[path][i] for i in want]) if per_layer else found[path][None]
-    assert array.shape == leaf.shape, (path, array.shape, leaf.shape)
-    leaves[path] = jnp.asarray(array)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params_lib.abstract(cfg))
-  return jax.tree_util.tree_unflatten(treedef, [leaves[".".join(k.name for k in path)] for path, _ in flat])
+  return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(arrays.pop(path)) for path in target])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,8 +277,8 @@ def _read_tensors(paths: list[str]) -> Iterator[tuple[str, jax.Array]]:
   """Every ``(name, array)`` of the given files; a corrupt or truncated file raises a one-line ValueError."""
   for path in paths:
     try:
-      # The flax framework reads bfloat16 too (numpy has no bf16 of its own).
-      with safe_open(path, framework="flax") as f:
+      # The flax framework reads bfloat16 too (numpy has no bf16 of its own); the arrays stay on the host.
+      with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
         for name in f.keys():
           yield name, f.get_tensor(name)
     except (SafetensorError, OSError, ValueError) as e:

@@ -123,13 +123,14 @@ def _llama_cpp_permute(w, heads):
   return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(hf_model, path):
-  """Write ``hf_model`` as llama.cpp would: permuted q/k, F32 mostly, one F16 and one Q8_0 tensor per layer.
+def _write_gguf(hf_model, path, arch):
+  """Write ``hf_model`` as llama.cpp would: q/k permuted (llama only), F32 mostly, one F16 and one Q8_0 tensor
+  per layer, no output.weight when tied.
 
   The F16 / Q8_0 tensors are rounded in ``hf_model`` too, so transformers runs exactly the stored weights.
   """
   c = hf_model.config
-  w = gguf.GGUFWriter(str(path), "llama")
+  w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(c.num_hidden_layers)
   w.add_context_length(c.max_position_embeddings)
   w.add_embedding_length(c.hidden_size)
@@ -138,22 +139,27 @@ def _write_gguf(hf_model, path):
   w.add_head_count_kv(c.num_key_value_heads)
   w.add_rope_freq_base(c.rope_parameters["rope_theta"])
   w.add_layer_norm_rms_eps(c.rms_norm_eps)
-  w.add_rope_dimension_count(c.head_dim)
+  w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
   w.add_bos_token_id(1)
   w.add_eos_token_id(2)
-  names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+  names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+  if not c.tie_word_embeddings:
+    names["lm_head.weight"] = "output.weight"
   per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"}
   for i in range(c.num_hidden_layers):
     names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{gg}.weight" for hf, gg in per_layer.items()})
+    if arch == "qwen2":
+      names.update({f"model.layers.{i}.self_attn.{x}_proj.bias": f"blk.{i}.attn_{x}.bias" for x in "qkv"})
   state = hf_model.state_dict()
   for hf_name, gg_name in names.items():
     t = state[hf_name]
     a = t.float().numpy()
-    if ".attn_q." in gg_name:
+    if arch == "qwen2":
+      pass  # llama.cpp runs qwen2 with NeoX (rotate-half) RoPE: nothing permuted
+    elif ".attn_q." in gg_name:
       a = _llama_cpp_permute(a, c.num_attention_heads)
     elif ".attn_k." in gg_name:
       a = _llama_cpp_permute(a, c.num_key_value_heads)
@@ -172,12 +178,17 @@ def _write_gguf(hf_model, path):
   w.close()
 
 
-def test_gguf_logits_match_transformers(tmp_path):
-  hf_model = _tiny_hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM)
-  _write_gguf(hf_model, tmp_path / "tiny.gguf")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_logits_match_transformers(arch, tmp_path):
+  if arch == "llama":
+    hf_model = _tiny_hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM)
+  else:
+    hf_model = _tiny_hf_model(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, tie_word_embeddings=True)
+  _write_gguf(hf_model, tmp_path / "tiny.gguf", arch)
   cfg, params = gguf_file.load_gguf(str(tmp_path / "tiny.gguf"))
   assert (cfg.num_layers, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 4, 2, 8, 97)
-  assert (cfg.bos_id, cfg.eos_ids, cfg.tie_embeddings) == (1, (2,), False)
+  assert (cfg.architecture, cfg.qkv_bias, cfg.tie_embeddings) == (arch, arch == "qwen2", arch == "qwen2")
+  assert (cfg.bos_id, cfg.eos_ids) == (1, (2,))
   tokens = _tokens(cfg.vocab_size)
   _assert_logits_close(_jkv_logits(cfg, params, tokens), _hf_logits(hf_model, tokens))
 
