@@ -1,4 +1,4 @@
-"""The ``jkv`` command line: generate, convert, info.
+"""The ``jkv`` command line: generate, convert, info (and eval, compare from ``jkv.evaluation``).
 
 Method options become flags by themselves: every field of every registered method's config is a flag
 (``--group-size``), so a new method joins the CLI by registration alone. Bad input exits 2 with one line.
@@ -174,6 +174,10 @@ def build_parser():
   i.add_argument("--tokens", type=int, default=4096, help="sequence length the bytes are counted at")
   i.add_argument("--json", action="store_true")
   i.set_defaults(fn=cmd_info)
+
+  from jkv.evaluation import cli as eval_cli  # eval and compare live with the harness
+  eval_cli.add_commands(sub, add_model_args=add_model_args, add_method_args=add_method_args,
+                        method_from_args=method_from_args)
   return parser
 
 

@@ -1,3 +1,3 @@
 """Built-in cache methods; importing this package registers them."""
 
-from jkv.methods import dense  # noqa: F401
+from jkv.methods import dense, fake_quant, kivi  # noqa: F401
