@@ -40,6 +40,7 @@ _GGUF_TO_HF = (
     (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{}.mlp.down_proj.weight"),
 )
 _GGUF_TO_HF_COMPILED = tuple((re.compile(p), hf) for p, hf in _GGUF_TO_HF)
+_REQUIRED = object()  # a metadata key without a default
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -70,21 +71,25 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
   arch = _architecture(reader)
-  meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+  source = reader.data.filename
+
+  def meta(key, default=_REQUIRED):
+    value = _field(reader, f"{arch}.{key}", default)
+    if value is _REQUIRED:
+      raise ValueError(f"{source}: missing metadata {arch}.{key}")
+    return value
+
   names = {t.name: t for t in reader.tensors}
-  if "rope_freqs.weight" in names or meta("rope.scaling.type", "none") not in ("none",):
-    raise ValueError(f"{reader.data.filename}: RoPE scaling stored in GGUF form (rope_freqs / rope.scaling.type) "
+  if "rope_freqs.weight" in names or meta("rope.scaling.type", "none") != "none":
+    raise ValueError(f"{source}: RoPE scaling stored in GGUF form (rope_freqs / rope.scaling.type) "
                      "is not supported; convert the Hugging Face directory instead")
   embed, q_heads = meta("embedding_length"), meta("attention.head_count")
   head_dim = meta("attention.key_length", embed // q_heads)
   rope_dim = meta("rope.dimension_count", head_dim)
   if rope_dim != head_dim:
-    raise ValueError(f"partial RoPE (rope.dimension_count={rope_dim} < head_dim={head_dim}) is not supported")
+    raise ValueError(f"{source}: partial RoPE (rope.dimension_count={rope_dim} < head_dim={head_dim}) is not supported")
   if "token_embd.weight" not in names:
-    raise ValueError(f"{reader.data.filename}: no token_embd.weight tensor")
-  bos = _field(reader, "tokenizer.ggml.bos_token_id")
-  eos_ids = tuple(i for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
-                  if i is not None)
+    raise ValueError(f"{source}: no token_embd.weight tensor")
   return ModelConfig(
       architecture=GGUF_ARCHITECTURES[arch],
       vocab_size=int(names["token_embd.weight"].shape[1]),  # ggml order: [embed, vocab]
@@ -100,9 +105,15 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelCo
       qkv_bias=arch == "qwen2",
       tie_embeddings="output.weight" not in names,
       dtype=dtype,
-      bos_id=bos,
-      eos_ids=tuple(dict.fromkeys(eos_ids)),
+      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+      eos_ids=_eos_ids(reader),
   )
+
+
+def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+  """The ids generation stops on: end of sequence, then end of turn / message where the file names them."""
+  ids = (_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom"))
+  return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -143,7 +154,6 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Optional[Tokenizer]:
   tokens = _field(reader, "tokenizer.ggml.tokens")
   if tokens is None:
     return None
-  eos = _field(reader, "tokenizer.ggml.eos_token_id")
   return Tokenizer.from_gguf_fields(
       model=_field(reader, "tokenizer.ggml.model"),
       pre=_field(reader, "tokenizer.ggml.pre"),
@@ -151,7 +161,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Optional[Tokenizer]:
       token_types=_field(reader, "tokenizer.ggml.token_type", []),
       merges=_field(reader, "tokenizer.ggml.merges", []),
       bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-      eos_ids=() if eos is None else (eos,),
+      eos_ids=_eos_ids(reader),
       add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
       chat_template=_field(reader, "tokenizer.chat_template"),
   )

@@ -42,10 +42,17 @@ HF_ARCHITECTURES = {  # config.json "architectures"[0] -> (model_type, jkv archi
 # config.json -> ModelConfig
 
 
-def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
-  """Map a HF ``config.json`` dict (transformers 4.x or 5.x spelling) to a ``ModelConfig``."""
+def config_from_hf(hf: dict, dtype: str = "float32", generation: Optional[dict] = None) -> ModelConfig:
+  """Map a HF ``config.json`` dict (transformers 4.x or 5.x spelling) to a ``ModelConfig``.
+
+  ``generation`` is ``generation_config.json`` when there is one: its ``eos_token_id`` (often a list for chat
+  models) is what generation stops on, so it takes precedence over config.json's.
+  """
   archs = hf.get("architectures") or []
-  arch = archs[0] if archs else None
+  if archs:
+    arch = archs[0]
+  else:  # a config saved without "architectures": go by model_type
+    arch = {model_type: a for a, (model_type, _) in HF_ARCHITECTURES.items()}.get(hf.get("model_type"))
   if arch not in HF_ARCHITECTURES:
     raise ValueError(f"unsupported architecture {arch or '(none given)'} (model_type {hf.get('model_type')!r}); "
                      f"jkv converts {', '.join(HF_ARCHITECTURES)}")
@@ -81,7 +88,7 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     # window, so the context jkv offers is clamped to the window rather than silently differing beyond it.
     max_position = window
 
-  eos = hf.get("eos_token_id")
+  eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
   return ModelConfig(
       architecture=architecture,
       vocab_size=hf["vocab_size"],
@@ -245,23 +252,24 @@ def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source
 # Reading a HF directory
 
 
-def read_config(directory: str) -> dict:
-  """The parsed ``config.json`` of a HF model directory."""
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"no such model directory: {directory}")
-  path = os.path.join(directory, "config.json")
+def _read_json(directory: str, name: str, required: bool) -> Optional[dict]:
+  path = os.path.join(directory, name)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"no config.json in {directory}")
-  with open(path) as f:
-    return json.load(f)
+    if required:
+      raise FileNotFoundError(f"no {name} in {directory}")
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _shard_files(directory: str) -> list[str]:
   """The safetensors files of a HF directory: the shards an index names, or ``model.safetensors``."""
-  index = os.path.join(directory, "model.safetensors.index.json")
-  if os.path.isfile(index):
-    with open(index) as f:
-      names = sorted(set(json.load(f)["weight_map"].values()))
+  index = _read_json(directory, "model.safetensors.index.json", required=False)
+  if index is not None:
+    names = sorted(set(index["weight_map"].values()))
   elif os.path.isfile(os.path.join(directory, "model.safetensors")):
     names = ["model.safetensors"]
   else:
@@ -278,9 +286,11 @@ def _read_tensors(paths: list[str]) -> Iterator[tuple[str, jax.Array]]:
   for path in paths:
     try:
       # The flax framework reads bfloat16 too (numpy has no bf16 of its own); the arrays stay on the host.
-      with jax.default_device(jax.devices("cpu")[0]), safe_open(path, framework="flax") as f:
+      with safe_open(path, framework="flax") as f:
         for name in f.keys():
-          yield name, f.get_tensor(name)
+          with jax.default_device(jax.devices("cpu")[0]):
+            array = f.get_tensor(name)
+          yield name, array
     except (SafetensorError, OSError, ValueError) as e:
       raise ValueError(f"cannot read {path}: {e} (corrupt or truncated safetensors file?)") from None
 
@@ -300,8 +310,10 @@ def load_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, params
   """Read a HF Llama / Mistral / Qwen2 directory (single or sharded safetensors) as ``dtype`` parameters."""
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-  hf = read_config(directory)
-  cfg = config_from_hf(hf, dtype)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no such model directory: {directory}")
+  hf = _read_json(directory, "config.json", required=True)
+  cfg = config_from_hf(hf, dtype, _read_json(directory, "generation_config.json", required=False))
   paths = _shard_files(directory)
   if not cfg.tie_embeddings and "lm_head.weight" not in _tensor_names(paths):
     cfg = dataclasses.replace(cfg, tie_embeddings=True)  # no lm_head stored: the output projection is the embedding

