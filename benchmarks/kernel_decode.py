@@ -1,0 +1,343 @@
+"""How fast is fused KIVI decode attention against dense attention and against dequantize-then-attend?
+
+One decode step (one query row), 32 query heads over 8 KV heads, D = 128, bf16, for B in {1, 8, 32} and
+L in {4096, 16384, 32768, 65536}:
+
+    device_copy          a large device-to-device copy: the bandwidth ceiling (bytes read + written)
+    kivi2_fused          jkv_kernels.dequant_attention.decode_attention, 2-bit keys and values, G = 32,
+    kivi4_fused          4-bit; quant_len = L - 128 plus a 128-token full-precision residual segment
+    dequant_then_attend  decode_attention_reference under jit (the XLA path), same inputs as kivi2_fused
+    cudnn_dense          jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
+    xla_dense            the same with implementation="xla"
+
+Before timing, the fused kernel is checked against the reference on the device (the script fails if they
+disagree), and a small autotune over block_k / k_splits / num_warps at B = 8, L = 32768 picks the configuration
+the kivi rows then use. Each time is the median over repetitions of back-to-back calls that rotate through
+several input sets (so that the 50 MB L2 does not flatter small sizes), after a warm-up; compile time is reported
+apart. Results go to benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into
+benchmarks/README.md.
+
+    python benchmarks/kernel_decode.py                      # on the GPU
+    python benchmarks/kernel_decode.py --smoke --out /tmp/x.json   # tiny, interpret mode, any machine
+    python benchmarks/kernel_decode.py --table [--out results.json]
+"""
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import pathlib
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv_kernels import quantization
+from jkv_kernels.dequant_attention import decode_attention, decode_attention_reference
+
+HERE = pathlib.Path(__file__).resolve().parent
+README = HERE / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- kernel_decode:begin -->", "<!-- kernel_decode:end -->"
+L2_BYTES = 50 * 2**20  # H100 L2; input sets rotate through at least twice this
+RESIDUAL = 128
+GROUP_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  batch: int
+  seq_len: int
+  q_heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  dtype: type = jnp.bfloat16
+
+  @property
+  def q_per_kv(self):
+    return self.q_heads // self.kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What a run covers; ``--smoke`` swaps in tiny sizes that interpret mode can run anywhere."""
+  batches: tuple[int, ...] = (1, 8, 32)
+  seq_lens: tuple[int, ...] = (4096, 16384, 32768, 65536)
+  q_heads: int = 32
+  kv_heads: int = 8
+  copy_bytes: int = 2**30
+  max_input_sets: int = 32
+  repetitions: int = 30
+  calls_per_repetition: int = 10
+  autotune_shape: tuple[int, int] = (8, 32768)
+  autotune_grid: tuple[tuple[int, int, int], ...] = tuple(itertools.product((128, 256, 512), (8, 16, 32), (4, 8)))
+  check_shape: tuple[int, int] = (2, 4096)
+  interpret: bool = False
+
+
+SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_bytes=2**20, max_input_sets=2,
+                 repetitions=3, calls_per_repetition=2, autotune_shape=(2, 512), autotune_grid=((64, 2, 4), (128, 4, 4)),
+                 check_shape=(2, 256), interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool = False):
+  """Arguments of decode_attention for a cache of capacity L: quant_len = L - 128 and a 128-token residual.
+
+  For timing, codes are random words (every word is valid at any width) and scales random, which is as fast as
+  it gets to build. For the correctness check, real keys and values are quantized and packed.
+  """
+  b, h, length, d = shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim
+  key = jax.random.key(seed)
+  kq, kk, kv, kr, ks = jax.random.split(key, 5)
+  q = jax.random.normal(kq, (b, h, 1, shape.q_per_kv, d), shape.dtype)
+  if quantized_from_data:
+    k = jax.random.normal(kk, (b, h, d, length), jnp.float32)
+    v = jax.random.normal(kv, (b, h, length, d), jnp.float32)
+    k_codes, k_scale, k_zero = quantization.quantize(k, bits=bits, axis=3, group_size=GROUP_SIZE)
+    v_codes, v_scale, v_zero = quantization.quantize(v, bits=bits, axis=3, group_size=GROUP_SIZE)
+    k_codes, v_codes = quantization.pack(k_codes, bits=bits, axis=3), quantization.pack(v_codes, bits=bits, axis=3)
+  else:
+    per_word = 32 // bits
+    k_codes = jax.random.bits(kk, (b, h, d, length // per_word), jnp.uint32)
+    v_codes = jax.random.bits(kv, (b, h, length, d // per_word), jnp.uint32)
+    meta = lambda k, s: jax.random.uniform(k, s, jnp.float16, 0.01, 0.1)
+    k_scale, k_zero, v_scale, v_zero = (
+        meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(b, h, d, length // GROUP_SIZE)] * 2
+                                   + [(b, h, length, d // GROUP_SIZE)] * 2))
+  quant_len = jnp.full((b,), length - RESIDUAL, jnp.int32)
+  res_k, res_v = jax.random.normal(kr, (2, b, h, RESIDUAL, d), shape.dtype)
+  mask = jnp.ones((b, 1, RESIDUAL), jnp.bool_)
+  return (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, ((res_k, res_v, mask),))
+
+
+def kivi_bytes(shape: Shape, bits: int) -> int:
+  """Bytes a decode step must read: codes and fp16 scale + zero of L - 128 tokens, the bf16 residual, q."""
+  tokens = shape.seq_len - RESIDUAL
+  per_head = tokens * shape.head_dim * (2 * bits / 8 + 2 * 2 * 2 / GROUP_SIZE) + 2 * RESIDUAL * shape.head_dim * 2
+  return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
+
+
+def dense_inputs(shape: Shape, seed: int):
+  """jax.nn.dot_product_attention layout: q [B, 1, N, D], k and v [B, L, K, D]."""
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (shape.batch, 1, shape.q_heads, shape.head_dim), shape.dtype)
+  kv_shape = (shape.batch, shape.seq_len, shape.kv_heads, shape.head_dim)
+  return q, jax.random.normal(kk, kv_shape, shape.dtype), jax.random.normal(kv, kv_shape, shape.dtype)
+
+
+def dense_bytes(shape: Shape) -> int:
+  return 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_calls(fn, input_sets, settings: Settings):
+  """(median µs per call, compile + first call s): back-to-back calls rotating input sets, blocked per repetition."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*input_sets[0]))
+  compile_s = time.perf_counter() - start
+  for inputs in input_sets:  # warm-up: every set once
+    jax.block_until_ready(fn(*inputs))
+  per_call = []
+  calls = itertools.cycle(input_sets)
+  for _ in range(settings.repetitions):
+    start = time.perf_counter()
+    outputs = [fn(*next(calls)) for _ in range(settings.calls_per_repetition)]
+    jax.block_until_ready(outputs)
+    per_call.append((time.perf_counter() - start) / settings.calls_per_repetition)
+  return statistics.median(per_call) * 1e6, compile_s
+
+
+def input_set_count(set_bytes: int, settings: Settings) -> int:
+  """Enough sets that one rotation streams at least twice the L2 size, at most ``settings.max_input_sets``."""
+  return int(np.clip(math.ceil(2 * L2_BYTES / max(set_bytes, 1)), 1, settings.max_input_sets))
+
+
+def fits(device, needed_bytes: int) -> bool:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return not stats or "bytes_limit" not in stats or needed_bytes < 0.8 * stats["bytes_limit"]
+
+
+def copy_bandwidth(device, settings: Settings) -> dict:
+  """A large device-to-device copy: bytes read + written over the median time."""
+  x = jnp.zeros((settings.copy_bytes // 4,), jnp.uint32)
+  copy = jax.jit(lambda a: a + jnp.uint32(1))  # forces a full read and a full write
+  median_us, _ = time_calls(copy, [(x,)], settings)
+  return record("device_copy", None, None, median_us, 2 * x.nbytes, device, config={"bytes": x.nbytes})
+
+
+def record(impl, batch, seq_len, median_us, bytes_read, device, *, config=None, compile_s=None) -> dict:
+  return {
+      "impl": impl, "batch": batch, "seq_len": seq_len, "median_us": round(median_us, 2),
+      "bytes_read": int(bytes_read), "gbps": round(bytes_read / (median_us * 1e-6) / 1e9, 1),
+      "device": device.device_kind, "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "config": config or {}, "compile_s": None if compile_s is None else round(compile_s, 2),
+  }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The three parts of a run
+
+
+def fused(bits: int, config: dict, interpret: bool):
+  return jax.jit(lambda *args: decode_attention(*args, k_bits=bits, v_bits=bits, group_size=GROUP_SIZE,
+                                                interpret=interpret, **config))
+
+
+def check_fused_against_reference(settings: Settings, config: dict):
+  """Fails loudly when the compiled kernel and the XLA reference disagree on real quantized data."""
+  batch, seq_len = settings.check_shape
+  shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
+  for bits in (2, 4):
+    inputs = kivi_inputs(shape, bits, seed=bits, quantized_from_data=True)
+    out = np.asarray(fused(bits, config, settings.interpret)(*inputs), np.float32)
+    ref = np.asarray(decode_attention_reference(*inputs, k_bits=bits, v_bits=bits, group_size=GROUP_SIZE),
+                     np.float32)
+    error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    if not np.all(np.isfinite(out)) or error > 2e-2:
+      raise SystemExit(f"fused {bits}-bit kernel {config} disagrees with the reference: relative error {error:.3g}")
+    print(f"check: {bits}-bit fused {config or 'defaults'} vs reference: relative error {error:.2e}")
+
+
+def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
+  """Times kivi2_fused over the block_k / k_splits / num_warps grid; returns the best config and every record."""
+  batch, seq_len = settings.autotune_shape
+  shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
+  input_sets = [kivi_inputs(shape, 2, seed) for seed in range(input_set_count(kivi_bytes(shape, 2), settings))]
+  records = []
+  for block_k, k_splits, num_warps in settings.autotune_grid:
+    config = {"block_k": block_k, "k_splits": k_splits, "num_warps": num_warps}
+    try:
+      median_us, compile_s = time_calls(fused(2, config, settings.interpret), input_sets, settings)
+    except Exception as error:  # a config the compiler rejects (e.g. out of shared memory) is skipped, not fatal
+      print(f"autotune: {config} failed: {type(error).__name__}: {str(error)[:200]}")
+      continue
+    records.append(record("kivi2_fused_autotune", batch, seq_len, median_us, kivi_bytes(shape, 2), device,
+                          config=config, compile_s=compile_s))
+    print(f"autotune: {config} {median_us:.1f} µs")
+  best = min(records, key=lambda r: r["median_us"])
+  return best["config"], records
+
+
+def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
+  on_gpu = device.platform == "gpu"
+  impls = {
+      "kivi2_fused": (lambda s, seed: kivi_inputs(s, 2, seed), lambda s: kivi_bytes(s, 2), fused(2, tuned, settings.interpret), tuned),
+      "kivi4_fused": (lambda s, seed: kivi_inputs(s, 4, seed), lambda s: kivi_bytes(s, 4), fused(4, tuned, settings.interpret), tuned),
+      "dequant_then_attend": (
+          lambda s, seed: kivi_inputs(s, 2, seed), lambda s: kivi_bytes(s, 2),
+          jax.jit(lambda *a: decode_attention_reference(*a, k_bits=2, v_bits=2, group_size=GROUP_SIZE)), {}),
+      "xla_dense": (dense_inputs, dense_bytes,
+                    jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")), {}),
+  }
+  if on_gpu:  # cuDNN attention exists only on NVIDIA GPUs
+    impls["cudnn_dense"] = (dense_inputs, dense_bytes,
+                            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")), {})
+  records = []
+  for batch, seq_len in itertools.product(settings.batches, settings.seq_lens):
+    shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
+    for impl, (make, nbytes, fn, config) in impls.items():
+      set_bytes = nbytes(shape)
+      sets = input_set_count(set_bytes, settings)
+      # dequant_then_attend materializes fp32 K and V (and their concatenation with the residual).
+      workspace = 4 * 2 * 2 * batch * shape.kv_heads * seq_len * shape.head_dim if impl == "dequant_then_attend" else 0
+      if not fits(device, sets * set_bytes + workspace):
+        print(f"skip {impl} B={batch} L={seq_len}: does not fit")
+        continue
+      try:
+        median_us, compile_s = time_calls(fn, [make(shape, seed) for seed in range(sets)], settings)
+      except Exception as error:  # e.g. out of memory despite the estimate; keep the rest of the sweep
+        print(f"skip {impl} B={batch} L={seq_len}: {type(error).__name__}: {str(error)[:200]}")
+        continue
+      records.append(record(impl, batch, seq_len, median_us, set_bytes, device, config=config, compile_s=compile_s))
+      print(f"{impl:>20} B={batch:<3} L={seq_len:<6} {median_us:9.1f} µs  {records[-1]['gbps']:7.1f} GB/s")
+  return records
+
+
+def generate_throughput(*args, **kwargs):
+  """End-to-end generate tokens/s with each cache method; added separately, not called by this script yet."""
+  raise NotImplementedError("generate_throughput is a hook for the end-to-end benchmark")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def markdown_table(records: list[dict]) -> str:
+  """Rows (B, L), one column per implementation, cells 'µs (GB/s)'; the copy rate and the tuned config above."""
+  lines = []
+  for r in records:
+    if r["impl"] == "device_copy":
+      lines.append(f"Device copy rate (read + written): {r['gbps'] / 1000:.2f} TB/s on {r['device']}, "
+                   f"jax {r['jax_version']}, {r['date'][:10]}.")
+  tuned = [r for r in records if r["impl"] == "kivi2_fused_autotune"]
+  if tuned:
+    best = min(tuned, key=lambda r: r["median_us"])
+    lines.append(f"Fused kernel config (autotuned at B={best['batch']}, L={best['seq_len']}): {best['config']}.")
+  impls = [i for i in ("kivi2_fused", "kivi4_fused", "dequant_then_attend", "cudnn_dense", "xla_dense")
+           if any(r["impl"] == i for r in records)]
+  cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records}
+  keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["impl"] in impls})
+  lines += ["", "| B | L | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
+  for batch, seq_len in keys:
+    row = [f"{cells[i, batch, seq_len]['median_us']:.1f} µs ({cells[i, batch, seq_len]['gbps']:.0f} GB/s)"
+           if (i, batch, seq_len) in cells else "–" for i in impls]
+    lines.append(f"| {batch} | {seq_len} | " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+def write_readme_table(records: list[dict], readme: pathlib.Path = README):
+  """Rewrites the marked kernel_decode section of the benchmarks README (appending it the first time)."""
+  section = f"{TABLE_BEGIN}\n{markdown_table(records)}\n{TABLE_END}"
+  text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+  if TABLE_BEGIN in text:
+    text = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), lambda _: section, text, flags=re.S)
+  else:
+    text = text.rstrip("\n") + "\n\n## Decode attention (`kernel_decode.py`)\n\n" + section + "\n"
+  readme.write_text(text)
+
+
+def default_out(device) -> pathlib.Path:
+  slug = re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
+  return HERE / "results" / f"kernel_decode_{slug}.json"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (any machine)")
+  parser.add_argument("--out", type=pathlib.Path, help="results JSON (default: results/kernel_decode_<device>.json)")
+  parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
+  args = parser.parse_args()
+  device = jax.devices()[0]
+  out = args.out or default_out(device)
+  if args.table:
+    write_readme_table(json.loads(out.read_text()))
+    print(f"wrote {README}")
+    return
+  settings = SMOKE if args.smoke else Settings()
+  if device.platform != "gpu" and not settings.interpret:
+    raise SystemExit("the full benchmark needs a GPU; use --smoke elsewhere")
+
+  check_fused_against_reference(settings, {})
+  records = [copy_bandwidth(device, settings)]
+  tuned, tune_records = autotune(device, settings)
+  check_fused_against_reference(settings, tuned)
+  records += tune_records + sweep(device, settings, tuned)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(records, indent=1) + "\n")
+  print(f"\nwrote {out}\n\n{markdown_table(records)}")
+
+
+if __name__ == "__main__":
+  main()
