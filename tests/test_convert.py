@@ -1,6 +1,5 @@
 """Conversion (HF safetensors, GGUF, orbax checkpoints) held against transformers running the same weights."""
 
-import json
 import os
 
 import gguf
@@ -13,7 +12,6 @@ import transformers
 
 from jkv import load as load_lib
 from jkv import model as model_lib
-from jkv import params as params_lib
 from jkv.config import RopeScaling
 from jkv_convert import checkpoint, gguf_file, hf_safetensors
 
