@@ -87,7 +87,8 @@ def _decode_attention_kernel(
     v_scale_ref,    # [C, D // G]
     v_zero_ref,     # [C, D // G]
     *refs,          # per segment: k [S_pad, D], v [S_pad, D], mask [M, S_pad] int8; then the outputs:
-                    # o [M, D] (unnormalized), l [M], m [M]
+                    # o [M, D] (unnormalized), l [M], m [M], of which only the first n_rows exist
+    n_rows: int,
     k_bits: int,
     v_bits: int,
     group_size: int,
@@ -108,10 +109,12 @@ def _decode_attention_kernel(
           jnp.zeros((rows,), jnp.float32))
 
   def store(carry):
+    # Only the T*g real rows are written: the padding rows would multiply the partials' traffic by M / (T*g).
     o, m, l = carry
-    o_ref[...] = o.astype(o_ref.dtype)
-    l_ref[...] = l
-    m_ref[...] = m
+    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < n_rows
+    plgpu.store(o_ref, o.astype(o_ref.dtype), mask=real[:, None])
+    plgpu.store(l_ref, l, mask=real)
+    plgpu.store(m_ref, m, mask=real)
 
   def quantized_block(i, carry):
     """Tokens [start, start + block_k) of the store, one G-token key group per piece."""
@@ -167,7 +170,7 @@ def _repeat_last_axis(meta, group_size: int):
 
 
 def _decode_attention_partials(
-    q,          # [B, Hkv, M, D]
+    q,          # [B, Hkv, M, D]: n_rows query rows, zero-padded to M
     k_codes,    # [B, Hkv, D, C // Pk]
     k_scale,    # [B, Hkv, D, C // G]
     k_zero,     # [B, Hkv, D, C // G]
@@ -183,19 +186,20 @@ def _decode_attention_partials(
     sm_scale: float,
     block_k: int,
     k_splits: int,
+    n_rows: int,
     segment_blocks: tuple[int, ...],
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ):
-  """One pallas_call: grid (B, Hkv, k_splits + len(segments)); returns the partials o, l, m."""
+  """One pallas_call: grid (B, Hkv, k_splits + len(segments)); returns the partials o, l, m of the n_rows rows."""
   batch, kv_heads, rows, head_dim = q.shape
   capacity = v_codes.shape[2]
   n_blocks = capacity // block_k
   blocks_per_split = pl.cdiv(n_blocks, k_splits)
   partials = k_splits + len(segments)
   kernel = functools.partial(
-      _decode_attention_kernel, k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
+      _decode_attention_kernel, n_rows=n_rows, k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
       block_k=block_k, blocks_per_split=blocks_per_split, k_splits=k_splits, segment_blocks=segment_blocks)
 
   def per_head(*block):
@@ -230,9 +234,9 @@ def _decode_attention_partials(
           pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),                # m
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, rows, head_dim), q.dtype),  # o
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, rows), jnp.float32),        # l
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, rows), jnp.float32),        # m
+          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows, head_dim), q.dtype),  # o
+          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),        # l
+          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),        # m
       ],
       compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
@@ -364,10 +368,9 @@ def decode_attention(
   o, l, m = _decode_attention_partials(
       q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.clip(quant_len, 0, capacity),
       tuple(padded_segments), k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
-      block_k=block_k, k_splits=k_splits, segment_blocks=tuple(segment_blocks), num_warps=num_warps,
-      num_stages=num_stages, interpret=interpret)
-  o = _merge_partials(o, l, m)[:, :, :n_rows]
-  return o.reshape(q.shape).astype(q.dtype)
+      block_k=block_k, k_splits=k_splits, n_rows=n_rows, segment_blocks=tuple(segment_blocks),
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+  return _merge_partials(o, l, m).reshape(q.shape).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=["k_bits", "v_bits", "group_size", "sm_scale"])

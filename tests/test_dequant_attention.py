@@ -149,6 +149,36 @@ class TestDecodeAttentionGpu(TestDecodeAttentionInterpret):
   INTERPRET = False
 
 
+# (bits, dtype, T, g, D, capacity, block_k, k_splits, segment lengths): the benchmark's shapes and the corners.
+LOWERING_CASES = [
+    (2, jnp.bfloat16, 1, 4, 128, 4096, 256, 16, (128,)),
+    (4, jnp.bfloat16, 1, 4, 128, 4096, 512, 32, (128,)),
+    (8, jnp.float16, 4, 8, 128, 2048, 128, 8, (128, 300)),
+    (2, jnp.float32, 2, 3, 64, 1024, 256, 3, (5,)),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"{c[0]}bit_{jnp.dtype(c[1]).name}_T{c[2]}_g{c[3]}")
+def test_lowers_to_triton(case):
+  """Lowering for CUDA runs on any machine and catches what the Triton lowering rejects before a GPU run:
+  unsupported primitives, tiles that are not powers of two, dots smaller than 16."""
+  bits, dtype, t_rows, q_per_kv, head_dim, capacity, block_k, k_splits, segment_lens = case
+  batch, kv_heads, group_size, per_word = 2, 8, 32, 32 // bits
+  spec = jax.ShapeDtypeStruct
+  meta = lambda *shape: spec(shape, jnp.float16)
+  segments = tuple((spec((batch, kv_heads, s, head_dim), dtype), spec((batch, kv_heads, s, head_dim), dtype),
+                    spec((batch, t_rows, s), jnp.bool_)) for s in segment_lens)
+  args = (spec((batch, kv_heads, t_rows, q_per_kv, head_dim), dtype),
+          spec((batch, kv_heads, head_dim, capacity // per_word), jnp.uint32),
+          meta(batch, kv_heads, head_dim, capacity // group_size), meta(batch, kv_heads, head_dim, capacity // group_size),
+          spec((batch, kv_heads, capacity, head_dim // per_word), jnp.uint32),
+          meta(batch, kv_heads, capacity, head_dim // group_size), meta(batch, kv_heads, capacity, head_dim // group_size),
+          spec((batch,), jnp.int32), segments)
+  lowered = decode_attention.trace(*args, k_bits=bits, v_bits=bits, group_size=group_size, block_k=block_k,
+                                   k_splits=k_splits).lower(lowering_platforms=("cuda",))
+  assert "triton" in lowered.as_text()
+
+
 def test_reference_matches_brute_force():
   """The reference against float64 numpy: unpack bit by bit, dequantize, loop over heads and rows."""
   case = Case(2, 64, 3, 2, (45, 96), segment_lens=(7,), capacity=96)

@@ -65,6 +65,15 @@ class TestQuantizePackGpu(TestQuantizePackInterpret):
   INTERPRET = False
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_lowers_to_triton(bits, axis):
+  """Lowering for CUDA runs on any machine and catches what the Triton lowering rejects before a GPU run."""
+  x = jax.ShapeDtypeStruct((2, 8, 512, 128), jnp.bfloat16)
+  lowered = quantize_pack.trace(x, bits=bits, group_size=32, axis=axis).lower(lowering_platforms=("cuda",))
+  assert "triton" in lowered.as_text()
+
+
 def test_bad_arguments_raise():
   x = jnp.ones((2, 48, 64))
   with pytest.raises(ValueError, match="bits must be one of"):
