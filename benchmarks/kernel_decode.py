@@ -80,8 +80,8 @@ class Settings:
 
 
 SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_bytes=2**20, max_input_sets=2,
-                 repetitions=3, calls_per_repetition=2, autotune_shape=(2, 512), autotune_grid=((64, 2, 4), (128, 4, 4)),
-                 check_shape=(2, 256), interpret=True)
+                 repetitions=3, calls_per_repetition=2, autotune_shape=(2, 512),
+                 autotune_grid=((64, 2, 4), (128, 4, 4)), check_shape=(2, 256), interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,28 +230,35 @@ def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
   return best["config"], records
 
 
-def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
-  on_gpu = device.platform == "gpu"
+def attention_impls(device, settings: Settings, tuned: dict) -> dict:
+  """impl -> (make inputs (shape, seed), bytes read (shape), jitted fn, config)."""
+  kivi = lambda bits: (lambda shape, seed: kivi_inputs(shape, bits, seed), lambda shape: kivi_bytes(shape, bits))
+  dense = lambda implementation: jax.jit(
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
+  reference = jax.jit(lambda *args: decode_attention_reference(*args, k_bits=2, v_bits=2, group_size=GROUP_SIZE))
   impls = {
-      "kivi2_fused": (lambda s, seed: kivi_inputs(s, 2, seed), lambda s: kivi_bytes(s, 2), fused(2, tuned, settings.interpret), tuned),
-      "kivi4_fused": (lambda s, seed: kivi_inputs(s, 4, seed), lambda s: kivi_bytes(s, 4), fused(4, tuned, settings.interpret), tuned),
-      "dequant_then_attend": (
-          lambda s, seed: kivi_inputs(s, 2, seed), lambda s: kivi_bytes(s, 2),
-          jax.jit(lambda *a: decode_attention_reference(*a, k_bits=2, v_bits=2, group_size=GROUP_SIZE)), {}),
-      "xla_dense": (dense_inputs, dense_bytes,
-                    jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")), {}),
+      "kivi2_fused": (*kivi(2), fused(2, tuned, settings.interpret), tuned),
+      "kivi4_fused": (*kivi(4), fused(4, tuned, settings.interpret), tuned),
+      "dequant_then_attend": (*kivi(2), reference, {}),
+      "cudnn_dense": (dense_inputs, dense_bytes, dense("cudnn"), {}),
+      "xla_dense": (dense_inputs, dense_bytes, dense("xla"), {}),
   }
-  if on_gpu:  # cuDNN attention exists only on NVIDIA GPUs
-    impls["cudnn_dense"] = (dense_inputs, dense_bytes,
-                            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")), {})
+  if device.platform != "gpu":  # cuDNN attention exists only on NVIDIA GPUs
+    del impls["cudnn_dense"]
+  return impls
+
+
+def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
   records = []
   for batch, seq_len in itertools.product(settings.batches, settings.seq_lens):
     shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
-    for impl, (make, nbytes, fn, config) in impls.items():
+    for impl, (make, nbytes, fn, config) in attention_impls(device, settings, tuned).items():
       set_bytes = nbytes(shape)
       sets = input_set_count(set_bytes, settings)
-      # dequant_then_attend materializes fp32 K and V (and their concatenation with the residual).
-      workspace = 4 * 2 * 2 * batch * shape.kv_heads * seq_len * shape.head_dim if impl == "dequant_then_attend" else 0
+      # dequant_then_attend materializes uint32 codes and fp32 K and V, then copies them into the concatenation
+      # with the residual: about 16 bytes per cached element, for K and for V.
+      elements = batch * shape.kv_heads * seq_len * shape.head_dim
+      workspace = 2 * 16 * elements if impl == "dequant_then_attend" else 0
       if not fits(device, sets * set_bytes + workspace):
         print(f"skip {impl} B={batch} L={seq_len}: does not fit")
         continue
@@ -313,10 +320,21 @@ def default_out(device) -> pathlib.Path:
   return HERE / "results" / f"kernel_decode_{slug}.json"
 
 
+def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
+  """``new`` replaces the records of ``old`` with the same (impl, batch, seq_len, config)."""
+  key = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
+  replaced = {key(r) for r in new}
+  return [r for r in old if key(r) not in replaced] + new
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (any machine)")
   parser.add_argument("--out", type=pathlib.Path, help="results JSON (default: results/kernel_decode_<device>.json)")
+  parser.add_argument("--append", action="store_true", help="merge into --out instead of overwriting it")
+  parser.add_argument("--batches", type=int, nargs="+", help="override the batch sizes")
+  parser.add_argument("--seq-lens", type=int, nargs="+", help="override the sequence lengths")
+  parser.add_argument("--no-autotune", action="store_true", help="time the kernel's default config only")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   device = jax.devices()[0]
@@ -326,14 +344,21 @@ def main():
     print(f"wrote {README}")
     return
   settings = SMOKE if args.smoke else Settings()
+  settings = dataclasses.replace(settings, batches=tuple(args.batches or settings.batches),
+                                 seq_lens=tuple(args.seq_lens or settings.seq_lens))
   if device.platform != "gpu" and not settings.interpret:
     raise SystemExit("the full benchmark needs a GPU; use --smoke elsewhere")
 
   check_fused_against_reference(settings, {})
   records = [copy_bandwidth(device, settings)]
-  tuned, tune_records = autotune(device, settings)
-  check_fused_against_reference(settings, tuned)
-  records += tune_records + sweep(device, settings, tuned)
+  tuned = {}
+  if not args.no_autotune:
+    tuned, tune_records = autotune(device, settings)
+    check_fused_against_reference(settings, tuned)
+    records += tune_records
+  records += sweep(device, settings, tuned)
+  if args.append and out.exists():
+    records = merge_records(json.loads(out.read_text()), records)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(records, indent=1) + "\n")
   print(f"\nwrote {out}\n\n{markdown_table(records)}")

@@ -165,14 +165,15 @@ def test_lowers_to_triton(case):
   bits, dtype, t_rows, q_per_kv, head_dim, capacity, block_k, k_splits, segment_lens = case
   batch, kv_heads, group_size, per_word = 2, 8, 32, 32 // bits
   spec = jax.ShapeDtypeStruct
-  meta = lambda *shape: spec(shape, jnp.float16)
+  k_meta = spec((batch, kv_heads, head_dim, capacity // group_size), jnp.float16)
+  v_meta = spec((batch, kv_heads, capacity, head_dim // group_size), jnp.float16)
   segments = tuple((spec((batch, kv_heads, s, head_dim), dtype), spec((batch, kv_heads, s, head_dim), dtype),
                     spec((batch, t_rows, s), jnp.bool_)) for s in segment_lens)
   args = (spec((batch, kv_heads, t_rows, q_per_kv, head_dim), dtype),
           spec((batch, kv_heads, head_dim, capacity // per_word), jnp.uint32),
-          meta(batch, kv_heads, head_dim, capacity // group_size), meta(batch, kv_heads, head_dim, capacity // group_size),
+          k_meta, k_meta,
           spec((batch, kv_heads, capacity, head_dim // per_word), jnp.uint32),
-          meta(batch, kv_heads, capacity, head_dim // group_size), meta(batch, kv_heads, capacity, head_dim // group_size),
+          v_meta, v_meta,
           spec((batch,), jnp.int32), segments)
   lowered = decode_attention.trace(*args, k_bits=bits, v_bits=bits, group_size=group_size, block_k=block_k,
                                    k_splits=k_splits).lower(lowering_platforms=("cuda",))

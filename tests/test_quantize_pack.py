@@ -23,7 +23,8 @@ CASES = [
 def _case_id(case):
   bits, lead, tokens, head_dim, axis, dtype, block_t = case
   grouping = "tokens" if axis == -2 else "channels"
-  return f"{bits}bit_{grouping}_lead{'x'.join(map(str, lead))}_T{tokens}_D{head_dim}_{jnp.dtype(dtype).name}_bt{block_t}"
+  lead = "x".join(map(str, lead))
+  return f"{bits}bit_{grouping}_lead{lead}_T{tokens}_D{head_dim}_{jnp.dtype(dtype).name}_bt{block_t}"
 
 
 def _has_pallas_gpu() -> bool:
