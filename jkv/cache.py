@@ -131,13 +131,6 @@ class KVCache:
     method.validate(spec)
     return cls(method=method, spec=spec, state=method.init(spec), lengths=jnp.zeros((spec.batch,), jnp.int32))
 
-  def kv_bytes(self) -> int:
-    return int(self.method.kv_bytes(self.spec, np.asarray(self.lengths)))
-
-  def dense_kv_bytes(self) -> int:
-    """Bytes the ``dense`` method would hold for the same tokens (K and V in the model dtype)."""
-    return dense_kv_bytes(self.spec, np.asarray(self.lengths))
-
   def allocated_bytes(self) -> int:
     """Bytes of every buffer as allocated (capacity, not occupancy)."""
     return int(sum(x.nbytes for x in jax.tree.leaves(self.state)) + self.lengths.nbytes)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache import CacheMethod, CacheSpec, KVCache
+from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
 from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
 from jkv.model import forward
@@ -176,6 +176,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   ids = np.concatenate(out, axis=1)[:, :max_new_tokens]
   result_tokens = [_cut_at_eos(row.tolist(), eos) for row in ids]
   decoded_steps = ids.shape[1] - 1
+  held = np.asarray(lens) + decoded_steps
   run_decode_s = max(decode_s - decode_compile, 1e-9)
   stats = dict(
       method=method.name,
@@ -183,8 +184,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       prompt_tokens=lens,
       new_tokens=[len(t) for t in result_tokens],
       capacity=cap,
-      kv_bytes=cache.kv_bytes(),
-      dense_kv_bytes=cache.dense_kv_bytes(),
+      # Counted for the tokens asked for: the last chunk may have run past them.
+      kv_bytes=int(method.kv_bytes(spec, held)),
+      dense_kv_bytes=dense_kv_bytes(spec, held),
       allocated_kv_bytes=cache.allocated_bytes(),
       prefill_s=prefill_s - prefill_compile,
       decode_s=run_decode_s,

@@ -1,0 +1,238 @@
+"""KIVI: streaming equals the spec's position-mask oracle (§2.6), exactness limits, batching, memory, model.
+
+The oracle below is written from the spec, independently of the method: quantize K[0:bK] per channel and all of
+V per token in one shot, keep the rest exact, one softmax.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv import generate as gen
+from jkv.cache import CacheSpec, KVCache, make_method
+from jkv.methods.kivi import Kivi
+from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv_kernels.quantization import dequantize, pack, quantize
+
+H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
+
+
+def _spec(batch, capacity, dtype=jnp.float32):
+  return CacheSpec(num_layers=2, batch=batch, capacity=capacity, kv_heads=H, head_dim=D, q_per_kv=G_Q, dtype=dtype)
+
+
+def _qkv(rng, batch, n):
+  k = rng.normal(size=(batch, H, n, D)).astype(np.float32)
+  k[:, :, :, 5] *= 12.0  # an outlier channel, as real keys have
+  v = rng.normal(size=(batch, H, n, D)).astype(np.float32)
+  q = rng.normal(size=(batch, H, n, G_Q, D)).astype(np.float32)
+  return q, k, v
+
+
+@jax.jit
+def _oracle_jit(q_row, k, v, n, b_k, b_v, k_bits, v_bits):
+  """One-shot form: every group of K (per channel) and V (per token) quantized at once; positions < b_k / b_v
+  read dequantized, the rest exact; positions >= n masked. Key groups below b_k (a multiple of G) are the
+  same whether quantized now or when they streamed in."""
+  def fake(x, axis, bits):
+    c, s, z = quantize(x, bits=bits, axis=axis, group_size=32, meta_dtype=jnp.float16)
+    return dequantize(c, s, z, axis=axis, group_size=32, dtype=jnp.float32)
+  pos = jnp.arange(k.shape[2])[None, None, :, None]
+  k_hat = jnp.where(pos < b_k, jax.lax.switch(k_bits // 4, [lambda: fake(k, 2, 2), lambda: fake(k, 2, 4)]), k)
+  v_hat = jnp.where(pos < b_v, jax.lax.switch(v_bits // 4, [lambda: fake(v, 3, 2), lambda: fake(v, 3, 4)]), v)
+  mask = (jnp.arange(k.shape[2]) < n)[None, None, :]
+  return gqa_attention_reference(q_row, k_hat, v_hat, mask)
+
+
+def _oracle(method, q_row, k, v, n):
+  """Attention of one query row q_row [1, H, 1, g, D] at length n, with the spec's boundaries (§2.6):
+  bK = R*floor((n - λ)/R) and bV = max(0, n - λ - R)."""
+  lam, R = method.lam, method.residual
+  b_k = R * ((n - lam) // R)
+  b_v = max(0, n - lam - R)
+  return _oracle_jit(jnp.asarray(q_row), jnp.asarray(k), jnp.asarray(v), n, b_k, b_v, method.kb, method.vb)
+
+
+@pytest.mark.parametrize("bits, lam_before, prompt_len", [
+    (2, False, 1), (2, False, 31), (2, False, 64), (4, False, 65), (2, False, 133),
+    (2, True, 64), (4, True, 100), (2, True, 1),
+])
+def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len):
+  """Prefill, then appends across several flushes; every step's attention and the key codes equal the oracle."""
+  method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before, use_kernel=False)
+  steps = 150
+  rng = np.random.default_rng(prompt_len + 10 * bits)
+  q, k, v = _qkv(rng, 1, 384)  # random past the end too: the oracle must mask it
+  state = method.init(_spec(1, 384))
+  state = method.prefill(state, 1, jnp.asarray(k[:, :, :prompt_len]), jnp.asarray(v[:, :, :prompt_len]),
+                         None, jnp.asarray([prompt_len]))
+  append = jax.jit(method.append, static_argnums=1)
+  attend = jax.jit(method.attend, static_argnums=1)
+  for n in range(prompt_len + 1, prompt_len + steps + 1):
+    p = n - 1
+    state = append(state, 1, jnp.asarray(k[:, :, p:n]), jnp.asarray(v[:, :, p:n]), None, jnp.asarray([p]))
+    if n % 5 and (n - 1) % 64 not in (0, 1, 63):  # every 5th step, and every step around a flush
+      continue
+    out = attend(state, 1, jnp.asarray(q[:, :, p:n]), jnp.asarray([[p]]), jnp.asarray([n]))
+    ref = _oracle(method, q[:, :, p:n], k, v, n)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+  # The packed key store equals one-shot quantization of every flushed block.
+  n = prompt_len + steps
+  b_k = int(method.key_boundary(n))
+  c, s, z = quantize(jnp.swapaxes(jnp.asarray(k[:, :, :b_k]), 2, 3), bits=bits, axis=3, group_size=32,
+                     meta_dtype=jnp.float16)
+  np.testing.assert_array_equal(np.asarray(state.k_codes[1, :, :, :, :b_k * bits // 32]),
+                                np.asarray(pack(c, bits=bits, axis=3)))
+  np.testing.assert_array_equal(np.asarray(state.k_scale[1, :, :, :, :b_k // 32]), np.asarray(s))
+  # Layer 0 was never touched.
+  assert not np.any(np.asarray(state.k_codes[0]))
+
+
+def _grid_values(rng, shape):
+  """Integers in [0, 255] with 0 and 255 in every group of 32 along both axes: exact at 8 bits either way."""
+  x = rng.integers(0, 256, size=shape).astype(np.float32)
+  x[..., ::32, :] = 0.0
+  x[..., 1::32, :] = 255.0
+  x[..., :, ::32] = 0.0
+  x[..., :, 1::32] = 255.0
+  return x / 64.0  # power-of-two scale keeps the grid exact
+
+
+@pytest.mark.parametrize("method", [
+    Kivi(bits=8, group_size=32, residual=32, use_kernel=False),
+    Kivi(bits=2, group_size=32, residual=512, use_kernel=False),  # every token stays in the residual
+], ids=["8bit-exact-grid", "all-residual"])
+def test_exact_cases_equal_dense_attention(method):
+  rng = np.random.default_rng(0)
+  n = 300
+  k, v = _grid_values(rng, (2, H, n, D)), _grid_values(rng, (2, H, n, D))
+  q = rng.normal(size=(2, H, 1, G_Q, D)).astype(np.float32)
+  lengths = np.array([n - 57, n])
+  state = method.init(_spec(2, 512))
+  state = method.prefill(state, 0, jnp.asarray(k), jnp.asarray(v), None, jnp.asarray(lengths))
+  out = method.attend(state, 0, jnp.asarray(q), jnp.asarray(lengths[:, None] - 1), jnp.asarray(lengths))
+  mask = jnp.arange(n)[None, None, :] < lengths[:, None, None]
+  ref = gqa_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_of_different_lengths_equals_each_alone():
+  method = Kivi(bits=2, group_size=32, residual=64, use_kernel=False)
+  rng = np.random.default_rng(3)
+  lengths = [40, 129, 200]
+  q, k, v = _qkv(rng, 3, 220)
+  append = jax.jit(method.append, static_argnums=1)
+  spec = _spec(3, 256)
+  state = method.prefill(method.init(spec), 0, jnp.asarray(k[:, :, :200]), jnp.asarray(v[:, :, :200]), None,
+                         jnp.asarray(lengths))
+  alone = []
+  for b, n in enumerate(lengths):
+    s = method.prefill(method.init(_spec(1, 256)), 0, jnp.asarray(k[b:b + 1, :, :n]),
+                       jnp.asarray(v[b:b + 1, :, :n]), None, jnp.asarray([n]))
+    alone.append(s)
+  for step in range(70):  # crosses a flush for every sequence
+    pos = np.array(lengths) + step
+    kk = np.stack([k[b, :, pos[b] % 220] for b in range(3)])[:, :, None]
+    vv = np.stack([v[b, :, pos[b] % 220] for b in range(3)])[:, :, None]
+    state = append(state, 0, jnp.asarray(kk), jnp.asarray(vv), None, jnp.asarray(pos))
+    for b in range(3):
+      alone[b] = append(alone[b], 0, jnp.asarray(kk[b:b + 1]), jnp.asarray(vv[b:b + 1]), None,
+                               jnp.asarray(pos[b:b + 1]))
+  n = np.array(lengths) + 70
+  qq = jnp.asarray(q[:, :, :1])
+  out = method.attend(state, 0, qq, jnp.asarray(n[:, None] - 1), jnp.asarray(n))
+  for b in range(3):
+    ref = method.attend(alone[b], 0, qq[b:b + 1], jnp.asarray([[n[b] - 1]]), jnp.asarray(n[b:b + 1]))
+    np.testing.assert_allclose(np.asarray(out[b:b + 1]), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    n_k = int(method.key_boundary(n[b]))
+    np.testing.assert_array_equal(np.asarray(state.k_codes[0, b, :, :, :n_k // 16]),
+                                  np.asarray(alone[b].k_codes[0, 0, :, :, :n_k // 16]))
+
+
+def test_planted_outlier_channels_favour_per_channel_keys():
+  """Spec Table 2 pattern: with a few large fixed channels, per-channel key groups err far less than per-token."""
+  rng = np.random.default_rng(0)
+  k = rng.normal(size=(4, 256, 128)).astype(np.float32)
+  k[:, :, [3, 40, 77]] = rng.normal(20.0, 5.0, size=(4, 256, 3))
+  def rel_err(axis):
+    c, s, z = quantize(jnp.asarray(k), bits=2, axis=axis, group_size=32)
+    k_hat = dequantize(c, s, z, axis=axis, group_size=32, dtype=jnp.float32)
+    return float(jnp.linalg.norm(k_hat - k) / jnp.linalg.norm(k))
+  per_channel, per_token = rel_err(1), rel_err(2)
+  assert per_channel < 0.5 * per_token
+
+
+def test_memory_matches_the_spec_formula():
+  """Llama-2-7B shapes (32 layers, 32 KV heads, D=128, fp16), G=32, R=128 (spec §3.3)."""
+  spec = CacheSpec(num_layers=32, batch=1, capacity=8192, kv_heads=32, head_dim=128, q_per_kv=1,
+                   dtype=jnp.float16)
+  mib = 2**20
+  fp16 = 2 * 32 * 32 * 128 * 2
+  kivi2, kivi4 = Kivi(bits=2), Kivi(bits=4)
+  # Right after 4096 tokens: rK = 0, rV = 128 -> 410.0 MiB (5.00x) and 662.0 MiB (3.09x), plus the length counter.
+  assert kivi2.kv_bytes(spec, np.array([4096])) == 410 * mib + 4
+  assert kivi4.kv_bytes(spec, np.array([4096])) == 662 * mib + 4
+  # 127 tokens later both residuals are (nearly) full: the spec's upper-bound rows, 4.70x and 2.99x.
+  n = 4096 + 127
+  assert kivi2.kv_bytes(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 4.70, rel=0.01)
+  assert kivi4.kv_bytes(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 2.99, rel=0.01)
+  # Long sequences approach the asymptote b/8 + 2*2/G bytes per element: 5.33x and 3.2x.
+  big = 1 << 22
+  assert fp16 * big / kivi2.kv_bytes(spec, np.array([big])) == pytest.approx(16 / 3, rel=1e-3)
+  # Batch rows add up.
+  assert kivi2.kv_bytes(spec, np.array([4096, 4096])) == 2 * (410 * mib + 4)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bits=3), "bits=3 is not supported"),
+    (dict(bits=2, residual=100), "residual=100 must be a multiple of group_size=32"),
+    (dict(bits=2, group_size=48, residual=96), "does not divide the head dim 64"),
+    (dict(bits=2, group_size=8, residual=64), "must be a multiple of 16"),
+    (dict(v_bits=1), "v_bits=1 is not supported"),
+])
+def test_invalid_settings_are_rejected(options, message):
+  with pytest.raises(ValueError, match=message):
+    KVCache.create(make_method("kivi", **options), _spec(1, 256))
+
+
+def test_fused_kernel_path_equals_reference_path():
+  """The method does not care which attention runs: the Pallas kernel (interpreted here) matches the reference."""
+  rng = np.random.default_rng(5)
+  n = 200
+  q, k, v = _qkv(rng, 2, n)
+  lengths = np.array([150, 200])
+  outs = []
+  for use_kernel in (False, True):
+    method = Kivi(bits=2, group_size=32, residual=64, use_kernel=use_kernel)
+    state = method.prefill(method.init(_spec(2, 256)), 0, jnp.asarray(k[:, :, :140]), jnp.asarray(v[:, :, :140]),
+                           None, jnp.asarray([140, 140]))
+    for p in range(140, 200):
+      pos = np.minimum(np.array([p, p]), lengths - 1)
+      live = p < lengths
+      if not live.all():
+        break
+      state = method.append(state, 0, jnp.asarray(k[:, :, p:p + 1]), jnp.asarray(v[:, :, p:p + 1]), None,
+                            jnp.asarray(pos))
+    outs.append(method.attend(state, 0, jnp.asarray(q[:, :, :2]), jnp.asarray([[148, 149], [148, 149]]),
+                              jnp.asarray([150, 150])))
+  np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_default_model_kivi4_matches_dense_and_kivi2_knows_paris(default_model):
+  m = default_model
+  tok = m.tokenizer
+  prompt = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                       add_bos=False)]
+  run = lambda method, n: gen.generate(m.params, m.config, prompt, method=method, max_new_tokens=n, eos_ids=())
+  dense = run(make_method("dense"), 40)
+  kivi4 = run(Kivi(bits=4, residual=32), 40)
+  # R=32 so that, past the 37-token prompt, decoding really reads quantized keys and values.
+  assert kivi4.tokens[0][:32] == dense.tokens[0][:32]
+  kivi2 = gen.generate(m.params, m.config, prompt, method=Kivi(bits=2, residual=32), max_new_tokens=16)
+  assert "Paris" in tok.decode(kivi2.tokens[0])
+  cache_tokens = len(prompt[0]) + 39
+  assert kivi4.stats["kv_bytes"] == Kivi(bits=4, residual=32).kv_bytes(
+      CacheSpec.for_model(m.config, 1, 128), np.array([cache_tokens]))
