@@ -50,6 +50,12 @@ def _next_power_of_2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def _repeat_last_axis(meta, group_size: int):
+  """[R, n] -> [R, n * G]: each group's scale or zero repeated over its G channels (broadcast + reshape)."""
+  r, n = meta.shape
+  return jnp.broadcast_to(meta[:, :, None], (r, n, group_size)).reshape(r, n * group_size)
+
+
 def _online_softmax_step(carry, pieces, precision):
   """One flash-decoding update with a block of tokens given as pieces sharing one running max.
 
@@ -161,12 +167,6 @@ def _decode_attention_kernel(
     @pl.when(split == k_splits + index)
     def _(segment_block=segment_block, k_ref=k_ref, block_s=block_s):
       store(lax.fori_loop(0, k_ref.shape[0] // block_s, segment_block, init))
-
-
-def _repeat_last_axis(meta, group_size: int):
-  """[R, n] -> [R, n * G]: each group's scale or zero repeated over its G channels (broadcast + reshape)."""
-  r, n = meta.shape
-  return jnp.broadcast_to(meta[:, :, None], (r, n, group_size)).reshape(r, n * group_size)
 
 
 def _decode_attention_partials(
@@ -329,8 +329,14 @@ def decode_attention(
   """Softmax attention of T query rows per sequence over a KIVI-layout cache and full-precision segments.
 
   Layouts are in the module docstring. Returns o [B, Hkv, T, g, D] in q.dtype; a row with no valid token is 0.
-  ``block_k`` (tokens per loop step, a power of two and a multiple of group_size) is clamped to the largest power
-  of two that divides the capacity; ``k_splits`` (programs per KV head along the store) to the number of blocks.
+
+  Tunables (static; defaults for an H100):
+    block_k: store tokens per loop step (block_k / group_size key groups, unrolled); a power of two and a multiple
+      of group_size, clamped to the largest power of two that divides the capacity.
+    k_splits: programs per (batch row, KV head) along the store (flash-decoding), clamped to the block count;
+      each segment gets one more program.
+    num_warps, num_stages: Triton launch and software-pipelining parameters.
+    interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
   _check_shapes(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, segments, k_bits=k_bits,
                 v_bits=v_bits, group_size=group_size, allowed_bits=KERNEL_BITS)
