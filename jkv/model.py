@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jkv.attention import prompt_attention, prompt_mask
 from jkv.cache import KVCache
 from jkv.config import ModelConfig
 from jkv.params import Params
@@ -76,13 +77,6 @@ def _attn_out(layer, x, attn, cfg):
   return x + jnp.einsum("bthd,hde->bte", attn, layer.o)
 
 
-def prompt_mask(positions):
-  """[B, T, T] causal mask among prompt tokens; padding (position < 0) is never a key."""
-  valid = positions >= 0
-  causal = jnp.tril(jnp.ones((positions.shape[1],) * 2, bool))
-  return causal[None] & valid[:, None, :]
-
-
 def _embed(params, tokens, cfg):
   return params.embedding[tokens].astype(cfg.jnp_dtype)
 
@@ -113,7 +107,6 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
   x = _embed(params, tokens, cfg)
   if prefill:
     lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-    mask = prompt_mask(positions)
   else:
     lengths = cache.lengths + tokens.shape[1]
 
@@ -124,7 +117,7 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
       q, k, v = _qkv(layer, rms_norm(x, layer.attn_norm, cfg.norm_eps), positions, cfg)
     if prefill:
       with jax.named_scope("attention"):
-        attn = gqa_attention_reference(q, k, v, mask)
+        attn = prompt_attention(q, k, v, positions)
       with jax.named_scope("cache_update"):
         state = method.prefill(state, i, k, v, q, lengths)
     else:
@@ -151,7 +144,7 @@ def forward_no_cache(params: Params, cfg: ModelConfig, tokens):
 
   def body(x, layer):
     q, k, v = _qkv(layer, rms_norm(x, layer.attn_norm, cfg.norm_eps), positions, cfg)
-    x = _attn_out(layer, x, gqa_attention_reference(q, k, v, mask), cfg)
+    x = _attn_out(layer, x, gqa_attention_reference(q, k, v, mask), cfg)  # always the fp32 reference
     return _mlp(layer, x, cfg), None
 
   x, _ = jax.lax.scan(body, x, params.layers)

@@ -75,8 +75,9 @@ def init_random(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
   tree = abstract(cfg)
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  out = [scale * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)]
-  params = jax.tree.unflatten(treedef, [a.astype(x.dtype) for a, x in zip(out, leaves)])
+  # Drawn in the target dtype: an 8B-parameter tree in fp32 first would need twice the memory.
+  out = [(scale * jax.random.normal(k, x.shape, x.dtype)).astype(x.dtype) for k, x in zip(keys, leaves)]
+  params = jax.tree.unflatten(treedef, out)
   ones = lambda a: jnp.ones_like(a)
   return params.replace(
       final_norm=ones(params.final_norm),
