@@ -74,7 +74,7 @@ class Settings:
   repetitions: int = 30
   calls_per_repetition: int = 10
   autotune_shape: tuple[int, int] = (8, 32768)
-  autotune_grid: tuple[tuple[int, int, int], ...] = tuple(itertools.product((128, 256, 512), (8, 16, 32), (4, 8)))
+  autotune_grid: tuple[tuple[int, int, int], ...] = tuple(itertools.product((128, 256), (8, 16, 32), (4, 8)))
   check_shape: tuple[int, int] = (2, 4096)
   interpret: bool = False
 

@@ -11,9 +11,9 @@ Layout of one layer's cache (C = capacity, G = group_size, Pk = 32 // k_bits, Pv
                                        residual window, outlier pools, prefetched rows); S may differ per segment
 
 One softmax runs over everything (KIVI spec §2.6-2.7). The kernel stacks the T*g query rows that share a KV head
-into one tile, so K/V are read once per KV head. Key scales fold into the query: for key group j,
-q·k_t = (q * s_j)·c_t + q·z_j, so a G-token piece of logits is one dot with the raw codes. Value tiles are
-dequantized in registers. The store is split along tokens (flash-decoding): every split and every segment writes
+into one tile, so K/V are read once per KV head. Each block of block_k tokens is unpacked and dequantized in
+registers (``quantization.dequantize_packed_last_axis``), so the packed cache is read once and never written
+back dequantized; one dot gives the block's logits and one its values. The store is split along tokens (flash-decoding): every split and every segment writes
 an unnormalized partial (o, l, m), and a few jnp lines merge them exactly.
 """
 
@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
-from jkv_kernels.quantization import BITS, check_bits, dequantize, unpack, unpack_last_axis
+from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
 KERNEL_BITS = (2, 4, 8)
 
@@ -50,36 +50,26 @@ def _next_power_of_2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def _repeat_last_axis(meta, group_size: int):
-  """[R, n] -> [R, n * G]: each group's scale or zero repeated over its G channels (broadcast + reshape)."""
-  r, n = meta.shape
-  return jnp.broadcast_to(meta[:, :, None], (r, n, group_size)).reshape(r, n * group_size)
-
-
-def _online_softmax_step(carry, pieces, precision):
-  """One flash-decoding update with a block of tokens given as pieces sharing one running max.
+def _online_softmax_step(carry, logits, valid, v, precision):
+  """One flash-decoding update with a block of n tokens.
 
   Args:
     carry: (o [M, D] f32 unnormalized output, m [M] running max, l [M] running sum).
-    pieces: sequence of (logits [M, n] f32, valid [M or 1, n] bool, value_tile: () -> [n, D]); value tiles are
-      built only when needed, so at most one is live.
+    logits: [M, n] f32, already scaled.
+    valid: [M or 1, n] bool.
+    v: [n, D] value tile in the dot dtype.
     precision: dot precision (HIGHEST for fp32 inputs, where Triton would otherwise use TF32).
   """
   o, m, l = carry
-  m_next = m
-  for logits, valid, _ in pieces:
-    m_next = jnp.maximum(m_next, jnp.max(jnp.where(valid, logits, MASK_VALUE), axis=1))
+  m_next = jnp.maximum(m, jnp.max(jnp.where(valid, logits, MASK_VALUE), axis=1))
   alpha = jnp.exp(m - m_next)
-  o, l = o * alpha[:, None], l * alpha
-  for logits, valid, value_tile in pieces:
-    # Masked entries are zeroed, not just made small: a block where a row has no valid token has m_next = MASK_VALUE.
-    p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
-    # Slots that no row attends may hold garbage (even NaN): 0 * NaN would leak through the dot.
-    slot_valid = jnp.max(valid.astype(jnp.int32), axis=0) > 0
-    v = jnp.where(slot_valid[:, None], value_tile(), 0)
-    l = l + jnp.sum(p, axis=1)
-    o = o + _dot(p.astype(v.dtype), v, precision=precision)
-  return o, m_next, l
+  # Masked entries are zeroed, not just made small: a block where a row has no valid token has m_next = MASK_VALUE.
+  p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
+  # Slots that no row attends may hold garbage (even NaN): 0 * NaN would leak through the dot.
+  slot_valid = jnp.max(valid.astype(jnp.int32), axis=0) > 0
+  v = jnp.where(slot_valid[:, None], v, 0)
+  o = o * alpha[:, None] + _dot(p.astype(v.dtype), v, precision=precision)
+  return o, m_next, l * alpha + jnp.sum(p, axis=1)
 
 
 def _decode_attention_kernel(
@@ -123,28 +113,22 @@ def _decode_attention_kernel(
     plgpu.store(m_ref, m, mask=real)
 
   def quantized_block(i, carry):
-    """Tokens [start, start + block_k) of the store, one G-token key group per piece."""
+    """Tokens [start, start + block_k) of the store."""
     start = (split * blocks_per_split + i) * block_k
-    pieces = []
-    for j in range(block_k // group_size):
-      tok = start + j * group_size
-      group = tok // group_size
-      s = k_scale_ref[:, group].astype(jnp.float32)  # [D]
-      z = k_zero_ref[:, group].astype(jnp.float32)   # [D]
-      words = k_codes_ref[:, pl.ds(tok // (32 // k_bits), group_size // (32 // k_bits))]
-      codes = unpack_last_axis(words, bits=k_bits).astype(jnp.float32).astype(dot_dtype)  # [D, G]
-      qs = (q * s[None, :]).astype(dot_dtype)
-      logits = _dot(qs, codes, precision=precision) + jnp.sum(q * z[None, :], axis=1, keepdims=True)
-      valid = (tok + lax.broadcasted_iota(jnp.int32, (1, group_size), 1)) < quant_len_ref[0]
+    valid = (start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < quant_len_ref[0]
 
-      def value_tile(tok=tok):
-        codes = unpack_last_axis(v_codes_ref[pl.ds(tok, group_size), :], bits=v_bits)  # [G, D]
-        s = _repeat_last_axis(v_scale_ref[pl.ds(tok, group_size), :].astype(jnp.float32), group_size)
-        z = _repeat_last_axis(v_zero_ref[pl.ds(tok, group_size), :].astype(jnp.float32), group_size)
-        return (codes.astype(jnp.float32) * s + z).astype(dot_dtype)
-
-      pieces.append((logits * sm_scale, valid, value_tile))
-    return _online_softmax_step(carry, pieces, precision)
+    # The whole key tile is dequantized in registers and meets the query in one dot: every load is a 2-D tile
+    # whose rows are contiguous. (Folding each group's key scales into the query instead costs block_k / G small
+    # dots and column-wise scale loads; it measured 1.4x slower on an H100.)
+    groups = pl.ds(start // group_size, block_k // group_size)
+    k_hat = dequantize_packed_last_axis(
+        k_codes_ref[:, pl.ds(start // (32 // k_bits), block_k // (32 // k_bits))], k_scale_ref[:, groups],
+        k_zero_ref[:, groups], bits=k_bits, group_size=group_size, dtype=dot_dtype)  # [D, block_k]
+    logits = _dot(q.astype(dot_dtype), k_hat, precision=precision) * sm_scale
+    tokens = pl.ds(start, block_k)
+    v_hat = dequantize_packed_last_axis(v_codes_ref[tokens, :], v_scale_ref[tokens, :], v_zero_ref[tokens, :],
+                                        bits=v_bits, group_size=group_size, dtype=dot_dtype)  # [block_k, D]
+    return _online_softmax_step(carry, logits, valid, v_hat, precision)
 
   @pl.when(split < k_splits)
   def _():
@@ -162,7 +146,7 @@ def _decode_attention_kernel(
       k = k_ref[window, :].astype(dot_dtype)  # [block_s, D]
       logits = _dot(q.astype(dot_dtype), k, trans_b=True, precision=precision) * sm_scale
       valid = mask_ref[:, window] != 0  # [M, block_s]
-      return _online_softmax_step(carry, [(logits, valid, lambda: v_ref[window, :].astype(dot_dtype))], precision)
+      return _online_softmax_step(carry, logits, valid, v_ref[window, :].astype(dot_dtype), precision)
 
     @pl.when(split == k_splits + index)
     def _(segment_block=segment_block, k_ref=k_ref, block_s=block_s):
@@ -303,8 +287,8 @@ def _check_shapes(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_l
 
 @functools.partial(
     jax.jit,
-    static_argnames=["k_bits", "v_bits", "group_size", "sm_scale", "block_k", "k_splits", "num_warps",
-                     "num_stages", "interpret"])
+    static_argnames=["k_bits", "v_bits", "group_size", "sm_scale", "block_k", "k_splits",
+                     "num_warps", "num_stages", "interpret"])
 def decode_attention(
     q,          # [B, Hkv, T, g, D]
     k_codes,    # [B, Hkv, D, C // Pk] uint32
@@ -374,8 +358,7 @@ def decode_attention(
   o, l, m = _decode_attention_partials(
       q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.clip(quant_len, 0, capacity),
       tuple(padded_segments), k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
-      block_k=block_k, k_splits=k_splits, n_rows=n_rows, segment_blocks=tuple(segment_blocks),
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+      block_k=block_k, k_splits=k_splits, n_rows=n_rows, segment_blocks=tuple(segment_blocks), num_warps=num_warps, num_stages=num_stages, interpret=interpret)
   return _merge_partials(o, l, m).reshape(q.shape).astype(q.dtype)
 
 

@@ -15,6 +15,7 @@ they use only operations the Triton lowering has (no ``round``, no gathers), so 
 run the very same arithmetic.
 """
 
+import jax
 import jax.numpy as jnp
 
 BITS = (1, 2, 4, 8)
@@ -122,6 +123,26 @@ def unpack_last_axis(words, *, bits: int):
   shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
   codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)
   return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def dequantize_packed_last_axis(words, scale, zero, *, bits: int, group_size: int, dtype):
+  """Unpack and dequantize in one pass: words [..., n] with scale, zero [..., n * P / G] -> [..., n * P] in dtype.
+
+  The in-register form the kernels use. It equals ``dequantize(unpack_last_axis(words), ...)`` exactly, but is
+  shaped for a GPU: the scales are broadcast per word (G / P words share one) rather than per code, so the
+  only full-size reshape is the last one; and a code becomes a float as the bits of 2**23 + c minus 2**23,
+  full-rate integer and float ops, where an int-to-float conversion runs at a quarter of the rate.
+  """
+  per_word = 32 // bits
+  *lead, n = words.shape
+  words_per_group = group_size // per_word
+  s = jnp.broadcast_to(scale.astype(jnp.float32)[..., None], (*lead, n // words_per_group, words_per_group))
+  z = jnp.broadcast_to(zero.astype(jnp.float32)[..., None], (*lead, n // words_per_group, words_per_group))
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+  codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)  # [..., n, P]
+  c = jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
+  x = c * s.reshape(*lead, n)[..., None] + z.reshape(*lead, n)[..., None]
+  return x.reshape(*lead, n * per_word).astype(dtype)
 
 
 def pack(codes, *, bits: int, axis: int):

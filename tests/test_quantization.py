@@ -191,3 +191,16 @@ def test_bad_arguments_raise():
     pack(jnp.zeros((4, 30), jnp.uint32), bits=3, axis=1)
   with pytest.raises(ValueError, match="30.*16"):
     pack(jnp.zeros((4, 30), jnp.uint32), bits=2, axis=1)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_fused_unpack_dequantize_equals_unpack_then_dequantize(bits):
+  """The kernels' in-register form computes exactly what the plain pair does."""
+  from jkv_kernels.quantization import dequantize_packed_last_axis
+  rng = np.random.default_rng(bits)
+  x = jnp.asarray(rng.normal(size=(3, 5, 128)).astype(np.float32))
+  codes, scale, zero = quantize(x, bits=bits, axis=-1, group_size=32)
+  words = pack(codes, bits=bits, axis=-1)
+  expect = dequantize(unpack(words, bits=bits, axis=-1), scale, zero, axis=-1, group_size=32, dtype=jnp.float32)
+  got = dequantize_packed_last_axis(words, scale, zero, bits=bits, group_size=32, dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
