@@ -74,14 +74,15 @@ class Settings:
   repetitions: int = 30
   calls_per_repetition: int = 10
   autotune_shape: tuple[int, int] = (8, 32768)
-  autotune_grid: tuple[tuple[int, int, int], ...] = tuple(itertools.product((128, 256), (8, 16, 32), (4, 8)))
+  autotune_grid: tuple[tuple[int, int, int, int], ...] = tuple(
+      itertools.product((32, 64, 128, 256), (8, 16), (4, 8), (1, 2, 3)))
   check_shape: tuple[int, int] = (2, 4096)
   interpret: bool = False
 
 
 SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_bytes=2**20, max_input_sets=2,
                  repetitions=3, calls_per_repetition=2, autotune_shape=(2, 512),
-                 autotune_grid=((64, 2, 4), (128, 4, 4)), check_shape=(2, 256), interpret=True)
+                 autotune_grid=((64, 2, 4, 1), (128, 4, 4, 2)), check_shape=(2, 256), interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,13 +212,13 @@ def check_fused_against_reference(settings: Settings, config: dict):
 
 
 def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
-  """Times kivi2_fused over the block_k / k_splits / num_warps grid; returns the best config and every record."""
+  """Times kivi2_fused over the block_k / k_splits / num_warps / num_stages grid; returns the best config and every record."""
   batch, seq_len = settings.autotune_shape
   shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
   input_sets = [kivi_inputs(shape, 2, seed) for seed in range(input_set_count(kivi_bytes(shape, 2), settings))]
   records = []
-  for block_k, k_splits, num_warps in settings.autotune_grid:
-    config = {"block_k": block_k, "k_splits": k_splits, "num_warps": num_warps}
+  for block_k, k_splits, num_warps, num_stages in settings.autotune_grid:
+    config = {"block_k": block_k, "k_splits": k_splits, "num_warps": num_warps, "num_stages": num_stages}
     try:
       median_us, compile_s = time_calls(fused(2, config, settings.interpret), input_sets, settings)
     except Exception as error:  # a config the compiler rejects (e.g. out of shared memory) is skipped, not fatal

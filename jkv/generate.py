@@ -89,9 +89,9 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
 def _prefill(params, tokens, positions, cache, key, *, cfg, sampler):
-  logits, cache = forward(params, tokens, positions, cache, cfg=cfg, prefill=True)
-  last = logits[jnp.arange(tokens.shape[0]), cache.lengths - 1]
-  return sampler.next_tokens(last, key), cache
+  last = jnp.sum(positions >= 0, axis=1, keepdims=True) - 1  # [B, 1]: each prompt's last token
+  logits, cache = forward(params, tokens, positions, cache, cfg=cfg, prefill=True, logit_rows=last)
+  return sampler.next_tokens(logits[:, 0], key), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",))

@@ -88,7 +88,8 @@ def _logits(params, x, cfg):
   return jnp.einsum("bte,ev->btv", x, params.lm_head).astype(jnp.float32)
 
 
-def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False):
+def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False,
+            logit_rows=None):
   """One model step over the cache.
 
   Args:
@@ -99,9 +100,11 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     cache: the KV cache; at prefill it must be empty.
     cfg: model config (static).
     prefill: store the prompt (attention is exact among its tokens) rather than append and attend the cache.
+    logit_rows: optional [B, K] int32 token indices: compute logits for those rows only (a long prompt's
+      [B, T, vocab] logits can outgrow the whole cache).
 
   Returns:
-    logits [B, T, vocab] float32 and the updated cache.
+    logits [B, T or K, vocab] float32 and the updated cache.
   """
   method = cache.method
   x = _embed(params, tokens, cfg)
@@ -131,6 +134,8 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     return (x, state), None
 
   (x, state), _ = jax.lax.scan(body, (x, cache.state), (params.layers, jnp.arange(cfg.num_layers)))
+  if logit_rows is not None:
+    x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
   return _logits(params, x, cfg), cache.replace(state=state, lengths=lengths)
 
 

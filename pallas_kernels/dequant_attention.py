@@ -304,17 +304,17 @@ def decode_attention(
     v_bits: int,
     group_size: int,
     sm_scale: float | None = None,
-    block_k: int = 256,
+    block_k: int = 64,
     k_splits: int = 16,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 1,
     interpret: bool = False,
 ):
   """Softmax attention of T query rows per sequence over a KIVI-layout cache and full-precision segments.
 
   Layouts are in the module docstring. Returns o [B, Hkv, T, g, D] in q.dtype; a row with no valid token is 0.
 
-  Tunables (static; defaults for an H100):
+  Tunables (static; defaults: the best of benchmarks/kernel_decode.py's autotune on an H100 at B=8, L=32768):
     block_k: store tokens per loop step (block_k / group_size key groups, unrolled); a power of two and a multiple
       of group_size, clamped to the largest power of two that divides the capacity.
     k_splits: programs per (batch row, KV head) along the store (flash-decoding), clamped to the block count;
