@@ -27,7 +27,8 @@ from jkv.config import DTYPES
 from jkv.methods.dense import causal_mask
 from jkv_kernels import dequant_attention
 from jkv_kernels.attention_reference import gqa_attention_reference
-from jkv_kernels.quantization import dequantize, pack, quantize, unpack
+from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
+from jkv_kernels.quantization import dequantize, unpack
 
 KIVI_BITS = (2, 4, 8)
 
@@ -133,16 +134,21 @@ class Kivi(CacheMethod):
     """bV: at a step holding n tokens, values before this position are read dequantized."""
     return jnp.maximum(n - self.lam - self.residual, 0)
 
-  def _quantize_keys(self, k):
+  def _quantize_keys(self, k, fused=False):
     """k [..., T, D] -> codes [..., D, T/Pk], scale and zero [..., D, T/G] (groups of G tokens per channel)."""
-    codes, scale, zero = quantize(jnp.swapaxes(k, -1, -2), bits=self.kb, axis=-1, group_size=self.group_size,
-                                  meta_dtype=self.meta)
-    return pack(codes, bits=self.kb, axis=-1), scale, zero
+    return self._quantize_pack(k, self.kb, -2, fused)
 
-  def _quantize_values(self, v):
+  def _quantize_values(self, v, fused=False):
     """v [..., T, D] -> codes [..., T, D/Pv], scale and zero [..., T, D/G] (groups of G channels per token)."""
-    codes, scale, zero = quantize(v, bits=self.vb, axis=-1, group_size=self.group_size, meta_dtype=self.meta)
-    return pack(codes, bits=self.vb, axis=-1), scale, zero
+    return self._quantize_pack(v, self.vb, -1, fused)
+
+  def _quantize_pack(self, x, bits, axis, fused):
+    """The Pallas quantize-and-pack kernel for whole prompts and flushes (``fused``) where kernels run; the
+    jnp reference for single tokens, where a kernel launch would cost more than the work."""
+    if fused and self._use_kernel(x.shape[-1]):
+      return quantize_pack(x, bits=bits, group_size=self.group_size, axis=axis, meta_dtype=self.meta,
+                           interpret=jax.devices()[0].platform != "gpu")
+    return quantize_pack_reference(x, bits=bits, group_size=self.group_size, axis=axis, meta_dtype=self.meta)
 
   # ---------------------------------------------------------------------------------------------- updates
 
@@ -157,8 +163,8 @@ class Kivi(CacheMethod):
     R, W = self.residual, self.residual + self.lam
     T_pad = -(-T // R) * R
     k_pad = jnp.pad(k, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
-    kc, ks, kz = self._quantize_keys(k_pad)
-    vc, vs, vz = self._quantize_values(v)
+    kc, ks, kz = self._quantize_keys(k_pad, fused=True)
+    vc, vs, vz = self._quantize_values(v, fused=True)
     at = lambda buf, x, *idx: jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), (layer,) + idx)
     state = state.replace(
         k_codes=at(state.k_codes, kc, 0, 0, 0, 0), k_scale=at(state.k_scale, ks, 0, 0, 0, 0),
@@ -196,7 +202,7 @@ class Kivi(CacheMethod):
   def _flush(self, state, layer, end, due):
     """Quantize the key ring (positions [end - R, end)) into the key store, for the sequences where ``due``."""
     R, G = self.residual, self.group_size
-    kc, ks, kz = self._quantize_keys(state.k_ring[layer])  # [B, H, D, R/Pk], [B, H, D, R/G]
+    kc, ks, kz = self._quantize_keys(state.k_ring[layer], fused=True)  # [B, H, D, R/Pk], [B, H, D, R/G]
     start = jnp.maximum(end - R, 0)
     Pk = 32 // self.kb
     def put(buf, new, offset):
@@ -208,11 +214,14 @@ class Kivi(CacheMethod):
 
   # ---------------------------------------------------------------------------------------------- attention
 
-  def _use_kernel(self) -> bool:
-    return _gpu_kernel_available() if self.use_kernel is None else self.use_kernel
+  def _use_kernel(self, head_dim) -> bool:
+    if self.use_kernel is not None:
+      return self.use_kernel
+    # The Triton kernels tile by powers of two.
+    return _gpu_kernel_available() and head_dim & (head_dim - 1) == 0 and self.group_size & (self.group_size - 1) == 0
 
   def attend(self, state, layer, q, q_positions, lengths):
-    if self._use_kernel():
+    if self._use_kernel(q.shape[-1]):
       return self._attend_fused(state, layer, q, q_positions, lengths)
     return self._attend_reference(state, layer, q, q_positions, lengths)
 
