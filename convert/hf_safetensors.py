@@ -46,8 +46,16 @@ def config_from_hf(hf: dict, dtype: str = "float32", generation: Optional[dict] 
   """Map a HF ``config.json`` dict (transformers 4.x or 5.x spelling) to a ``ModelConfig``.
 
   ``generation`` is ``generation_config.json`` when there is one: its ``eos_token_id`` (often a list for chat
-  models) is what generation stops on, so it takes precedence over config.json's.
+  models) is what generation stops on, so it takes precedence over config.json's. A required key that is
+  missing is a one-line ValueError naming it.
   """
+  try:
+    return _config_from_hf(hf, dtype, generation)
+  except KeyError as e:
+    raise ValueError(f"config.json has no {e.args[0]!r}, which jkv needs to build the model") from None
+
+
+def _config_from_hf(hf: dict, dtype: str, generation: Optional[dict]) -> ModelConfig:
   archs = hf.get("architectures") or []
   if archs:
     arch = archs[0]

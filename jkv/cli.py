@@ -186,7 +186,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     return args.fn(args)
-  except (ValueError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
+  except (ValueError, OSError, RuntimeError, NotImplementedError) as e:
     print(f"jkv: error: {e}", file=sys.stderr)
     return 2
 

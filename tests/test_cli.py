@@ -226,8 +226,6 @@ def test_convert_then_info_reads_it_back(capsys, tiny_hf_dir, tmp_path):
   assert_one_line_error(jkv(capsys, "generate", "hello", "--model", out_dir, memo=False), "no tokenizer")
 
 
-@pytest.mark.xfail(strict=True, reason="FileExistsError from jkv_convert.checkpoint.save is not caught by "
-                                       "jkv.cli.main: traceback and exit 1 (bug reported)")
 def test_convert_into_a_non_empty_directory_is_bad_input(capsys, tiny_hf_dir, tmp_path):
   out_dir = tmp_path / "full"
   out_dir.mkdir()
@@ -323,8 +321,6 @@ def test_unsupported_architecture(capsys, tmp_path, command):
   assert_one_line_error(jkv(capsys, *args, memo=False), "GPT2LMHeadModel", "unsupported architecture")
 
 
-@pytest.mark.xfail(strict=True, reason="a config.json missing a required key (max_position_embeddings) raises "
-                                       "KeyError in jkv_convert.hf_safetensors: traceback, exit 1 (bug reported)")
 def test_config_missing_a_required_key(capsys, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(dict(
       architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=96, intermediate_size=160,
