@@ -2,12 +2,14 @@
 
 import os
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
 from jkv import hub
+from jkv import load as load_lib
 from jkv.load import load_model
 
 
@@ -48,3 +50,30 @@ def tiny_llama(tmp_path_factory):
 def random_prompts(vocab, lengths, seed=0):
   rng = np.random.default_rng(seed)
   return [rng.integers(2, vocab, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def default_model_once():
+  """Make ``jkv.load.load_model("default")`` load once per module: CLI tests call ``cli.main`` many times, and each
+  call would otherwise load the model again (~5 s)."""
+  real, loaded = load_lib.load_model, {}
+
+  def load(name, dtype="float32"):
+    if name != "default":
+      return real(name, dtype)
+    if dtype not in loaded:
+      loaded[dtype] = real(name, dtype)
+    return loaded[dtype]
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(load_lib, "load_model", load)
+    yield
+
+
+def has_pallas_gpu() -> bool:
+  """A CUDA GPU of compute capability >= 8.0, where the Pallas Triton kernels run compiled."""
+  try:
+    device = jax.devices("gpu")[0]
+  except RuntimeError:
+    return False
+  return float(getattr(device, "compute_capability", "0")) >= 8.0

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from jkv import cli
-from jkv import load as load_lib
 from jkv.cache import CacheSpec
 from jkv.methods.kivi import Kivi
 
@@ -28,21 +27,7 @@ DENSE_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * ACT_BYTES  # 46,080
 PROGRESS = ("loading model ", "generating with ")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def default_model_once():
-  """Load the default model once for the module: every ``cli.main`` call would otherwise load it again (~5 s)."""
-  real, loaded = load_lib.load_model, {}
-
-  def load(name, dtype="float32"):
-    if name != "default":
-      return real(name, dtype)
-    if dtype not in loaded:
-      loaded[dtype] = real(name, dtype)
-    return loaded[dtype]
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(load_lib, "load_model", load)
-    yield
+pytestmark = pytest.mark.usefixtures("default_model_once")
 
 
 _results = {}

@@ -15,6 +15,7 @@ import pytest
 
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import decode_attention, decode_attention_reference
+from conftest import has_pallas_gpu
 
 # ‖o - ref‖ / ‖ref‖ and max |o - ref| / max |ref| budgets, by dtype.
 TOLERANCE = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 6e-2)}
@@ -103,12 +104,6 @@ def _relative_errors(out, ref):
   return (np.linalg.norm(out - ref) / np.linalg.norm(ref), np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
 
 
-def _has_pallas_gpu() -> bool:
-  try:
-    device = jax.devices("gpu")[0]
-  except RuntimeError:
-    return False
-  return float(getattr(device, "compute_capability", "0")) >= 8.0
 
 
 class TestDecodeAttentionInterpret:
@@ -144,7 +139,7 @@ class TestDecodeAttentionInterpret:
     assert max(_relative_errors(out, ref)) <= 1e-4
 
 
-@pytest.mark.skipif(not _has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
+@pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
 class TestDecodeAttentionGpu(TestDecodeAttentionInterpret):
   INTERPRET = False
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from jkv import cli
-from jkv import load as load_lib
 from jkv.cache import CacheSpec, KVCache, make_method
 from jkv.methods.fake_quant import FakeQuant
 
@@ -21,21 +20,6 @@ H, QPK, D = 2, 2, 64  # KV heads, query heads per KV head, head dim
 LAYOUTS = [(k, v) for k in ("channel", "token") for v in ("channel", "token")]
 
 
-@pytest.fixture(scope="module")
-def default_model_once():
-  """Load the default model once for this module's CLI calls (each ``cli.main`` would load it again)."""
-  real, loaded = load_lib.load_model, {}
-
-  def load(name, dtype="float32"):
-    if name != "default":
-      return real(name, dtype)
-    if dtype not in loaded:
-      loaded[dtype] = real(name, dtype)
-    return loaded[dtype]
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(load_lib, "load_model", load)
-    yield
 
 
 # ------------------------------------------------------------------------------------------------- oracle

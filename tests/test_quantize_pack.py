@@ -7,6 +7,7 @@ import pytest
 
 from jkv_kernels.quantization import dequantize, unpack
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
+from conftest import has_pallas_gpu
 
 # (bits, leading shape, T, D, axis, dtype, block_t): the full product of bits {2, 4, 8}, both groupings, D {64, 128}
 # and fp32/bf16 (the kernel compiles in about a second), with T a multiple of G that block_t does not divide
@@ -27,12 +28,6 @@ def _case_id(case):
   return f"{bits}bit_{grouping}_lead{lead}_T{tokens}_D{head_dim}_{jnp.dtype(dtype).name}_bt{block_t}"
 
 
-def _has_pallas_gpu() -> bool:
-  try:
-    device = jax.devices("gpu")[0]
-  except RuntimeError:
-    return False
-  return float(getattr(device, "compute_capability", "0")) >= 8.0
 
 
 class TestQuantizePackInterpret:
@@ -61,7 +56,7 @@ class TestQuantizePackInterpret:
     assert np.all(np.abs(np.asarray(jnp.swapaxes(x_hat, -1, -2) - x)) <= np.asarray(jnp.swapaxes(step, -1, -2)))
 
 
-@pytest.mark.skipif(not _has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
+@pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
 class TestQuantizePackGpu(TestQuantizePackInterpret):
   INTERPRET = False
 
