@@ -200,7 +200,13 @@ class Kivi(CacheMethod):
     return state
 
   def _flush(self, state, layer, end, due):
-    """Quantize the key ring (positions [end - R, end)) into the key store, for the sequences where ``due``."""
+    """Quantize the key ring (positions [end - R, end)) into the key store, for the sequences where ``due``.
+
+    Runs only on steps where some sequence is due (one step in R for a batch in lockstep).
+    """
+    return jax.lax.cond(jnp.any(due), lambda s: self._flush_now(s, layer, end, due), lambda s: s, state)
+
+  def _flush_now(self, state, layer, end, due):
     R, G = self.residual, self.group_size
     kc, ks, kz = self._quantize_keys(state.k_ring[layer], fused=True)  # [B, H, D, R/Pk], [B, H, D, R/G]
     start = jnp.maximum(end - R, 0)
