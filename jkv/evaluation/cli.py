@@ -1,5 +1,169 @@
-"""CLI commands of the evaluation harness (placeholder until the harness lands: registers nothing)."""
+"""CLI commands of the evaluation harness: ``jkv eval ppl``, ``jkv eval passkey`` and ``jkv compare``."""
+
+import dataclasses
+import json
+import shlex
+import sys
+import time
+
+from jkv.evaluation import compare as compare_lib
+from jkv.evaluation import passkey as passkey_lib
+from jkv.evaluation import perplexity as ppl_lib
+
+
+def _progress(msg):
+  print(msg, file=sys.stderr, flush=True)
+
+
+def _label(args, method) -> str:
+  """The method with the options given on the command line and any other non-default ones: ``kivi:bits=2``."""
+  given = [k[4:] for k, v in vars(args).items() if k.startswith("opt_") and v is not None]
+  return compare_lib.method_label(method, given=given)
+
+
+def _add_ppl_args(p, plan: ppl_lib.WindowPlan):
+  g = p.add_argument_group("perplexity")
+  g.add_argument("--text-file", default=None, help="UTF-8 text to score (default: the stdlib's pydoc_data.topics)")
+  g.add_argument("--context", type=int, default=plan.context, help="tokens prefilled per window")
+  g.add_argument("--scored", type=int, default=plan.scored, help="tokens scored per window, one decode step each")
+  g.add_argument("--windows", type=int, default=plan.num_windows, help="number of windows")
+  g.add_argument("--batch-size", type=int, default=plan.batch_size, help="windows decoded together")
+  g.add_argument("--seed", type=int, default=plan.seed, help="seed choosing the windows (and pass keys)")
+
+
+def _add_passkey_args(p, grid: passkey_lib.PasskeyGrid, prefix=""):
+  g = p.add_argument_group("pass-key retrieval")
+  g.add_argument(f"--{prefix}lengths", type=int, nargs="+", default=list(grid.lengths), metavar="TOKENS",
+                 help="prompt lengths in tokens")
+  g.add_argument(f"--{prefix}depths", type=float, nargs="+", default=list(grid.depths), metavar="FRACTION",
+                 help="fractions of the filler before the key")
+  g.add_argument(f"--{prefix}trials", type=int, default=grid.trials, help="keys per (length, depth) cell")
+  g.add_argument(f"--{prefix}batch-size", type=int, default=grid.batch_size, help="prompts generated together")
+  g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def _plan(args) -> ppl_lib.WindowPlan:
+  plan = ppl_lib.WindowPlan(context=args.context, scored=args.scored, num_windows=args.windows, seed=args.seed,
+                            batch_size=args.batch_size)
+  plan.validate()
+  return plan
+
+
+def _grid(args, prefix="") -> passkey_lib.PasskeyGrid:
+  get = lambda name: getattr(args, prefix + name)
+  grid = passkey_lib.PasskeyGrid(lengths=tuple(get("lengths")), depths=tuple(get("depths")), trials=get("trials"),
+                                 seed=args.seed, batch_size=get("batch_size"), chat=args.chat)
+  grid.validate()
+  return grid
+
+
+def _text(args) -> tuple[str, str]:
+  if args.text_file is None:
+    return ppl_lib.default_text(), "pydoc_data.topics (Python stdlib)"
+  with open(args.text_file, encoding="utf-8") as f:
+    return f.read(), args.text_file
+
+
+def _load(args):
+  from jkv.load import load_model
+  _progress(f"loading model {args.model} ...")
+  model = load_model(args.model, args.dtype)
+  if model.tokenizer is None:
+    raise ValueError(f"model {args.model} has no tokenizer; this command needs one")
+  return model
+
+
+def cmd_ppl(args, method_from_args):
+  method = method_from_args(args)
+  plan = _plan(args)
+  text, source = _text(args)
+  model = _load(args)
+  ids = model.tokenizer.encode(text, add_bos=False)
+  res = ppl_lib.perplexity(model.params, model.config, ids, method=method, plan=plan)
+  out = dict(method=_label(args, method), method_config=dataclasses.asdict(method), text=source,
+             plan=dataclasses.asdict(plan), **res.as_dict())
+  if args.json:
+    print(json.dumps(out))
+  else:
+    print(f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f} nats over {res.tokens_scored} tokens, "
+          f"{plan.num_windows} windows of {plan.context} + {plan.scored}) with {method}")
+    _progress(f"kv cache: {res.kv_bytes:,} bytes vs {res.dense_kv_bytes:,} dense at {res.kv_tokens} tokens "
+              f"({res.dense_kv_bytes / res.kv_bytes:.2f}x); decode {res.decode_tokens_per_s:.1f} tokens/s")
+  return 0
+
+
+def cmd_passkey(args, method_from_args):
+  method = method_from_args(args)
+  grid = _grid(args)
+  model = _load(args)
+  grid.validate(model.config)
+  res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid)
+  if args.plot:
+    passkey_lib.plot_heatmap(res, args.plot, title=f"pass-key retrieval: {args.model}, "
+                                                   f"{_label(args, method)}")
+  if args.json:
+    print(json.dumps(dict(method=_label(args, method), method_config=dataclasses.asdict(method),
+                          grid=dataclasses.asdict(grid), **res.as_dict())))
+  else:
+    print("depth \\ length " + "".join(f"{n:>8}" for n in res.lengths))
+    for di, d in enumerate(res.depths):
+      print(f"{d:>14.2f} " + "".join(f"{res.accuracy[li][di]:>8.2f}" for li in range(len(res.lengths))))
+    print(f"mean accuracy {res.mean_accuracy:.3f} with {method}")
+  return 0
+
+
+def cmd_compare(args):
+  specs = compare_lib.parse_methods(args.methods)  # bad specs fail before the model loads
+  plan = _plan(args)
+  grid = None if args.no_passkey else _grid(args, prefix="passkey_")
+  text, source = _text(args)
+  t0 = time.perf_counter()
+  model = _load(args)
+  ids = model.tokenizer.encode(text, add_bos=False)
+  rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline)
+  meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
+              ppl=dataclasses.asdict(plan), passkey=None if grid is None else dataclasses.asdict(grid),
+              baseline=args.baseline, environment=compare_lib.environment(), seconds=time.perf_counter() - t0)
+  if args.output:
+    for path in compare_lib.write_outputs(rows, meta, args.output):
+      _progress(f"wrote {path}")
+  if args.json:
+    print(json.dumps(dict(meta=meta, rows=rows)))
+  else:
+    print(compare_lib.markdown_table(rows))
+  return 0
 
 
 def add_commands(sub, *, add_model_args, add_method_args, method_from_args):
-  del sub, add_model_args, add_method_args, method_from_args
+  e = sub.add_parser("eval", help="evaluate a cache method: perplexity or pass-key retrieval")
+  esub = e.add_subparsers(dest="eval_command", required=True)
+
+  p = esub.add_parser("ppl", help="perplexity of a text, scored through the compressed cache's decode path")
+  add_model_args(p)
+  add_method_args(p)
+  _add_ppl_args(p, ppl_lib.WindowPlan())
+  p.add_argument("--json", action="store_true")
+  p.set_defaults(fn=lambda args: cmd_ppl(args, method_from_args))
+
+  k = esub.add_parser("passkey", help="pass-key retrieval over context lengths x depths")
+  add_model_args(k)
+  add_method_args(k)
+  _add_passkey_args(k, passkey_lib.PasskeyGrid())
+  k.add_argument("--seed", type=int, default=0, help="seed choosing the pass keys")
+  k.add_argument("--plot", default=None, metavar="PNG", help="write the accuracy heat map here")
+  k.add_argument("--json", action="store_true")
+  k.set_defaults(fn=lambda args: cmd_passkey(args, method_from_args))
+
+  c = sub.add_parser("compare", help="several methods side by side: memory, perplexity, retrieval, speed")
+  add_model_args(c)
+  c.add_argument("--methods", nargs="+", default=list(compare_lib.DEFAULT_METHODS), metavar="SPEC",
+                 help="configurations as NAME or NAME:OPTION=VALUE,... (default: dense, KIVI-4, KIVI-2 and the "
+                      "four 2-bit fake-quant layouts)")
+  c.add_argument("--baseline", default="dense", help="label of the row Δppl is measured from")
+  _add_ppl_args(c, compare_lib.DEFAULT_PPL)
+  _add_passkey_args(c, compare_lib.DEFAULT_PASSKEY, prefix="passkey-")
+  c.add_argument("--no-passkey", action="store_true", help="skip pass-key retrieval")
+  c.add_argument("--output", default="compare", metavar="PREFIX",
+                 help="write PREFIX.json, PREFIX.md and PREFIX.png ('' writes nothing)")
+  c.add_argument("--json", action="store_true")
+  c.set_defaults(fn=cmd_compare)

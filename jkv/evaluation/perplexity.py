@@ -1,0 +1,172 @@
+"""Perplexity of a text under a cache method, measured through the decode path.
+
+Each window of ``context + scored + 1`` tokens is cut from the text's token stream. Its first ``context`` tokens
+are prefilled into the method's cache (prefill attention is exact, as in every method); then the next ``scored``
+tokens are fed one at a time through ``forward``'s decode path, and each step's logits score the token that
+follows. So every scored token is predicted by attention over the compressed cache, never by prefill attention.
+Windows are disjoint, chosen with a fixed seed, and batched so that one jitted scan decodes several at once.
+"""
+
+import dataclasses
+import functools
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jkv import generate as gen
+from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
+from jkv.config import ModelConfig
+from jkv.methods.dense import Dense
+from jkv.model import forward
+from jkv.params import Params
+
+
+def default_text() -> str:
+  """The perplexity text every Python install carries: the stdlib's ``pydoc_data.topics`` (about 465 KB of
+  English), its entries joined in sorted key order."""
+  from pydoc_data.topics import topics
+  return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPlan:
+  """Which tokens are prefilled and scored: ``num_windows`` disjoint windows of ``context + scored + 1`` tokens."""
+
+  context: int = 384  # tokens prefilled into the cache per window
+  scored: int = 64  # tokens scored per window, each through one decode step
+  num_windows: int = 6
+  seed: int = 0
+  batch_size: int = 3  # windows decoded together in one batch
+
+  @property
+  def window(self) -> int:
+    return self.context + self.scored + 1
+
+  def validate(self) -> None:
+    for name in ("context", "scored", "num_windows", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"perplexity {name} must be >= 1, got {getattr(self, name)}")
+
+  def starts(self, num_tokens: int) -> np.ndarray:
+    """Start offsets of the windows: ``num_windows`` of the text's disjoint window slots, drawn with ``seed``
+    and sorted."""
+    self.validate()
+    slots = num_tokens // self.window
+    if slots < self.num_windows:
+      raise ValueError(f"the text has {num_tokens} tokens: room for {slots} windows of {self.window} tokens, "
+                       f"not {self.num_windows}; use a longer text or fewer/shorter windows")
+    chosen = np.random.default_rng(self.seed).choice(slots, size=self.num_windows, replace=False)
+    return np.sort(chosen) * self.window
+
+
+@dataclasses.dataclass
+class PerplexityResult:
+  ppl: float  # exp(mean NLL) over every scored token
+  nll: float  # mean NLL in nats
+  tokens_scored: int
+  window_nll: list  # mean NLL per window
+  starts: list  # window offsets in the token stream
+  kv_bytes: int  # bytes the method holds for one sequence of context + scored tokens
+  dense_kv_bytes: int  # bytes the dense cache would hold for the same tokens
+  kv_tokens: int  # context + scored: the sequence length the bytes are counted at
+  decode_tokens_per_s: float  # batch rows x decode steps per second, compilation excluded
+  compile_s: float
+  seconds: float  # wall time, compilation included
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill(params, tokens, cache, *, cfg):
+  """Store tokens [B, T] (every row a full prompt) in the empty cache. The logits are unused, so XLA drops
+  the vocabulary projection."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  _, cache = forward(params, tokens, positions, cache, cfg=cfg, prefill=True)
+  return cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _score(params, cache, inputs, targets, *, cfg):
+  """Teacher-forced decoding: step t feeds inputs[:, t] and returns the fp32 NLL of targets[:, t]. [B, S] -> [B, S]."""
+
+  def step(cache, xs):
+    tok, target = xs  # [B], [B]
+    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, cfg=cfg)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    return cache, -jnp.take_along_axis(logp, target[:, None], axis=1)[:, 0]
+
+  cache, nll = jax.lax.scan(step, cache, (inputs.T, targets.T))
+  return cache, nll.T
+
+
+def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method: CacheMethod,
+               context: int) -> tuple[np.ndarray, dict]:
+  """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch.
+
+  Returns the NLLs and timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations).
+  """
+  windows = np.asarray(windows, np.int32)
+  B, W = windows.shape
+  scored = W - context - 1
+  if scored < 1:
+    raise ValueError(f"windows of {W} tokens leave nothing to score after a context of {context}")
+  cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
+  cache = KVCache.create(method, CacheSpec.for_model(cfg, B, cap))
+  with gen.CompileCounter() as compiles:
+    cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
+    jax.block_until_ready(cache)
+    before = compiles.seconds
+    t0 = time.perf_counter()
+    cache, nll = _score(params, cache, jnp.asarray(windows[:, context:-1]), jnp.asarray(windows[:, context + 1:]),
+                        cfg=cfg)
+    nll = np.asarray(nll)
+    decode_s = time.perf_counter() - t0
+  del cache
+  return nll, dict(decode_s=decode_s, decode_compile_s=compiles.seconds - before, compile_s=compiles.seconds)
+
+
+def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, method: CacheMethod = Dense(),
+               plan: WindowPlan = WindowPlan(), progress: Optional[bool] = None) -> PerplexityResult:
+  """Perplexity of ``token_ids`` under ``method``: windows per ``plan``, scored through the decode path."""
+  t_start = time.perf_counter()
+  ids = np.asarray(token_ids, np.int32)
+  if ids.ndim != 1:
+    raise ValueError("token_ids must be one flat sequence of token ids")
+  starts = plan.starts(len(ids))
+  windows = np.stack([ids[s:s + plan.window] for s in starts])
+  B = min(plan.batch_size, plan.num_windows)
+  nlls, decode_s, rows, compile_s, first_batch = [], 0.0, 0, 0.0, None
+  bar = tqdm(total=plan.num_windows * plan.scored, desc=f"ppl {method.name}", unit="tok", leave=False,
+             disable=progress is False)
+  for i in range(0, plan.num_windows, B):
+    batch = windows[i:i + B]
+    real = len(batch)
+    if real < B:  # pad the last batch with repeats of its first window: the same shapes, nothing to compile
+      batch = np.concatenate([batch, np.repeat(batch[:1], B - real, axis=0)])
+    nll, t = window_nll(params, cfg, batch, method=method, context=plan.context)
+    nlls.append(nll[:real])
+    compile_s += t["compile_s"]
+    if first_batch is None:
+      first_batch = t
+    elif t["decode_compile_s"] == 0:
+      decode_s += t["decode_s"]
+      rows += B * plan.scored
+    bar.update(real * plan.scored)
+  bar.close()
+  if rows == 0:  # a single batch: its decode time less its compilation
+    decode_s = max(first_batch["decode_s"] - first_batch["decode_compile_s"], 1e-9)
+    rows = B * plan.scored
+  nll = np.concatenate(nlls)
+  n = plan.context + plan.scored
+  spec = CacheSpec.for_model(cfg, 1, gen.round_up(n, method.capacity_multiple()))
+  return PerplexityResult(
+      ppl=float(np.exp(nll.mean())), nll=float(nll.mean()), tokens_scored=int(nll.size),
+      window_nll=[float(x) for x in nll.mean(axis=1)], starts=[int(s) for s in starts],
+      kv_bytes=int(method.kv_bytes(spec, np.array([n]))), dense_kv_bytes=dense_kv_bytes(spec, np.array([n])),
+      kv_tokens=n, decode_tokens_per_s=rows / decode_s, compile_s=compile_s,
+      seconds=time.perf_counter() - t_start)
