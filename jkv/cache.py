@@ -139,10 +139,17 @@ class KVCache:
 def write_at(buf, layer, x, start, axis):
   """Write x [B, ...] into buf [L, B, ...] at ``layer``, at per-sequence offsets start [B] along ``axis``.
 
-  ``axis`` indexes x (batch first); every other axis is written from 0. One ``dynamic_update_slice`` per
-  sequence: each stays in place under donation, where a vmapped one becomes a scatter that XLA on CPU
-  copies the whole buffer for.
+  ``axis`` indexes x (batch first); every other axis is written from 0. Measured both ways: on a GPU one
+  scatter (a vmapped ``dynamic_update_slice``) is fastest, where B separate updates per write made a KIVI-2
+  decode step 3x slower (Llama-3-8B shape, B=8); on CPU XLA copies the whole buffer for that scatter, and one
+  in-place ``dynamic_update_slice`` per sequence made dense decoding 7x faster.
   """
+  if jax.default_backend() != "cpu":
+    def one(b_buf, b_x, b_start):  # b_buf [L, ...], b_x [...]
+      idx = [0] * b_x.ndim
+      idx[axis - 1] = b_start
+      return jax.lax.dynamic_update_slice(b_buf, b_x[None].astype(b_buf.dtype), [layer] + idx)
+    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf, x, start)
   for b in range(x.shape[0]):
     idx = [layer, b] + [0] * (x.ndim - 1)
     idx[axis + 1] = start[b]
