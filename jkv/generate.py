@@ -8,7 +8,6 @@ end-of-sequence flags once per chunk, never per token.
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Optional, Sequence
 

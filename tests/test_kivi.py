@@ -4,7 +4,6 @@ The oracle below is written from the spec, independently of the method: quantize
 V per token in one shot, keep the rest exact, one softmax.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """The model against transformers: the real default model in fp32, and the cached path against the uncached one."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch

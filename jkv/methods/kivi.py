@@ -186,7 +186,7 @@ class Kivi(CacheMethod):
 
   def _append_one(self, state, layer, k, v, pos):
     """k, v [B, H, D] at positions pos [B]."""
-    R, W, G = self.residual, self.residual + self.lam, self.group_size
+    R, W = self.residual, self.residual + self.lam
     vc, vs, vz = self._quantize_values(v[:, :, None])  # [B, H, 1, ...]
     state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
                           v_scale=write_at(state.v_scale, layer, vs, pos, axis=2),
