@@ -1,14 +1,43 @@
-"""Attention among a prompt's own tokens (prefill): cuDNN flash attention on a GPU, the jnp reference elsewhere.
+"""Attention for the model and the methods: the implementation choice, masks, prompt attention, decode attention.
 
-Prefill attention is exact for every method (the cache stores the compressed form afterwards), so it is the
-model's concern, not a method's.
+The implementation is chosen once, by ``choose_impl``, from the platform and the user's flag, and handed to
+every method through the cache (``StepContext.impl``); nothing else looks at the device to decide.
 """
+
 
 import jax
 import jax.numpy as jnp
 
-from jkv_kernels.attention_reference import gqa_attention_reference
+from flax import struct
 
+from jkv_kernels import dequant_attention
+from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
+from jkv_kernels.quantization import dequantize, unpack
+
+IMPL_CHOICES = ("auto", "pallas", "interpret", "xla")
+
+
+def pallas_gpu_available() -> bool:
+  """A CUDA GPU of compute capability >= 8.0: the Pallas Triton kernels need it (a T4 is 7.5)."""
+  device = jax.devices()[0]
+  return device.platform == "gpu" and float(getattr(device, "compute_capability", "0") or 0) >= 8.0
+
+
+def choose_impl(requested: str = "auto") -> str:
+  """The attention implementation for this process: ``"pallas"`` on a GPU that runs the Pallas kernels,
+  ``"xla"`` elsewhere; ``requested`` other than "auto" forces one (``"interpret"`` runs the kernels in Pallas
+  interpret mode, for tests). Asking for ``"pallas"`` where it cannot run is a one-line error."""
+  if requested not in IMPL_CHOICES:
+    raise ValueError(f"unknown attention implementation {requested!r}; choose one of {', '.join(IMPL_CHOICES)}")
+  if requested == "auto":
+    return "pallas" if pallas_gpu_available() else "xla"
+  if requested == "pallas" and not pallas_gpu_available():
+    raise ValueError("the Pallas kernels need a CUDA GPU of compute capability >= 8.0; use --attention-impl xla "
+                     "(or interpret, for testing on a CPU)")
+  return requested
+
+
+# ------------------------------------------------------------------------------------------------- masks
 
 def prompt_mask(positions):
   """[B, T, T] causal mask among prompt tokens; padding (position < 0) is never a key."""
@@ -17,20 +46,24 @@ def prompt_mask(positions):
   return causal[None] & valid[:, None, :]
 
 
-def _flash_available(dtype) -> bool:
-  return jax.devices()[0].platform == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+def causal_mask(q_positions, num_keys):
+  """[B, T, S] bool: key slot s is visible to query row t iff s <= q_positions[b, t]."""
+  return jnp.arange(num_keys)[None, None, :] <= q_positions[:, :, None]
 
 
-def prompt_attention(q, k, v, positions):
-  """Causal attention of a right-padded prompt.
+# ------------------------------------------------------------------------------------------------- prefill
+
+def prompt_attention(q, k, v, positions, *, flash: bool):
+  """Causal attention of a right-padded prompt (exact for every method: the cache stores what it keeps after).
 
   Args:
     q: [B, H, T, g, D]; k, v: [B, H, T, D]; positions: [B, T] int32, -1 for padding.
+    flash: use cuDNN's flash attention (GPU, 16-bit dtypes); otherwise the fp32 jnp reference.
 
   Returns:
     [B, H, T, g, D] in q.dtype (rows of padding tokens are unspecified).
   """
-  if not _flash_available(q.dtype):
+  if not (flash and q.dtype in (jnp.bfloat16, jnp.float16)):
     return gqa_attention_reference(q, k, v, prompt_mask(positions))
   B, H, T, g, D = q.shape
   lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
@@ -39,3 +72,162 @@ def prompt_attention(q, k, v, positions):
       is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
       implementation="cudnn")  # XLA's version materializes [B, heads, T, T] logits: 32 GiB at 8k tokens, B=8
   return out.reshape(B, T, H, g, D).transpose(0, 2, 1, 3, 4)
+
+
+# ------------------------------------------------------------------------------------------------- decode
+
+@struct.dataclass
+class QuantizedStore:
+  """One layer-stacked KIVI-layout quantized segment (``jkv_kernels.dequant_attention`` has the layout)."""
+
+  k_codes: jax.Array  # [L, B, H, D, C/Pk] uint32, packed along tokens
+  k_scale: jax.Array  # [L, B, H, D, C/G]
+  k_zero: jax.Array  # [L, B, H, D, C/G]
+  v_codes: jax.Array  # [L, B, H, C, D/Pv] uint32, packed along channels
+  v_scale: jax.Array  # [L, B, H, C, D/G]
+  v_zero: jax.Array  # [L, B, H, C, D/G]
+  length: jax.Array  # [B] int32: tokens [0, length) are valid for every row
+  k_bits: int = struct.field(pytree_node=False)
+  v_bits: int = struct.field(pytree_node=False)
+  group_size: int = struct.field(pytree_node=False)
+
+
+def _block_size(length: int, largest: int = 512) -> int:
+  """The largest power of two <= ``largest`` that divides ``length``."""
+  return min(largest, length & -length)
+
+
+def blockwise_partials(q, load, valid, num_keys, n_blocks: int, block: int, *, sm_scale=None):
+  """Online-softmax partials of q over keys read ``block`` at a time (plain XLA, nothing larger materialized).
+
+  Args:
+    q: [B, H, T, g, D].
+    load: start -> (k, v), each [B, H, block, D] float32: keys [start, start + block).
+    valid: start -> [B, H or 1, T, block] bool: which of those keys each row may attend.
+    num_keys: optional traced bound: blocks at and past it are never visited.
+    n_blocks: blocks in the segment.
+
+  Returns:
+    (o [B, H, T, g, D] f32 unnormalized, m [B, H, T, g] running max, l [B, H, T, g] running sum).
+  """
+  B, H, T, g, D = q.shape
+  sm_scale = D**-0.5 if sm_scale is None else sm_scale
+  qf = q.astype(jnp.float32) * sm_scale
+
+  def body(i, carry):
+    o, m, l = carry
+    kb, vb = load(i * block)
+    ok = valid(i * block)[:, :, :, None, :]  # [B, H|1, T, 1, n]
+    s = jnp.einsum("bhtgd,bhsd->bhtgs", qf, kb, precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(ok, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+    # Slots no row may see can hold anything, NaN included: 0 * NaN would leak through the dot.
+    vb = jnp.where(jnp.any(ok, axis=(2, 3))[..., None], vb, 0.0)
+    o = o * alpha[..., None] + jnp.einsum("bhtgs,bhsd->bhtgd", p, vb, precision=jax.lax.Precision.HIGHEST)
+    return o, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+  init = (jnp.zeros((B, H, T, g, D), jnp.float32), jnp.full((B, H, T, g), MASK_VALUE, jnp.float32),
+          jnp.zeros((B, H, T, g), jnp.float32))
+  if num_keys is not None:
+    n_blocks = jnp.minimum(-(-num_keys // block), n_blocks)
+  return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def _segment_partials(q, layer, k, v, mask, num_keys):
+  """Partials over one full-precision segment: k, v [L, B, H, S, D] read at ``layer`` one block at a time, or
+  [B, H, S, D]; mask [B, T, S] or [B, H, T, S]."""
+  S = k.shape[-2]
+  block = _block_size(S)
+  mask = mask if mask.ndim == 4 else mask[:, None]
+  if k.ndim == 4:
+    k, v, layer = k[None], v[None], 0
+
+  def load(start):
+    return (_layer_block(k, layer, 2, start, block).astype(jnp.float32),
+            _layer_block(v, layer, 2, start, block).astype(jnp.float32))
+
+  valid = lambda start: jax.lax.dynamic_slice_in_dim(mask, start, block, axis=3)
+  return blockwise_partials(q, load, valid, num_keys, S // block, block)
+
+
+def _layer_block(x, layer, axis: int, start, size: int):
+  """x [L, B, H, r, c] -> [B, H, ...] at ``layer`` with ``axis`` (of the result) cut to [start, start + size),
+  in one dynamic_slice of the stacked array (no layer-sized intermediate)."""
+  index = [layer, 0, 0, 0, 0]
+  sizes = list(x.shape)
+  sizes[0] = 1
+  index[axis + 1] = start
+  sizes[axis + 1] = size
+  return jax.lax.dynamic_slice(x, index, sizes)[0]
+
+
+def _store_partials(q, layer, store):
+  """Partials over a KIVI-layout quantized store, dequantized a block at a time from the stacked arrays."""
+  C = store.v_codes.shape[-2]
+  G, pk = store.group_size, 32 // store.k_bits
+  block = max(G, _block_size(C))
+
+  def load(start):
+    groups = lambda x: _layer_block(x, layer, 3, start // G, block // G)
+    kc = unpack(_layer_block(store.k_codes, layer, 3, start // pk, block // pk), bits=store.k_bits, axis=3)
+    k = dequantize(kc, groups(store.k_scale), groups(store.k_zero), axis=3, group_size=G, dtype=jnp.float32)
+    rows = lambda x: _layer_block(x, layer, 2, start, block)
+    vc = unpack(rows(store.v_codes), bits=store.v_bits, axis=3)
+    v = dequantize(vc, rows(store.v_scale), rows(store.v_zero), axis=3, group_size=G, dtype=jnp.float32)
+    return jnp.swapaxes(k, 2, 3), v
+
+  def valid(start):
+    return ((start + jnp.arange(block))[None] < store.length[:, None])[:, None, None, :]
+
+  return blockwise_partials(q, load, valid, jnp.max(store.length), C // block, block)
+
+
+def merge_partials(partials):
+  """Exact softmax merge of (o, m, l) partials -> (o [B, H, T, g, D] f32 normalized, lse [B, H, T, g]).
+
+  A row with no valid key anywhere gets o = 0 and lse = MASK_VALUE."""
+  m_all = partials[0][1]
+  for _, m, _ in partials[1:]:
+    m_all = jnp.maximum(m_all, m)
+  o_all = jnp.zeros_like(partials[0][0])
+  l_all = jnp.zeros_like(m_all)
+  for o, m, l in partials:
+    alpha = jnp.exp(m - m_all)
+    o_all = o_all + alpha[..., None] * o
+    l_all = l_all + alpha * l
+  empty = l_all == 0
+  o = o_all / jnp.where(empty, 1.0, l_all)[..., None]
+  return o, jnp.where(empty, MASK_VALUE, m_all + jnp.log(jnp.where(empty, 1.0, l_all)))
+
+
+def decode_attention(q, layer, *, store=None, segments=(), impl: str, num_keys=None, return_lse: bool = False):
+  """Attention of q [B, H, T, g, D] over an optional quantized store and full-precision segments, one softmax.
+
+  Args:
+    q: [B, H, T, g, D].
+    layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
+    store: a ``QuantizedStore`` (KIVI layout, stacked) or None.
+    segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
+      mask [B, T, S] or [B, H, T, S] bool.
+    impl: "pallas" or "interpret" (the fused kernel) or "xla" (block-by-block online softmax in XLA).
+    num_keys: optional traced bound on the keys of the first segment that can be valid (skips the rest).
+    return_lse: also return the log-sum-exp [B, H, T, g] f32 of every row (MASK_VALUE for a row with no key).
+
+  Returns:
+    o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), and lse with ``return_lse``.
+  """
+  if impl != "xla" and store is not None:
+    o = dequant_attention.decode_attention(
+        q, store.k_codes[layer], store.k_scale[layer], store.k_zero[layer], store.v_codes[layer],
+        store.v_scale[layer], store.v_zero[layer], store.length, segments, k_bits=store.k_bits,
+        v_bits=store.v_bits, group_size=store.group_size, interpret=impl == "interpret")
+    assert not return_lse
+    return o
+  partials = [] if store is None else [_store_partials(q, layer, store)]
+  partials += [_segment_partials(q, layer, k, v, mask, num_keys if i == 0 else None)
+               for i, (k, v, mask) in enumerate(segments)]
+  o, lse = merge_partials(partials)
+  o = o.astype(q.dtype)
+  return (o, lse) if return_lse else o

@@ -1,15 +1,50 @@
-"""The one cache interface every method implements, the cache pytree the model carries, and the registry.
+"""The cache interface (v2) every method implements, and the cache pytree the model carries.
 
-A method is a frozen dataclass (hashable, so static under jit) holding its settings. Its state is a registered
-dataclass pytree whose arrays all carry a leading layer axis; the model scans layers with the whole cache in the
-loop carry and hands each operation the layer index, so every update is an in-place ``dynamic_update_slice``
-under buffer donation. Generate, the model and the CLI reach methods only through this interface and
-``make_method``: nothing outside a method branches on its name.
+A method is a frozen dataclass (hashable, so static under jit) holding its settings; settings that are wrong
+whatever the model raise a one-line ValueError at construction, settings that depend on the model in
+``check(spec)``. Its state is a registered dataclass pytree whose arrays all carry a leading layer axis. The
+model scans layers with the whole state in the loop carry and hands each call the layer index, so every update is
+an in-place ``dynamic_update_slice`` under buffer donation and attention reads the stacked arrays in place.
+Generate, the model and the CLI reach a method only through this interface and the registry
+(``jkv.methods.make_method``): nothing outside a method branches on its name.
+
+What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D = head_dim, C = capacity):
+
+``abstract(spec)``
+    The state as a tree of ``ArrayInfo`` (shape, dtype, logical axis names, memory kind) in the state's own
+    dataclass. Allocation (``KVCache.create``), the bytes allocated and shardings all derive from it, so shapes
+    are written once. Memory kind ``"device"`` or ``"pinned_host"`` (host-resident arrays, e.g. SpeCache's full
+    16-bit copy).
+``prefill(state, layer, q, k, v, ctx) -> state``
+    Store a right-padded prompt for one layer: q [B, H, T, g, D], k and v [B, H, T, D] post-RoPE;
+    ``ctx.lengths`` [B] counts each prompt's valid tokens, positions past it are padding. The state was empty.
+    The prompt's own attention is exact and computed by the model; the queries are here for methods that score
+    tokens with them (ZipCache's probes, SpeCache's first top-k).
+``step(state, layer, q, k, v, ctx) -> (out, state)``
+    One decode call for one layer: the T new rows' q, k, v (positions ``ctx.positions`` [B, T], the cache held
+    ``ctx.lengths`` [B] tokens before the call). The method decides what it stores (all rows, or only some: a
+    speculative row is attended, never stored), when it compresses (a flush, a block event, a recompression
+    every N steps) and returns the attention of every row [B, H, T, g, D] in q.dtype over what it holds plus
+    the rows it is given (row t sees positions <= positions[b, t]). Attention goes through
+    ``jkv.attention.decode_attention`` with ``ctx.impl``; statistics of chosen rows (log-sum-exp, attention
+    mass per token) come from that same pass.
+``advance(lengths, rows) -> lengths``
+    Tokens held after a step of ``rows`` rows (default: all stored).
+``held_bytes(spec, state, lengths) -> HeldBytes``
+    Bytes really held for these sequence lengths, device and host apart, from the state (pool occupancy,
+    counters); ``state=None`` gives the bound at those lengths (every pool full), which ``jkv info`` reports.
+``capacity_multiple()``
+    Capacities are rounded up to a multiple of this.
+
+``ctx.impl`` is the attention implementation, chosen once by the caller (``jkv.attention.choose_impl``):
+``"pallas"`` (the fused kernels, GPUs of compute capability >= 8.0), ``"interpret"`` (the same kernels in
+Pallas interpret mode, for CPU tests) or ``"xla"`` (plain XLA: CPU, T4-class GPUs, or when asked).
+Methods never look at the device themselves.
 """
 
 import abc
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +53,12 @@ from flax import struct
 
 from jkv.config import ModelConfig
 
+IMPLS = ("pallas", "interpret", "xla")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-  """Static sizes of a cache: what ``init`` allocates."""
+  """Static sizes of a cache: what ``abstract`` describes."""
 
   num_layers: int
   batch: int
@@ -35,135 +72,156 @@ class CacheSpec:
   def for_model(cls, cfg: ModelConfig, batch: int, capacity: int) -> "CacheSpec":
     return cls(cfg.num_layers, batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.q_per_kv, cfg.jnp_dtype)
 
+  def with_batch(self, batch: int) -> "CacheSpec":
+    return dataclasses.replace(self, batch=batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+  """One state array before it exists: shape, dtype, a logical name per axis and where it lives."""
+
+  shape: tuple
+  dtype: Any
+  axes: tuple  # logical axis names, one per dimension: "layers", "batch", "kv_heads", "tokens", ...
+  memory_kind: str = "device"  # or "pinned_host"
+
+  def __post_init__(self):
+    if len(self.axes) != len(self.shape):
+      raise ValueError(f"ArrayInfo axes {self.axes} do not name every dimension of shape {self.shape}")
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * jnp.dtype(self.dtype).itemsize
+
+
+def is_array_info(x) -> bool:
+  return isinstance(x, ArrayInfo)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBytes:
+  """Bytes a cache holds, on the device and in host memory."""
+
+  device: int
+  host: int = 0
+
+  @property
+  def total(self) -> int:
+    return self.device + self.host
+
+  def __add__(self, other: "HeldBytes") -> "HeldBytes":
+    return HeldBytes(self.device + other.device, self.host + other.host)
+
+
+@struct.dataclass
+class StepContext:
+  """What every prefill and step call is told besides q, k, v."""
+
+  lengths: jax.Array  # [B] int32: prompt lengths at prefill; tokens held before the call at a step
+  positions: jax.Array  # [B, T] int32 position of each row (-1 for prompt padding)
+  impl: str = struct.field(pytree_node=False, default="xla")  # one of IMPLS
+
 
 class CacheMethod(abc.ABC):
-  """Operations of a KV-cache method. Subclasses are frozen dataclasses registered with ``register``.
-
-  Shapes: B batch, H = kv_heads, T new tokens (prompt length at prefill; 1..4 rows at decode), g = q_per_kv,
-  D = head_dim. ``lengths`` [B] int32 counts the tokens each sequence holds. Sequences are stored from slot 0
-  (right padding), so no quantization group ever holds another sequence's tokens or padding.
-  """
+  """Operations of a KV-cache method (module docstring). Subclasses are frozen dataclasses registered with
+  ``jkv.methods.register``; a field's ``metadata={"help": ...}`` becomes its CLI help."""
 
   name: ClassVar[str]
 
-  def validate(self, spec: CacheSpec) -> None:
-    """Raise ValueError (one line, naming the problem) if the settings cannot serve this cache."""
+  def check(self, spec: CacheSpec) -> None:
+    """Raise ValueError (one line, naming the problem) if these settings cannot serve this cache."""
 
   def capacity_multiple(self) -> int:
-    """Capacities are rounded up to a multiple of this."""
     return 1
 
   @abc.abstractmethod
+  def abstract(self, spec: CacheSpec) -> Any:
+    """The state with an ``ArrayInfo`` at every leaf."""
+
   def init(self, spec: CacheSpec) -> Any:
-    """An empty state, every array zeros with a leading layer axis."""
+    """The empty state: zeros (never uninitialized memory) in each array's memory kind."""
+    return jax.tree.map(allocate, self.abstract(spec), is_leaf=is_array_info)
 
   @abc.abstractmethod
-  def prefill(self, state, layer, k, v, q, lengths):
-    """Store a prompt for one layer.
-
-    k, v: [B, H, T, D] post-RoPE; q: [B, H, T, g, D] (for methods that score tokens with the prompt's
-    queries); lengths: [B] valid prompt tokens (positions >= lengths are padding). The state was empty.
-    """
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    """Store a prompt for one layer; returns the state."""
 
   @abc.abstractmethod
-  def append(self, state, layer, k, v, q, lengths):
-    """Append T new tokens per sequence at positions lengths + [0, T). k, v: [B, H, T, D]; q [B, H, T, g, D]."""
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    """Store what the method keeps of the new rows and attend; returns (out [B, H, T, g, D], state)."""
+
+  def advance(self, lengths, rows: int):
+    return lengths + rows
 
   @abc.abstractmethod
-  def attend(self, state, layer, q, q_positions, lengths):
-    """Attention of q [B, H, T, g, D] over everything cached; row t sees positions <= q_positions[b, t].
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    """Bytes held for these lengths (codes, scales, full-precision parts, pools, counters)."""
 
-    lengths [B] counts the tokens cached (the new rows included). Returns [B, H, T, g, D] in q.dtype.
-    """
 
-  @abc.abstractmethod
-  def kv_bytes(self, spec: CacheSpec, lengths: np.ndarray) -> int:
-    """Bytes the method really holds for these sequence lengths (codes, scales, full-precision parts, counters)."""
+def allocate(info: ArrayInfo):
+  x = jnp.zeros(info.shape, info.dtype)
+  if info.memory_kind != "device":
+    device = jax.devices()[0]
+    x = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=info.memory_kind))
+  return x
+
+
+def abstract_bytes(abstract) -> HeldBytes:
+  """Bytes of every array a state description allocates, device and host apart."""
+  infos = jax.tree.leaves(abstract, is_leaf=is_array_info)
+  device = sum(i.nbytes for i in infos if i.memory_kind == "device")
+  return HeldBytes(device=device, host=sum(i.nbytes for i in infos) - device)
 
 
 def dense_kv_bytes(spec: CacheSpec, lengths: np.ndarray) -> int:
+  """Bytes of an uncompressed cache of these lengths in the model dtype (the baseline every method is held to)."""
   per_token = 2 * spec.num_layers * spec.kv_heads * spec.head_dim * jnp.dtype(spec.dtype).itemsize
   return int(per_token * int(np.sum(lengths)))
 
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register(cls):
-  """Class decorator: make a method reachable by its ``name``."""
-  _REGISTRY[cls.name] = cls
-  return cls
-
-
-def known_methods() -> list[str]:
-  import jkv.methods  # noqa: F401  (registers the built-in methods)
-  return sorted(_REGISTRY)
-
-
-def method_class(name: str) -> type:
-  known = known_methods()
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown cache method {name!r}; known methods: {', '.join(known)}")
-  return _REGISTRY[name]
-
-
-def make_method(name: str, **options) -> CacheMethod:
-  """The method called ``name`` with its options; unknown names or options are rejected in one line."""
-  cls = method_class(name)
-  fields = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(options) - fields)
-  if unknown:
-    raise ValueError(f"method {name!r} has no option {', '.join(unknown)}; its options: {', '.join(sorted(fields)) or 'none'}")
-  return cls(**options)
-
-
 @struct.dataclass
 class KVCache:
-  """What the model carries between calls: the method (static), its state and per-sequence lengths."""
+  """What the model carries between calls: the method and attention implementation (static), the method's
+  state and per-sequence lengths."""
 
   method: CacheMethod = struct.field(pytree_node=False)
   spec: CacheSpec = struct.field(pytree_node=False)
+  impl: str = struct.field(pytree_node=False)
   state: Any
   lengths: jax.Array  # [B] int32 tokens held per sequence
 
   @classmethod
-  def create(cls, method: CacheMethod, spec: CacheSpec) -> "KVCache":
-    method.validate(spec)
-    return cls(method=method, spec=spec, state=method.init(spec), lengths=jnp.zeros((spec.batch,), jnp.int32))
+  def create(cls, method: CacheMethod, spec: CacheSpec, impl: str = "xla") -> "KVCache":
+    if impl not in IMPLS:
+      raise ValueError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    method.check(spec)
+    return cls(method=method, spec=spec, impl=impl, state=method.init(spec),
+               lengths=jnp.zeros((spec.batch,), jnp.int32))
 
-  def allocated_bytes(self) -> int:
-    """Bytes of every buffer as allocated (capacity, not occupancy)."""
-    return int(sum(x.nbytes for x in jax.tree.leaves(self.state)) + self.lengths.nbytes)
+  def abstract(self):
+    return self.method.abstract(self.spec)
 
+  def allocated_bytes(self) -> HeldBytes:
+    """Bytes of every buffer as allocated (capacity, not occupancy), plus the lengths."""
+    return abstract_bytes(self.abstract()) + HeldBytes(device=self.lengths.nbytes)
 
-def write_at(buf, layer, x, start, axis):
-  """Write x [B, ...] into buf [L, B, ...] at ``layer``, at per-sequence offsets start [B] along ``axis``.
+  def held_bytes(self, lengths: Optional[np.ndarray] = None) -> HeldBytes:
+    lengths = np.asarray(self.lengths if lengths is None else lengths)
+    return self.method.held_bytes(self.spec, self.state, lengths)
 
-  ``axis`` indexes x (batch first); every other axis is written from 0. Measured both ways: on a GPU one
-  scatter (a vmapped ``dynamic_update_slice``) is fastest, where B separate updates per write made a KIVI-2
-  decode step 3x slower (Llama-3-8B shape, B=8); on CPU XLA copies the whole buffer for that scatter, and one
-  in-place ``dynamic_update_slice`` per sequence made dense decoding 7x faster.
-  """
-  if jax.default_backend() != "cpu":
-    def one(b_buf, b_x, b_start):  # b_buf [L, ...], b_x [...]
-      idx = [0] * b_x.ndim
-      idx[axis - 1] = b_start
-      return jax.lax.dynamic_update_slice(b_buf, b_x[None].astype(b_buf.dtype), [layer] + idx)
-    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf, x, start)
-  for b in range(x.shape[0]):
-    idx = [layer, b] + [0] * (x.ndim - 1)
-    idx[axis + 1] = start[b]
-    buf = jax.lax.dynamic_update_slice(buf, x[b][None, None].astype(buf.dtype), idx)
-  return buf
+  def rows(self, start, size: int) -> "KVCache":
+    """Sequences [start, start + size) as a cache of batch ``size`` (``start`` may be traced)."""
+    def take(x, info):
+      axis = info.axes.index("batch")
+      return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+    state = jax.tree.map(take, self.state, self.abstract(), is_leaf=is_array_info)
+    return KVCache(method=self.method, spec=self.spec.with_batch(size), impl=self.impl, state=state,
+                   lengths=jax.lax.dynamic_slice_in_dim(self.lengths, start, size))
 
-
-def read_at(buf, layer, start, size, axis):
-  """Per-sequence slices of ``size`` from buf [L, B, ...] at ``layer``, from start [B] along ``axis`` (as in
-  ``write_at``); returns [B, ...]."""
-  def one(b_buf, b_start):
-    idx = [layer] + [0] * (b_buf.ndim - 1)
-    sizes = [1] + list(b_buf.shape[1:])
-    idx[axis] = b_start
-    sizes[axis] = size
-    return jax.lax.dynamic_slice(b_buf, idx, sizes)[0]
-  return jax.vmap(one, in_axes=(1, 0))(buf, start)
+  def put_rows(self, start, part: "KVCache") -> "KVCache":
+    """This cache with sequences [start, start + part.batch) replaced by ``part`` (in place under donation)."""
+    def put(x, y, info):
+      axis = info.axes.index("batch")
+      return jax.lax.dynamic_update_slice_in_dim(x, y, start, axis)
+    state = jax.tree.map(put, self.state, part.state, self.abstract(), is_leaf=is_array_info)
+    return self.replace(state=state, lengths=jax.lax.dynamic_update_slice_in_dim(self.lengths, part.lengths, start, 0))

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import memory
+from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
 from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
@@ -77,6 +79,8 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
     raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
                      f"context of {cfg.max_position} tokens")
   if capacity is not None:
+    if capacity < 1:
+      raise ValueError(f"capacity must be >= 1 token, got {capacity}")
     if need > capacity:
       raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the cache "
                        f"capacity of {capacity} tokens")
@@ -86,27 +90,45 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
   return capacity
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
-def _prefill(params, tokens, positions, cache, key, *, cfg, sampler):
-  last = jnp.sum(positions >= 0, axis=1, keepdims=True) - 1  # [B, 1]: each prompt's last token
-  logits, cache = forward(params, tokens, positions, cache, cfg=cfg, prefill=True, logit_rows=last)
-  return sampler.next_tokens(logits[:, 0], key), cache
+def padded_length(prompt_lens, capacity: int) -> int:
+  """Prompts are padded to a power-of-two bucket (few shapes, few compilations), within the capacity."""
+  return min(bucket(max(prompt_lens)), capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill_rows(params, tokens, positions, cache, start, *, cfg):
+  """Prefill sequences [start, start + b) of the cache with tokens [b, T]; returns their last-token logits
+  [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a sub-batch at a time
+  (the activations of one call are bounded by b x T tokens)."""
+  part = cache.rows(start, tokens.shape[0])
+  last = jnp.sum(positions >= 0, axis=1, keepdims=True) - 1  # [b, 1]: each prompt's last token
+  logits, part = forward(params, tokens, positions, part, cfg=cfg, prefill=True, logit_rows=last)
+  return logits[:, 0], cache.put_rows(start, part)
+
+
+@functools.partial(jax.jit, static_argnames=("sampler",))
+def _first_tokens(logits, key, *, sampler):
+  """The first generated token of each sequence from its prompt's logits [B, vocab], and whether they were
+  finite."""
+  return sampler.next_tokens(logits, key), ~jnp.all(jnp.isfinite(logits), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",))
-def _decode_chunk(params, cache, tokens, done, key, eos_ids, pad_id, *, cfg, sampler, steps):
-  """``steps`` decode steps in one scan. tokens [B]: the last sampled token of each sequence."""
+def _decode_chunk(params, cache, tokens, done, bad, key, eos_ids, pad_id, *, cfg, sampler, steps):
+  """``steps`` decode steps in one scan. tokens [B]: the last sampled token of each sequence; ``bad`` [B]
+  collects sequences that met non-finite logits."""
 
   def step(carry, _):
-    cache, tokens, done, key = carry
+    cache, tokens, done, bad, key = carry
     key, sub = jax.random.split(key)
     logits, cache = forward(params, tokens[:, None], cache.lengths[:, None], cache, cfg=cfg)
+    bad = bad | (~done & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1))
     nxt = jnp.where(done, pad_id, sampler.next_tokens(logits[:, 0], sub))
     done = done | jnp.isin(nxt, eos_ids)
-    return (cache, nxt, done, key), nxt
+    return (cache, nxt, done, bad, key), nxt
 
-  (cache, tokens, done, key), out = jax.lax.scan(step, (cache, tokens, done, key), None, length=steps)
-  return cache, tokens, done, key, out.T
+  (cache, tokens, done, bad, key), out = jax.lax.scan(step, (cache, tokens, done, bad, key), None, length=steps)
+  return cache, tokens, done, bad, key, out.T
 
 
 _WARM: set = set()
@@ -121,6 +143,25 @@ def _warm(fn, args, static):
     _WARM.add(key)
 
 
+def check_prompts(prompts, vocab_size: int) -> list:
+  """Prompts as lists of Python ints, or a one-line ValueError naming the first bad one (empty prompt, a
+  non-integer id, an id outside [0, vocab_size))."""
+  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+    raise ValueError("prompts must be a non-empty list of token-id lists")
+  checked = []
+  for b, prompt in enumerate(prompts):
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0:
+      raise ValueError(f"prompt {b} must be a non-empty flat list of token ids, got shape {ids.shape}")
+    if ids.dtype == bool or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt {b} holds non-integer token ids ({ids.dtype}); token ids are integers")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+      raise ValueError(f"prompt {b} token {bad[0]}: id {ids[bad[0]]} is outside the vocabulary [0, {vocab_size})")
+    checked.append(ids.astype(np.int64).tolist())
+  return checked
+
+
 def _pad_prompts(prompts, length, pad_id):
   B = len(prompts)
   tokens = np.full((B, length), pad_id, np.int32)
@@ -128,7 +169,30 @@ def _pad_prompts(prompts, length, pad_id):
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
     positions[b, :len(p)] = np.arange(len(p))
-  return jnp.asarray(tokens), jnp.asarray(positions)
+  return tokens, positions
+
+
+def prefill_starts(batch: int, rows: int) -> list:
+  """First sequence of each prefill sub-batch of ``rows`` sequences: the last one is moved back to end at the
+  batch's end (its overlap is prefilled twice, identically), so every call has the same shape."""
+  starts = list(range(0, batch - rows + 1, rows))
+  if starts[-1] + rows < batch:
+    starts.append(batch - rows)
+  return starts
+
+
+def _prefill(params, cfg, tokens, positions, cache, prefill_tokens):
+  """Prefill the whole batch in sub-batches of at most ``prefill_tokens`` prompt tokens (at least one sequence).
+  Returns the last-token logits [B, vocab] and the cache."""
+  B, T = tokens.shape
+  rows = max(1, min(B, prefill_tokens // T))
+  logits = None
+  for start in prefill_starts(B, rows):
+    part, cache = _prefill_rows(params, jnp.asarray(tokens[start:start + rows]),
+                                jnp.asarray(positions[start:start + rows]), cache, jnp.int32(start), cfg=cfg)
+    logits = jnp.zeros((B,) + part.shape[1:], part.dtype) if logits is None else logits
+    logits = logits.at[start:start + rows].set(part)
+  return logits, cache
 
 
 def _cut_at_eos(ids, eos_ids):
@@ -141,40 +205,55 @@ def _cut_at_eos(ids, eos_ids):
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              method: CacheMethod = Dense(), max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0,
              capacity: Optional[int] = None, chunk: int = 32, eos_ids: Optional[Sequence[int]] = None,
-             pad_id: int = 0) -> GenerateResult:
+             pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None) -> GenerateResult:
   """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids) in one batch.
 
   Decoding stops for a sequence at its first end-of-sequence token (``eos_ids``, default the model's) and for
-  the batch once every sequence stopped. Stats report the KV bytes the method holds, the dense bytes for the
-  same tokens, and prefill/decode times with compilation counted apart.
+  the batch once every sequence stopped. ``attention_impl`` picks the attention implementation ("auto": the
+  Pallas kernels on a GPU that runs them, XLA elsewhere; see ``jkv.attention.choose_impl``). Prefill runs in
+  sub-batches of at most ``prefill_tokens`` prompt tokens (default: what the device's free memory holds), so the
+  batch is bounded by the cache, not by prefill activations; the result is the same as one call.
+
+  Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
+  tokens, the allocated bytes, prefill/decode times with compilation counted apart, and the device's peak
+  memory where jax reports it. Non-finite logits raise a one-line ValueError naming the sequences.
   """
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("every prompt needs at least one token")
+  prompts = check_prompts(prompts, cfg.vocab_size)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  impl = choose_impl(attention_impl)
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   lens = [len(p) for p in prompts]
   chunk = min(chunk, max_new_tokens)
   cap = plan_capacity(cfg, method, lens, max_new_tokens, chunk, capacity)
-  tokens, positions = _pad_prompts(prompts, bucket(max(lens)), pad_id)
+  tokens, positions = _pad_prompts(prompts, padded_length(lens, cap), pad_id)
   spec = CacheSpec.for_model(cfg, len(prompts), cap)
-  cache = KVCache.create(method, spec)
+  cache = KVCache.create(method, spec, impl)
+  if prefill_tokens is None:
+    prefill_tokens = memory.prefill_token_budget(cfg)
+  if prefill_tokens < 1:
+    raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+  rows = max(1, min(len(prompts), prefill_tokens // tokens.shape[1]))
   key = jax.random.key(seed)
   eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+  B = len(prompts)
+  no = jnp.zeros((B,), bool)
 
   key, sub = jax.random.split(key)
-  prefill_args = (params, tokens, positions, cache, sub)
-  decode_args = lambda cache, last, done, key: (params, cache, last, done, key, eos_arr, jnp.int32(pad_id))
+  decode_args = lambda cache, last, done, bad, key: (params, cache, last, done, bad, key, eos_arr, jnp.int32(pad_id))
   with CompileCounter() as compiles:
     t_compile = time.perf_counter()
     # Compile (or find compiled) before timing, so the timings below are run time alone.
-    _warm(_prefill, prefill_args, dict(cfg=cfg, sampler=sampler))
-    _warm(_decode_chunk, decode_args(cache, tokens[:, 0], jnp.zeros(len(prompts), bool), key),
+    _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
+          dict(cfg=cfg))
+    _warm(_first_tokens, (jnp.zeros((B, cfg.vocab_size), jnp.float32), sub), dict(sampler=sampler))
+    _warm(_decode_chunk, decode_args(cache, jnp.asarray(tokens[:, 0]), no, no, key),
           dict(cfg=cfg, sampler=sampler, steps=chunk))
     compile_s = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
-    first, cache = _prefill(*prefill_args, cfg=cfg, sampler=sampler)
+    logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
+    first, bad = _first_tokens(logits, sub, sampler=sampler)
     first.block_until_ready()
     prefill_s = time.perf_counter() - t0
 
@@ -184,53 +263,72 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     produced = 1
     last = first
     while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
-      cache, last, done, key, chunk_out = _decode_chunk(*decode_args(cache, last, done, key), cfg=cfg,
-                                                        sampler=sampler, steps=chunk)
+      cache, last, done, bad, key, chunk_out = _decode_chunk(*decode_args(cache, last, done, bad, key), cfg=cfg,
+                                                             sampler=sampler, steps=chunk)
       out.append(np.asarray(chunk_out))
       produced += chunk
     jax.block_until_ready(cache)
     decode_s = time.perf_counter() - t1
 
+  bad = np.flatnonzero(np.asarray(bad))
+  if bad.size:
+    raise ValueError(f"the model produced non-finite logits for sequence(s) {', '.join(map(str, bad))}: its "
+                     "weights or activations overflow (try --dtype float32) or are corrupt")
   ids = np.concatenate(out, axis=1)[:, :max_new_tokens]
   result_tokens = [_cut_at_eos(row.tolist(), eos) for row in ids]
   decoded_steps = ids.shape[1] - 1
   held = np.asarray(lens) + decoded_steps
+  kv = cache.held_bytes(held)  # counted for the tokens asked for: the last chunk may have run past them
+  allocated = cache.allocated_bytes()
+  mem = memory.device_memory()
   run_decode_s = max(decode_s, 1e-9)
   stats = dict(
       method=method.name,
-      batch=len(prompts),
+      attention_impl=impl,
+      batch=B,
       prompt_tokens=lens,
       new_tokens=[len(t) for t in result_tokens],
       capacity=cap,
-      # Counted for the tokens asked for: the last chunk may have run past them.
-      kv_bytes=int(method.kv_bytes(spec, held)),
+      kv_bytes=kv.device,  # what the cache holds on the device for these tokens
+      kv_host_bytes=kv.host,  # what it holds in host memory (SpeCache's full-precision copy)
       dense_kv_bytes=dense_kv_bytes(spec, held),
-      allocated_kv_bytes=cache.allocated_bytes(),
+      allocated_kv_bytes=allocated.device,
+      allocated_kv_host_bytes=allocated.host,
+      prefill_sub_batch=rows,
       prefill_s=prefill_s,
       decode_s=run_decode_s,
-      decode_tokens_per_s=(len(prompts) * decoded_steps / run_decode_s) if decoded_steps else 0.0,
+      decode_tokens_per_s=(B * decoded_steps / run_decode_s) if decoded_steps else 0.0,
       compile_s=compile_s,  # tracing and compiling (near zero when every shape was seen before)
       compiles=compiles.count,
+      peak_device_bytes=None if mem is None else mem["peak"],
   )
   return GenerateResult(tokens=result_tokens, stats=stats)
 
 
 def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: CacheMethod = Dense(),
-           max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0, eos_ids: Optional[Sequence[int]] = None):
+           max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0, eos_ids: Optional[Sequence[int]] = None,
+           attention_impl: str = "auto"):
   """Yield generated token ids one at a time for a single prompt (the CLI's streaming path)."""
+  (prompt,) = check_prompts([prompt], cfg.vocab_size)
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   cap = plan_capacity(cfg, method, [len(prompt)], max_new_tokens, 1)
-  tokens, positions = _pad_prompts([prompt], bucket(len(prompt)), 0)
-  cache = KVCache.create(method, CacheSpec.for_model(cfg, 1, cap))
+  tokens, positions = _pad_prompts([prompt], padded_length([len(prompt)], cap), 0)
+  cache = KVCache.create(method, CacheSpec.for_model(cfg, 1, cap), choose_impl(attention_impl))
   key, sub = jax.random.split(jax.random.key(seed))
-  last, cache = _prefill(params, tokens, positions, cache, sub, cfg=cfg, sampler=sampler)
+  logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
+  last, bad = _first_tokens(logits, sub, sampler=sampler)
   done = jnp.zeros((1,), bool)
   eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
   for i in range(max_new_tokens):
+    if bool(bad[0]):
+      raise ValueError("the model produced non-finite logits: its weights or activations overflow "
+                       "(try --dtype float32) or are corrupt")
     tok = int(last[0])
     if tok in eos:
       return
     yield tok
     if i + 1 < max_new_tokens:
-      cache, last, done, key, _ = _decode_chunk(params, cache, last, done, key, eos_arr, jnp.int32(0),
-                                                cfg=cfg, sampler=sampler, steps=1)
+      cache, last, done, bad, key, _ = _decode_chunk(params, cache, last, done, bad, key, eos_arr, jnp.int32(0),
+                                                     cfg=cfg, sampler=sampler, steps=1)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv.attention import prompt_attention, prompt_mask
-from jkv.cache import KVCache
+from jkv.cache import KVCache, StepContext
 from jkv.config import ModelConfig
 from jkv.params import Params
 from jkv_kernels.attention_reference import gqa_attention_reference
@@ -99,7 +99,7 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
       position -1; at decode the rows are the next positions, ``cache.lengths[:, None] + arange(T)``.
     cache: the KV cache; at prefill it must be empty.
     cfg: model config (static).
-    prefill: store the prompt (attention is exact among its tokens) rather than append and attend the cache.
+    prefill: store the prompt (attention is exact among its tokens) rather than step the cache.
     logit_rows: optional [B, K] int32 token indices: compute logits for those rows only (a long prompt's
       [B, T, vocab] logits can outgrow the whole cache).
 
@@ -109,9 +109,12 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
   method = cache.method
   x = _embed(params, tokens, cfg)
   if prefill:
-    lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    ctx = StepContext(lengths=jnp.sum(positions >= 0, axis=1).astype(jnp.int32), positions=positions,
+                      impl=cache.impl)
+    lengths = ctx.lengths
   else:
-    lengths = cache.lengths + tokens.shape[1]
+    ctx = StepContext(lengths=cache.lengths, positions=positions, impl=cache.impl)
+    lengths = method.advance(cache.lengths, tokens.shape[1])
 
   def body(carry, xs):
     x, state = carry
@@ -120,14 +123,12 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
       q, k, v = _qkv(layer, rms_norm(x, layer.attn_norm, cfg.norm_eps), positions, cfg)
     if prefill:
       with jax.named_scope("attention"):
-        attn = prompt_attention(q, k, v, positions)
+        attn = prompt_attention(q, k, v, positions, flash=cache.impl == "pallas")
       with jax.named_scope("cache_update"):
-        state = method.prefill(state, i, k, v, q, lengths)
+        state = method.prefill(state, i, q, k, v, ctx)
     else:
-      with jax.named_scope("cache_update"):
-        state = method.append(state, i, k, v, q, cache.lengths)
-      with jax.named_scope("attention"):
-        attn = method.attend(state, i, q, positions, lengths)
+      with jax.named_scope("cache_step"):
+        attn, state = method.step(state, i, q, k, v, ctx)
     x = _attn_out(layer, x, attn, cfg)
     with jax.named_scope("mlp"):
       x = _mlp(layer, x, cfg)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jkv import cache as cache_lib
+from jkv import methods as methods_lib
 from jkv.cli import main
 from jkv.evaluation import compare as compare_lib
 from jkv.evaluation import passkey as passkey_lib
@@ -97,11 +97,11 @@ def test_parse_key():
 
 def test_method_specs_parse_coerce_and_label():
   spec = compare_lib.MethodSpec.parse("fakequant:bits=2,key_axis=token,value_axis=channel")
-  assert spec.method() == cache_lib.make_method("fakequant", bits=2, key_axis="token", value_axis="channel")
+  assert spec.method() == methods_lib.make_method("fakequant", bits=2, key_axis="token", value_axis="channel")
   assert spec.label == "fakequant:bits=2,key_axis=token,value_axis=channel"
   assert compare_lib.MethodSpec.parse("dense").label == "dense"
   kivi = compare_lib.MethodSpec.parse("kivi:bits=4,quantize_before_attend=true,k_bits=none,residual=64")
-  assert kivi.method() == cache_lib.make_method("kivi", bits=4, quantize_before_attend=True, residual=64)
+  assert kivi.method() == methods_lib.make_method("kivi", bits=4, quantize_before_attend=True, residual=64)
   assert kivi.label == "kivi:bits=4,quantize_before_attend=True,k_bits=None,residual=64"
 
 
@@ -143,30 +143,6 @@ def test_compare_returns_every_requested_row_tiny(tiny_llama):
   # Dense here is the same computation as the dense perplexity run alone.
   alone = ppl_lib.perplexity(m.params, m.config, ids, plan=plan, progress=False)
   assert rows[0]["ppl"] == pytest.approx(alone.ppl, rel=1e-6)
-
-
-def test_a_registered_method_joins_compare_by_registration_alone(tiny_llama, tmp_path):
-  @cache_lib.register
-  @dataclasses.dataclass(frozen=True)
-  class EchoDense(Dense):  # a "new method": dense with an option of its own
-    name = "echo_dense_test"
-    copies: int = 1
-
-  try:
-    _, m = tiny_llama
-    ids = np.random.default_rng(2).integers(2, m.config.vocab_size, 500).tolist()
-    specs = compare_lib.parse_methods(["dense", "echo_dense_test:copies=3"])
-    plan = ppl_lib.WindowPlan(context=20, scored=6, num_windows=2, batch_size=2)
-    rows = compare_lib.compare(m, specs, token_ids=ids, ppl=plan, passkey=None, progress=False)
-    assert rows[1]["method"] == "echo_dense_test:copies=3" and rows[1]["settings"] == {"copies": 3}
-    assert rows[1]["ppl"] == pytest.approx(rows[0]["ppl"], rel=1e-6)
-    meta = dict(command="jkv compare", model="tiny", text="random", ppl=dataclasses.asdict(plan), passkey=None,
-                environment=compare_lib.environment(), seconds=1.0)
-    paths = compare_lib.write_outputs(rows, meta, str(tmp_path / "cmp"))
-    assert all((tmp_path / p).stat().st_size > 0 for p in paths)
-    assert "`echo_dense_test:copies=3`" in (tmp_path / "cmp.md").read_text()
-  finally:
-    cache_lib._REGISTRY.pop("echo_dense_test")
 
 
 def test_compare_with_passkey_on_default_model(default_model):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jkv import cli
-from jkv.cache import CacheSpec, KVCache, make_method
+from jkv.cache import CacheSpec, KVCache, StepContext
+from jkv.methods import make_method
 from jkv.methods.fake_quant import FakeQuant
 
 G = 32
@@ -158,14 +159,19 @@ def well_conditioned(x, lengths, axis, bits):
 
 
 def run_method(method, k, v, q, lengths, q_positions):
-  """FakeQuant.prefill the prompt into layer 0 of a 1-layer cache, then FakeQuant.attend the query rows."""
+  """Prefill all but the last token of each sequence into layer 0 of a 1-layer cache, then one decode step
+  with the last token (stored, then attended by q [B, H, 1, g, D] at position length - 1)."""
   B, _, C, _ = k.shape
   spec = CacheSpec(num_layers=1, batch=B, capacity=C, kv_heads=H, head_dim=D, q_per_kv=QPK, dtype=jnp.float32)
   cache = KVCache.create(method, spec)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  # prefill's q is unused by fakequant; positions past each length are garbage that must not matter.
-  state = method.prefill(cache.state, 0, jnp.asarray(k), jnp.asarray(v), jnp.zeros((B, H, C, QPK, D)), lengths)
-  out = method.attend(state, 0, jnp.asarray(q), jnp.asarray(q_positions, jnp.int32), lengths)
+  held = jnp.asarray(lengths, jnp.int32) - 1
+  assert np.array_equal(q_positions[:, 0], held)
+  # Positions past each length hold garbage that must not matter.
+  ctx = StepContext(lengths=held, positions=jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C)))
+  state = method.prefill(cache.state, 0, None, jnp.asarray(k), jnp.asarray(v), ctx)
+  last = lambda x: jnp.asarray(np.stack([x[b, :, n - 1] for b, n in enumerate(lengths)])[:, :, None])
+  out, _ = method.step(state, 0, jnp.asarray(q), last(k), last(v),
+                       StepContext(lengths=held, positions=held[:, None]))
   return np.asarray(out, np.float64)
 
 
@@ -175,10 +181,8 @@ def make_case(seed, lengths, key_axis, value_axis, bits, capacity):
   # Garbage (not zeros) past each length: the method must treat those slots as zeros / ignore them.
   k = well_conditioned(k, lengths, key_axis, bits)
   v = well_conditioned(v, lengths, value_axis, bits)
-  T = 3
-  q = rng.standard_normal((len(lengths), H, T, QPK, D)).astype(np.float32)
-  # Three query rows per sequence: the newest token, one in the middle, the first (causal mask per row).
-  q_positions = np.array([[n - 1, n // 2, 0] for n in lengths], np.int32)
+  q = rng.standard_normal((len(lengths), H, 1, QPK, D)).astype(np.float32)
+  q_positions = np.array([[n - 1] for n in lengths], np.int32)  # the newest token's row
   return k, v, q, q_positions
 
 
@@ -271,7 +275,7 @@ def test_kv_bytes_formula_key_channel_value_token():
     key_bytes = n_pad * Dm * 2 / 8 + key_groups * 2 * 2
     value_bytes = n * Dm * 2 / 8 + value_groups * 2 * 2
     want += L * Hm * (key_bytes + value_bytes)
-  assert FakeQuant(bits=2, key_axis="channel", value_axis="token").kv_bytes(spec, lengths) == want
+  assert FakeQuant(bits=2, key_axis="channel", value_axis="token").held_bytes(spec, None, lengths).device == want
   # The same by hand: 37 -> keys 64 * 0.375 + values 37 * 0.375; 100 -> keys 128 * 0.375 + values 100 * 0.375.
   assert want == L * Hm * Dm * 0.375 * (64 + 37 + 128 + 100) == 710_640
 
@@ -280,9 +284,13 @@ def test_kv_bytes_formula_key_channel_value_token():
     (dict(key_axis="tokens"), "key_axis='tokens'"),
     (dict(value_axis="head"), "value_axis='head'"),
     (dict(bits=3), "bits=3"),
+    (dict(group_size=0), "group_size=0"),
+    (dict(group_size=-32), "group_size=-32"),
+    (dict(meta_dtype="int8"), "meta_dtype='int8'"),
+    (dict(group_size=48), "group_size=48 does not divide the head dim 64"),
 ])
 def test_invalid_settings_are_rejected(options, word):
-  spec = CacheSpec(num_layers=1, batch=1, capacity=64, kv_heads=H, head_dim=D, q_per_kv=QPK, dtype=jnp.float32)
+  spec = CacheSpec(num_layers=1, batch=1, capacity=96, kv_heads=H, head_dim=D, q_per_kv=QPK, dtype=jnp.float32)
   with pytest.raises(ValueError, match=word.replace("(", r"\(")) as e:
     KVCache.create(make_method("fakequant", **options), spec)
   assert "\n" not in str(e.value)
@@ -310,10 +318,11 @@ def test_default_model_generates_with_2bit_key_channel_value_token(capsys, defau
                                       meta_dtype="float16")
   assert 1 <= len(res["tokens"]) <= 8 and res["text"].strip()
   assert "Paris" in res["text"]  # the best 2-bit layout (KIVI Table 1) still answers a one-fact question
-  # kv_bytes as the method counts them for the tokens held (generate: prompt + decode steps, < max_new_tokens).
+  # Bytes for the tokens held (prompt + decode steps), counted here from first principles: 2-bit codes plus an
+  # fp16 scale and zero per group of 32; keys per channel over the tokens padded to a multiple of 32.
   held = res["dense_kv_bytes"] // (2 * 30 * 3 * 64 * 4)
   assert res["dense_kv_bytes"] == held * 2 * 30 * 3 * 64 * 4
   assert res["prompt_tokens"][0] + len(res["tokens"]) - 1 <= held <= res["prompt_tokens"][0] + 7
-  spec = CacheSpec(num_layers=30, batch=1, capacity=res["capacity"], kv_heads=3, head_dim=64, q_per_kv=3,
-                   dtype=jnp.float32)
-  assert res["kv_bytes"] == FakeQuant(bits=2).kv_bytes(spec, np.array([held])) < res["dense_kv_bytes"]
+  padded = -(-held // 32) * 32
+  per_channel = (padded + held) * (2 / 8 + 2 * 2 / 32)
+  assert res["kv_bytes"] == round(30 * 3 * 64 * per_channel) < res["dense_kv_bytes"]

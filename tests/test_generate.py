@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jkv import generate as gen
-from jkv.cache import make_method
+from jkv.methods import make_method
 from jkv.sampling import Greedy, Sampling, make_sampler
 from conftest import random_prompts
 
@@ -99,5 +99,56 @@ def test_unknown_method_and_option_are_rejected():
 
 def test_empty_prompt_is_rejected(tiny_llama):
   _, m = tiny_llama
-  with pytest.raises(ValueError, match="at least one token"):
+  with pytest.raises(ValueError, match="prompt 0 must be a non-empty flat list"):
     gen.generate(m.params, m.config, [[]], max_new_tokens=4)
+
+
+def test_kivi_batch_of_different_lengths_equals_each_alone(tiny_llama):
+  """Through generate: prompts of different lengths flush at different steps; each row equals its run alone."""
+  _, m = tiny_llama
+  method = make_method("kivi", bits=2, residual=32)
+  prompts = random_prompts(m.config.vocab_size, [7, 33, 50], seed=12)
+  batch = gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=40, eos_ids=(), chunk=8)
+  for b, p in enumerate(prompts):
+    alone = gen.generate(m.params, m.config, [p], method=method, max_new_tokens=40, eos_ids=(), chunk=8)
+    assert alone.tokens[0] == batch.tokens[b]
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([[5, 6, -1]], "prompt 0 token 2: id -1 is outside the vocabulary"),
+    ([[5], [6, 10**9]], "prompt 1 token 1: id 1000000000 is outside the vocabulary"),
+    ([[5, 128]], "id 128 is outside the vocabulary \\[0, 128\\)"),
+    ([[5, 6.5]], "non-integer token ids"),
+    ([[True, False]], "non-integer token ids"),
+    ([[[1, 2]]], "non-empty flat list"),
+    ("hello", "non-empty list of token-id lists"),
+    ([], "non-empty list of token-id lists"),
+])
+def test_invalid_token_ids_are_rejected(tiny_llama, prompts, message):
+  _, m = tiny_llama
+  with pytest.raises(ValueError, match=message) as e:
+    gen.generate(m.params, m.config, prompts, max_new_tokens=4)
+  assert "\n" not in str(e.value)
+  if isinstance(prompts, list) and len(prompts) == 1:
+    with pytest.raises(ValueError, match=message):
+      list(gen.stream(m.params, m.config, prompts[0], max_new_tokens=4))
+
+
+def test_non_finite_logits_raise_instead_of_returning_tokens(tiny_llama):
+  _, m = tiny_llama
+  params = m.params.replace(layers=m.params.layers.replace(w_up=m.params.layers.w_up.at[1, 0, 0].set(np.nan)))
+  prompts = random_prompts(m.config.vocab_size, [6, 9], seed=1)
+  with pytest.raises(ValueError, match=r"non-finite logits for sequence\(s\) 0, 1") as e:
+    gen.generate(params, m.config, prompts, max_new_tokens=4)
+  assert "\n" not in str(e.value)
+
+
+def test_capacity_below_the_padded_prompt_bucket_still_runs(tiny_llama):
+  """A 20-token prompt pads to a bucket of 32; a capacity of 24 holds it plus 4 new tokens and must work."""
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [20], seed=3)
+  small = gen.generate(m.params, m.config, prompts, max_new_tokens=4, capacity=24, eos_ids=(), chunk=4)
+  big = gen.generate(m.params, m.config, prompts, max_new_tokens=4, eos_ids=(), chunk=4)
+  assert small.tokens == big.tokens
+  with pytest.raises(ValueError, match="capacity must be >= 1"):
+    gen.generate(m.params, m.config, prompts, max_new_tokens=4, capacity=0)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jkv import generate as gen
-from jkv.cache import CacheSpec, KVCache, make_method
+from jkv.cache import CacheSpec, KVCache, StepContext
+from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
 from jkv_kernels.attention_reference import gqa_attention_reference
 from jkv_kernels.quantization import dequantize, pack, quantize
@@ -21,6 +22,25 @@ H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
 
 def _spec(batch, capacity, dtype=jnp.float32):
   return CacheSpec(num_layers=2, batch=batch, capacity=capacity, kv_heads=H, head_dim=D, q_per_kv=G_Q, dtype=dtype)
+
+
+def _prefill(method, state, layer, k, v, lengths, impl="xla"):
+  """Prefill a right-padded prompt k, v [B, H, T, D] with ``lengths`` valid tokens per sequence."""
+  T = k.shape[2]
+  positions = np.where(np.arange(T)[None] < np.asarray(lengths)[:, None], np.arange(T)[None], -1)
+  ctx = StepContext(lengths=jnp.asarray(lengths, jnp.int32), positions=jnp.asarray(positions, jnp.int32), impl=impl)
+  return method.prefill(state, layer, None, jnp.asarray(k), jnp.asarray(v), ctx)
+
+
+def _step_fn(method, layer, impl="xla"):
+  """A jitted decode step: (state, q [B, H, T, g, D], k, v [B, H, T, D], held [B]) -> (out, state), rows at
+  positions held + [0, T)."""
+  @jax.jit
+  def step(state, q, k, v, held):
+    positions = held[:, None] + jnp.arange(k.shape[2])[None]
+    return method.step(state, layer, q, k, v, StepContext(lengths=held, positions=positions, impl=impl))
+  return lambda state, q, k, v, held: step(state, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                           jnp.asarray(held, jnp.int32))
 
 
 def _qkv(rng, batch, n):
@@ -60,22 +80,18 @@ def _oracle(method, q_row, k, v, n):
     (2, True, 64), (4, True, 100), (2, True, 1),
 ])
 def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len):
-  """Prefill, then appends across several flushes; every step's attention and the key codes equal the oracle."""
-  method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before, use_kernel=False)
+  """Prefill, then steps across several flushes; every step's attention and the key codes equal the oracle."""
+  method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before)
   steps = 150
   rng = np.random.default_rng(prompt_len + 10 * bits)
   q, k, v = _qkv(rng, 1, 384)  # random past the end too: the oracle must mask it
-  state = method.init(_spec(1, 384))
-  state = method.prefill(state, 1, jnp.asarray(k[:, :, :prompt_len]), jnp.asarray(v[:, :, :prompt_len]),
-                         None, jnp.asarray([prompt_len]))
-  append = jax.jit(method.append, static_argnums=1)
-  attend = jax.jit(method.attend, static_argnums=1)
+  state = _prefill(method, method.init(_spec(1, 384)), 1, k[:, :, :prompt_len], v[:, :, :prompt_len], [prompt_len])
+  step = _step_fn(method, 1)
   for n in range(prompt_len + 1, prompt_len + steps + 1):
     p = n - 1
-    state = append(state, 1, jnp.asarray(k[:, :, p:n]), jnp.asarray(v[:, :, p:n]), None, jnp.asarray([p]))
+    out, state = step(state, q[:, :, p:n], k[:, :, p:n], v[:, :, p:n], [p])
     if n % 5 and (n - 1) % 64 not in (0, 1, 63):  # every 5th step, and every step around a flush
       continue
-    out = attend(state, 1, jnp.asarray(q[:, :, p:n]), jnp.asarray([[p]]), jnp.asarray([n]))
     ref = _oracle(method, q[:, :, p:n], k, v, n)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
   # The packed key store equals one-shot quantization of every flushed block.
@@ -101,8 +117,8 @@ def _grid_values(rng, shape):
 
 
 @pytest.mark.parametrize("method", [
-    Kivi(bits=8, group_size=32, residual=32, use_kernel=False),
-    Kivi(bits=2, group_size=32, residual=512, use_kernel=False),  # every token stays in the residual
+    Kivi(bits=8, group_size=32, residual=32),
+    Kivi(bits=2, group_size=32, residual=512),  # every token stays in the residual
 ], ids=["8bit-exact-grid", "all-residual"])
 def test_exact_cases_equal_dense_attention(method):
   rng = np.random.default_rng(0)
@@ -110,42 +126,38 @@ def test_exact_cases_equal_dense_attention(method):
   k, v = _grid_values(rng, (2, H, n, D)), _grid_values(rng, (2, H, n, D))
   q = rng.normal(size=(2, H, 1, G_Q, D)).astype(np.float32)
   lengths = np.array([n - 57, n])
-  state = method.init(_spec(2, 512))
-  state = method.prefill(state, 0, jnp.asarray(k), jnp.asarray(v), None, jnp.asarray(lengths))
-  out = method.attend(state, 0, jnp.asarray(q), jnp.asarray(lengths[:, None] - 1), jnp.asarray(lengths))
+  state = _prefill(method, method.init(_spec(2, 512)), 0, k[:, :, :-1], v[:, :, :-1], lengths - 1)
+  # The last token of each sequence arrives as a decode step.
+  last = np.stack([k[b, :, lengths[b] - 1] for b in range(2)])[:, :, None]
+  last_v = np.stack([v[b, :, lengths[b] - 1] for b in range(2)])[:, :, None]
+  out, _ = _step_fn(method, 0)(state, q, last, last_v, lengths - 1)
   mask = jnp.arange(n)[None, None, :] < lengths[:, None, None]
   ref = gqa_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_batch_of_different_lengths_equals_each_alone():
-  method = Kivi(bits=2, group_size=32, residual=64, use_kernel=False)
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_batch_of_different_lengths_equals_each_alone(impl):
+  """Sequences of different lengths step together (each at its own position, crossing flushes at different
+  steps); every step's output and the stored codes equal each sequence run alone."""
+  method = Kivi(bits=2, group_size=32, residual=64)
   rng = np.random.default_rng(3)
-  lengths = [40, 129, 200]
-  q, k, v = _qkv(rng, 3, 220)
-  append = jax.jit(method.append, static_argnums=1)
-  spec = _spec(3, 256)
-  state = method.prefill(method.init(spec), 0, jnp.asarray(k[:, :, :200]), jnp.asarray(v[:, :, :200]), None,
-                         jnp.asarray(lengths))
-  alone = []
-  for b, n in enumerate(lengths):
-    s = method.prefill(method.init(_spec(1, 256)), 0, jnp.asarray(k[b:b + 1, :, :n]),
-                       jnp.asarray(v[b:b + 1, :, :n]), None, jnp.asarray([n]))
-    alone.append(s)
-  for step in range(70):  # crosses a flush for every sequence
-    pos = np.array(lengths) + step
-    kk = np.stack([k[b, :, pos[b] % 220] for b in range(3)])[:, :, None]
-    vv = np.stack([v[b, :, pos[b] % 220] for b in range(3)])[:, :, None]
-    state = append(state, 0, jnp.asarray(kk), jnp.asarray(vv), None, jnp.asarray(pos))
+  lengths = np.array([40, 129, 200])
+  q, k, v = _qkv(rng, 3, 256)
+  step = _step_fn(method, 0, impl)
+  state = _prefill(method, method.init(_spec(3, 256)), 0, k[:, :, :200], v[:, :, :200], lengths, impl)
+  alone = [_prefill(method, method.init(_spec(1, 256)), 0, k[b:b + 1, :, :n], v[b:b + 1, :, :n], [n], impl)
+           for b, n in enumerate(lengths)]
+  for t in range(40 if impl == "xla" else 12):  # crosses a flush for every sequence (xla)
+    pos = lengths + t
+    row = lambda x: np.stack([x[b, :, pos[b]] for b in range(3)])[:, :, None]
+    qq = np.stack([q[b, :, pos[b]] for b in range(3)])[:, :, None]
+    out, state = step(state, qq, row(k), row(v), pos)
     for b in range(3):
-      alone[b] = append(alone[b], 0, jnp.asarray(kk[b:b + 1]), jnp.asarray(vv[b:b + 1]), None,
-                               jnp.asarray(pos[b:b + 1]))
-  n = np.array(lengths) + 70
-  qq = jnp.asarray(q[:, :, :1])
-  out = method.attend(state, 0, qq, jnp.asarray(n[:, None] - 1), jnp.asarray(n))
+      ref, alone[b] = step(alone[b], qq[b:b + 1], row(k)[b:b + 1], row(v)[b:b + 1], pos[b:b + 1])
+      np.testing.assert_allclose(np.asarray(out[b:b + 1]), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  n = lengths + t + 1
   for b in range(3):
-    ref = method.attend(alone[b], 0, qq[b:b + 1], jnp.asarray([[n[b] - 1]]), jnp.asarray(n[b:b + 1]))
-    np.testing.assert_allclose(np.asarray(out[b:b + 1]), np.asarray(ref), rtol=1e-6, atol=1e-6)
     n_k = int(method.key_boundary(n[b]))
     np.testing.assert_array_equal(np.asarray(state.k_codes[0, b, :, :, :n_k // 16]),
                                   np.asarray(alone[b].k_codes[0, 0, :, :, :n_k // 16]))
@@ -170,19 +182,21 @@ def test_memory_matches_the_spec_formula():
                    dtype=jnp.float16)
   mib = 2**20
   fp16 = 2 * 32 * 32 * 128 * 2
-  kivi2, kivi4 = Kivi(bits=2), Kivi(bits=4)
+  kivi2_, kivi4_ = Kivi(bits=2), Kivi(bits=4)
+  kivi2 = lambda spec, n: kivi2_.held_bytes(spec, None, n).device
+  kivi4 = lambda spec, n: kivi4_.held_bytes(spec, None, n).device
   # Right after 4096 tokens: rK = 0, rV = 128 -> 410.0 MiB (5.00x) and 662.0 MiB (3.09x), plus the length counter.
-  assert kivi2.kv_bytes(spec, np.array([4096])) == 410 * mib + 4
-  assert kivi4.kv_bytes(spec, np.array([4096])) == 662 * mib + 4
+  assert kivi2(spec, np.array([4096])) == 410 * mib + 4
+  assert kivi4(spec, np.array([4096])) == 662 * mib + 4
   # 127 tokens later both residuals are (nearly) full: the spec's upper-bound rows, 4.70x and 2.99x.
   n = 4096 + 127
-  assert kivi2.kv_bytes(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 4.70, rel=0.01)
-  assert kivi4.kv_bytes(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 2.99, rel=0.01)
+  assert kivi2(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 4.70, rel=0.01)
+  assert kivi4(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 2.99, rel=0.01)
   # Long sequences approach the asymptote b/8 + 2*2/G bytes per element: 5.33x and 3.2x.
   big = 1 << 22
-  assert fp16 * big / kivi2.kv_bytes(spec, np.array([big])) == pytest.approx(16 / 3, rel=1e-3)
+  assert fp16 * big / kivi2(spec, np.array([big])) == pytest.approx(16 / 3, rel=1e-3)
   # Batch rows add up.
-  assert kivi2.kv_bytes(spec, np.array([4096, 4096])) == 2 * (410 * mib + 4)
+  assert kivi2(spec, np.array([4096, 4096])) == 2 * (410 * mib + 4)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -197,27 +211,24 @@ def test_invalid_settings_are_rejected(options, message):
     KVCache.create(make_method("kivi", **options), _spec(1, 256))
 
 
-def test_fused_kernel_path_equals_reference_path():
-  """The method does not care which attention runs: the Pallas kernel (interpreted here) matches the reference."""
+def test_fused_kernel_path_equals_xla_path():
+  """The method does not care which attention runs: the Pallas kernel (interpreted here) matches the XLA path on
+  a ragged batch (one sequence 60 tokens behind the other), across a flush, two rows per step."""
   rng = np.random.default_rng(5)
-  n = 200
-  q, k, v = _qkv(rng, 2, n)
-  lengths = np.array([150, 200])
-  outs = []
-  for use_kernel in (False, True):
-    method = Kivi(bits=2, group_size=32, residual=64, use_kernel=use_kernel)
-    state = method.prefill(method.init(_spec(2, 256)), 0, jnp.asarray(k[:, :, :140]), jnp.asarray(v[:, :, :140]),
-                           None, jnp.asarray([140, 140]))
-    for p in range(140, 200):
-      pos = np.minimum(np.array([p, p]), lengths - 1)
-      live = p < lengths
-      if not live.all():
-        break
-      state = method.append(state, 0, jnp.asarray(k[:, :, p:p + 1]), jnp.asarray(v[:, :, p:p + 1]), None,
-                            jnp.asarray(pos))
-    outs.append(method.attend(state, 0, jnp.asarray(q[:, :, :2]), jnp.asarray([[148, 149], [148, 149]]),
-                              jnp.asarray([150, 150])))
-  np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-4, atol=1e-4)
+  q, k, v = _qkv(rng, 2, 256)
+  lengths = np.array([70, 130])
+  outs = {}
+  for impl in ("xla", "interpret"):
+    method = Kivi(bits=2, group_size=32, residual=64)
+    state = _prefill(method, method.init(_spec(2, 256)), 0, k[:, :, :130], v[:, :, :130], lengths, impl)
+    step = _step_fn(method, 0, impl)
+    outs[impl] = []
+    for t in range(0, 8, 2):
+      pos = lengths + t
+      rows = lambda x: np.stack([x[b, :, pos[b]:pos[b] + 2] for b in range(2)])
+      out, state = step(state, rows(q), rows(k), rows(v), pos)
+      outs[impl].append(np.asarray(out))
+  np.testing.assert_allclose(np.stack(outs["interpret"]), np.stack(outs["xla"]), rtol=1e-4, atol=1e-4)
 
 
 def test_default_model_kivi4_matches_dense_and_kivi2_knows_paris(default_model):
@@ -232,6 +243,10 @@ def test_default_model_kivi4_matches_dense_and_kivi2_knows_paris(default_model):
   assert kivi4.tokens[0][:32] == dense.tokens[0][:32]
   kivi2 = gen.generate(m.params, m.config, prompt, method=Kivi(bits=2, residual=32), max_new_tokens=16)
   assert "Paris" in tok.decode(kivi2.tokens[0])
-  cache_tokens = len(prompt[0]) + 39
-  assert kivi4.stats["kv_bytes"] == Kivi(bits=4, residual=32).kv_bytes(
-      CacheSpec.for_model(m.config, 1, 128), np.array([cache_tokens]))
+  # Bytes counted from first principles for 37 + 39 = 76 tokens (spec §3.2), not from the method: keys in whole
+  # flushed blocks of R=32 are 4-bit codes plus an fp16 scale and zero per 32 tokens, the other 12 keys fp32;
+  # values older than the newest 32 are 4-bit plus fp16 scale and zero per 32 channels, the newest 32 fp32.
+  n = len(prompt[0]) + 39
+  assert n == 76
+  per_channel = (64 * 0.5 + 2 * 2 * 2) + (76 - 64) * 4 + (44 * 0.5 + 44 * 4 / 32) + 32 * 4
+  assert kivi4.stats["kv_bytes"] == round(30 * 3 * 64 * per_channel) + 4

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from jkv import cache as cache_lib
+from jkv import methods as methods_lib
 from jkv.cache import CacheMethod, CacheSpec
 from jkv.evaluation import passkey as passkey_lib
 from jkv.evaluation import perplexity as ppl_lib
@@ -68,7 +68,7 @@ class MethodSpec:
   def parse(cls, text: str) -> "MethodSpec":
     """``name`` or ``name:option=value,...``; values coerced by the method config's field types."""
     name, _, rest = text.strip().partition(":")
-    method_cls = cache_lib.method_class(name)  # unknown name: one line listing the known ones
+    method_cls = methods_lib.method_class(name)  # unknown name: one line listing the known ones
     hints = typing.get_type_hints(method_cls)
     fields = {f.name for f in dataclasses.fields(method_cls)}
     options = []
@@ -83,7 +83,7 @@ class MethodSpec:
     return cls(name, tuple(options))
 
   def method(self) -> CacheMethod:
-    return cache_lib.make_method(self.name, **dict(self.options))
+    return methods_lib.make_method(self.name, **dict(self.options))
 
   @property
   def label(self) -> str:
@@ -118,7 +118,7 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
   methods = [s.method() for s in specs]
   probe = CacheSpec.for_model(cfg, 1, ppl.context + ppl.scored)
   for m in methods:
-    m.validate(probe)
+    m.check(probe)
   ppl.validate()
   ppl.starts(len(token_ids))
   if passkey is not None:
@@ -137,7 +137,7 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
                                    progress=progress)
     rows.append(dict(
         method=spec.label, name=spec.name, settings=dataclasses.asdict(method),
-        kv_bytes=p.kv_bytes, dense_kv_bytes=p.dense_kv_bytes, kv_tokens=p.kv_tokens,
+        kv_bytes=p.kv_bytes, kv_host_bytes=p.kv_host_bytes, dense_kv_bytes=p.dense_kv_bytes, kv_tokens=p.kv_tokens,
         compression=p.dense_kv_bytes / p.kv_bytes, ppl=p.ppl, nll=p.nll, delta_ppl=None, window_nll=p.window_nll,
         passkey_acc=None if pk is None else pk.mean_accuracy,
         passkey_accuracy=None if pk is None else pk.accuracy,

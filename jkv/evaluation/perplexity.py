@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jkv import generate as gen
+from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
 from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
@@ -70,7 +71,8 @@ class PerplexityResult:
   tokens_scored: int
   window_nll: list  # mean NLL per window
   starts: list  # window offsets in the token stream
-  kv_bytes: int  # bytes the method holds for one sequence of context + scored tokens
+  kv_bytes: int  # device bytes the method holds for one sequence of context + scored tokens (mean over windows)
+  kv_host_bytes: int  # host-memory bytes it holds for one such sequence
   dense_kv_bytes: int  # bytes the dense cache would hold for the same tokens
   kv_tokens: int  # context + scored: the sequence length the bytes are counted at
   decode_tokens_per_s: float  # batch rows x decode steps per second, compilation excluded
@@ -105,10 +107,11 @@ def _score(params, cache, inputs, targets, *, cfg):
 
 
 def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method: CacheMethod,
-               context: int) -> tuple[np.ndarray, dict]:
+               context: int, attention_impl: str = "auto") -> tuple[np.ndarray, dict]:
   """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch.
 
-  Returns the NLLs and timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations).
+  Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations) and
+  ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window).
   """
   windows = np.asarray(windows, np.int32)
   B, W = windows.shape
@@ -116,7 +119,7 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
   if scored < 1:
     raise ValueError(f"windows of {W} tokens leave nothing to score after a context of {context}")
   cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
-  cache = KVCache.create(method, CacheSpec.for_model(cfg, B, cap))
+  cache = KVCache.create(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl))
   with gen.CompileCounter() as compiles:
     cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
     jax.block_until_ready(cache)
@@ -126,12 +129,15 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
                         cfg=cfg)
     nll = np.asarray(nll)
     decode_s = time.perf_counter() - t0
+  held = cache.held_bytes()
   del cache
-  return nll, dict(decode_s=decode_s, decode_compile_s=compiles.seconds - before, compile_s=compiles.seconds)
+  return nll, dict(decode_s=decode_s, decode_compile_s=compiles.seconds - before, compile_s=compiles.seconds,
+                   held=held)
 
 
 def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, method: CacheMethod = Dense(),
-               plan: WindowPlan = WindowPlan(), progress: Optional[bool] = None) -> PerplexityResult:
+               plan: WindowPlan = WindowPlan(), progress: Optional[bool] = None,
+               attention_impl: str = "auto") -> PerplexityResult:
   """Perplexity of ``token_ids`` under ``method``: windows per ``plan``, scored through the decode path."""
   t_start = time.perf_counter()
   ids = np.asarray(token_ids, np.int32)
@@ -140,7 +146,7 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
   starts = plan.starts(len(ids))
   windows = np.stack([ids[s:s + plan.window] for s in starts])
   B = min(plan.batch_size, plan.num_windows)
-  nlls, decode_s, rows, compile_s, first_batch = [], 0.0, 0, 0.0, None
+  nlls, decode_s, rows, compile_s, first_batch, held = [], 0.0, 0, 0.0, None, []
   bar = tqdm(total=plan.num_windows * plan.scored, desc=f"ppl {method.name}", unit="tok", leave=False,
              disable=progress is False)
   for i in range(0, plan.num_windows, B):
@@ -148,8 +154,9 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
     real = len(batch)
     if real < B:  # pad the last batch with repeats of its first window: the same shapes, nothing to compile
       batch = np.concatenate([batch, np.repeat(batch[:1], B - real, axis=0)])
-    nll, t = window_nll(params, cfg, batch, method=method, context=plan.context)
+    nll, t = window_nll(params, cfg, batch, method=method, context=plan.context, attention_impl=attention_impl)
     nlls.append(nll[:real])
+    held.append((t["held"], B))
     compile_s += t["compile_s"]
     if first_batch is None:
       first_batch = t
@@ -164,9 +171,10 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
   nll = np.concatenate(nlls)
   n = plan.context + plan.scored
   spec = CacheSpec.for_model(cfg, 1, gen.round_up(n, method.capacity_multiple()))
+  per_sequence = lambda side: int(round(sum(getattr(h, side) for h, _ in held) / sum(b for _, b in held)))
   return PerplexityResult(
       ppl=float(np.exp(nll.mean())), nll=float(nll.mean()), tokens_scored=int(nll.size),
       window_nll=[float(x) for x in nll.mean(axis=1)], starts=[int(s) for s in starts],
-      kv_bytes=int(method.kv_bytes(spec, np.array([n]))), dense_kv_bytes=dense_kv_bytes(spec, np.array([n])),
+      kv_bytes=per_sequence("device"), kv_host_bytes=per_sequence("host"), dense_kv_bytes=dense_kv_bytes(spec, np.array([n])),
       kv_tokens=n, decode_tokens_per_s=rows / decode_s, compile_s=compile_s,
       seconds=time.perf_counter() - t_start)

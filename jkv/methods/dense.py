@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes, register, write_at
-from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv.attention import causal_mask, decode_attention
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext, dense_kv_bytes
+from jkv.cache_arrays import write_at, write_layer
+from jkv.methods.registry import register
+
+TOKENS_AXES = ("layers", "batch", "kv_heads", "tokens", "head_dim")
 
 
 @struct.dataclass
@@ -17,9 +21,20 @@ class DenseState:
   v: jax.Array  # [L, B, H, C, D] model dtype
 
 
-def causal_mask(q_positions, num_keys):
-  """[B, T, S] bool: key slot s is visible to query row t iff s <= q_positions[b, t]."""
-  return jnp.arange(num_keys)[None, None, :] <= q_positions[:, :, None]
+def dense_abstract(spec: CacheSpec) -> DenseState:
+  info = ArrayInfo((spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim), spec.dtype,
+                   TOKENS_AXES)
+  return DenseState(k=info, v=info)
+
+
+def dense_prefill(state: DenseState, layer, k, v) -> DenseState:
+  """Write a prompt k, v [B, H, T, D] at slots [0, T) (padding slots past each length are never read)."""
+  return DenseState(k=write_layer(state.k, layer, k), v=write_layer(state.v, layer, v))
+
+
+def dense_store(state: DenseState, layer, k, v, lengths) -> DenseState:
+  """Write rows k, v [B, H, T, D] at slots lengths + [0, T)."""
+  return DenseState(k=write_at(state.k, layer, k, lengths, axis=2), v=write_at(state.v, layer, v, lengths, axis=2))
 
 
 @register
@@ -27,23 +42,18 @@ def causal_mask(q_positions, num_keys):
 class Dense(CacheMethod):
   name = "dense"
 
-  def init(self, spec: CacheSpec) -> DenseState:
-    shape = (spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim)
-    return DenseState(k=jnp.zeros(shape, spec.dtype), v=jnp.zeros(shape, spec.dtype))
+  def abstract(self, spec: CacheSpec) -> DenseState:
+    return dense_abstract(spec)
 
-  def prefill(self, state, layer, k, v, q, lengths):
-    del q, lengths  # padding slots past a sequence's length are never read
-    zero = jnp.zeros((k.shape[0],), jnp.int32)
-    return DenseState(k=write_at(state.k, layer, k, zero, axis=2), v=write_at(state.v, layer, v, zero, axis=2))
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    return dense_prefill(state, layer, k, v)
 
-  def append(self, state, layer, k, v, q, lengths):
-    del q
-    return DenseState(k=write_at(state.k, layer, k, lengths, axis=2), v=write_at(state.v, layer, v, lengths, axis=2))
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    state = dense_store(state, layer, k, v, ctx.lengths)
+    mask = causal_mask(ctx.positions, state.k.shape[3])
+    out = decode_attention(q, layer, segments=((state.k, state.v, mask),), impl=ctx.impl,
+                                 num_keys=jnp.max(ctx.lengths) + q.shape[2])
+    return out, state
 
-  def attend(self, state, layer, q, q_positions, lengths):
-    del lengths  # q_positions already bound every row to the cached tokens
-    k, v = state.k[layer], state.v[layer]
-    return gqa_attention_reference(q, k, v, causal_mask(q_positions, k.shape[2]))
-
-  def kv_bytes(self, spec: CacheSpec, lengths: np.ndarray) -> int:
-    return dense_kv_bytes(spec, lengths)
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    return HeldBytes(device=dense_kv_bytes(spec, lengths))

@@ -1,0 +1,41 @@
+"""Per-sequence reads and writes of stacked cache arrays [L, B, ...] at one layer."""
+
+import jax
+
+
+def write_at(buf, layer, x, start, axis):
+  """Write x [B, ...] into buf [L, B, ...] at ``layer``, at per-sequence offsets start [B] along ``axis``.
+
+  ``axis`` indexes x (batch first); every other axis is written from 0. Measured both ways: on a GPU one
+  scatter (a vmapped ``dynamic_update_slice``) is fastest, where B separate updates per write made a KIVI-2
+  decode step 3x slower (Llama-3-8B shape, B=8); on CPU XLA copies the whole buffer for that scatter, and one
+  in-place ``dynamic_update_slice`` per sequence made dense decoding 7x faster.
+  """
+  if jax.default_backend() != "cpu":
+    def one(b_buf, b_x, b_start):  # b_buf [L, ...], b_x [...]
+      idx = [0] * b_x.ndim
+      idx[axis - 1] = b_start
+      return jax.lax.dynamic_update_slice(b_buf, b_x[None].astype(b_buf.dtype), [layer] + idx)
+    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf, x, start)
+  for b in range(x.shape[0]):
+    idx = [layer, b] + [0] * (x.ndim - 1)
+    idx[axis + 1] = start[b]
+    buf = jax.lax.dynamic_update_slice(buf, x[b][None, None].astype(buf.dtype), idx)
+  return buf
+
+
+def read_at(buf, layer, start, size, axis):
+  """Per-sequence slices of ``size`` from buf [L, B, ...] at ``layer``, from start [B] along ``axis`` (as in
+  ``write_at``); returns [B, ...]."""
+  def one(b_buf, b_start):
+    idx = [layer] + [0] * (b_buf.ndim - 1)
+    sizes = [1] + list(b_buf.shape[1:])
+    idx[axis] = b_start
+    sizes[axis] = size
+    return jax.lax.dynamic_slice(b_buf, idx, sizes)[0]
+  return jax.vmap(one, in_axes=(1, 0))(buf, start)
+
+
+def write_layer(buf, layer, x):
+  """Write a whole layer x [B, ...] (from index 0 on every axis) into buf [L, B, ...] in place."""
+  return jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), (layer,) + (0,) * x.ndim)

@@ -1,0 +1,74 @@
+"""Device memory: what prefill needs per prompt token, how many prompt tokens one prefill call may take, and the
+largest batch a method's cache lets fit on a device.
+
+The cache is allocated at capacity up front (``KVCache.create``), from the method's ``abstract`` description, so
+what a batch costs is known before anything runs; prefill activations are bounded by running the batch in
+sub-batches of at most ``prefill_token_budget`` prompt tokens (``jkv.generate``).
+"""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jkv.cache import CacheMethod, CacheSpec, abstract_bytes
+from jkv.config import ModelConfig
+
+# Beyond weights, cache and prefill activations: XLA's workspace, cuDNN/cuBLAS handles, the decode step's own
+# temporaries (logits of one token per sequence). Measured prefill peaks stayed well inside this on the H100.
+RESERVE_BYTES = 2 << 30
+
+
+def prefill_bytes_per_token(cfg: ModelConfig) -> int:
+  """Peak live activation bytes per prompt token within one layer of prefill (an upper estimate).
+
+  The residual stream and its normed copy (with an fp32 temporary), q/k/v, the attention output, the MLP's gate,
+  up and their product, and fp32 temporaries of the K/V a method quantizes.
+  """
+  dt = jnp.dtype(cfg.jnp_dtype).itemsize
+  E, F, D = cfg.embed, cfg.ffw_size, cfg.head_dim
+  kv = 2 * cfg.kv_heads * D
+  return dt * (3 * E + cfg.q_heads * D * 2 + kv + 3 * F) + 4 * (E + kv)
+
+
+def device_memory(device=None) -> Optional[dict]:
+  """{"limit", "in_use", "peak"} bytes of a device's memory, or None where jax does not report them (CPU)."""
+  device = device or jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return dict(limit=int(stats["bytes_limit"]), in_use=int(stats.get("bytes_in_use", 0)),
+              peak=int(stats.get("peak_bytes_in_use", 0)))
+
+
+def prefill_token_budget(cfg: ModelConfig, device=None) -> int:
+  """Prompt tokens one prefill call may process: what the device's free memory holds of prefill activations
+  (call after the cache and weights are allocated), or 2**16 where the device does not report its memory."""
+  mem = device_memory(device)
+  if mem is None:
+    return 1 << 16
+  free = mem["limit"] - mem["in_use"] - RESERVE_BYTES
+  return max(1, int(0.8 * free) // prefill_bytes_per_token(cfg))
+
+
+def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int) -> int:
+  """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded)."""
+  return abstract_bytes(method.abstract(CacheSpec.for_model(cfg, batch, capacity))).device + 4 * batch
+
+
+def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, *, device_bytes: int,
+                  weight_bytes: int) -> int:
+  """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of at
+  least one prompt, and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits."""
+  free = device_bytes - weight_bytes - RESERVE_BYTES - prefill_bytes_per_token(cfg) * prompt_tokens
+  if free <= 0:
+    return 0
+  per_sequence = cache_bytes(method, cfg, 1, capacity)
+  batch = max(0, free // per_sequence)
+  while batch > 0 and cache_bytes(method, cfg, batch, capacity) > free:  # exact, in case bytes are not linear
+    batch -= 1
+  return int(batch)
+
+
+def tree_bytes(tree) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))

@@ -1,0 +1,219 @@
+"""Cache interface v2: a new method written against it runs through generate and compare untouched; the decode
+step reads the stacked cache in place; sub-batched prefill equals one call; the abstract description drives
+allocation and byte counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from jkv import generate as gen
+from jkv import memory
+from jkv.attention import decode_attention
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, KVCache, abstract_bytes, is_array_info
+from jkv.cache_arrays import write_at, write_layer
+from jkv.evaluation import compare as compare_lib
+from jkv.evaluation import perplexity as ppl_lib
+from jkv.methods import make_method, registry
+from jkv.sampling import Greedy
+from jkv_kernels.attention_reference import gqa_attention_reference
+from conftest import random_prompts
+
+METHODS = [("dense", {}), ("kivi", dict(bits=2, residual=32)), ("fakequant", dict(bits=2))]
+
+
+# ------------------------------------------------------------------------------------------------- a new method
+
+@struct.dataclass
+class SinkWindowState:
+  k: jax.Array  # [L, B, H, N + W, D]: slots [0, N) the first N tokens, slot N + p mod W the newest W
+  v: jax.Array  # [L, B, H, N + W, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkWindow(CacheMethod):
+  """Keep the first ``sink`` and the last ``window`` tokens, drop the rest (StreamingLLM-style): written here
+  against the interface alone, to show a method needs nothing else."""
+
+  name = "sink_window_test"
+  sink: int = 4
+  window: int = 16
+
+  def abstract(self, spec):
+    info = ArrayInfo((spec.num_layers, spec.batch, spec.kv_heads, self.sink + self.window, spec.head_dim),
+                     spec.dtype, ("layers", "batch", "kv_heads", "slots", "head_dim"))
+    return SinkWindowState(k=info, v=info)
+
+  def _slots(self, positions):
+    return jnp.where(positions < self.sink, positions, self.sink + positions % self.window)
+
+  def _positions(self, n):
+    """[B, N + W] position held by each slot when n [B] tokens are held (-1: empty)."""
+    s = jnp.arange(self.sink + self.window)[None]
+    last = n[:, None] - 1
+    ring = last - (last - (s - self.sink)) % self.window
+    pos = jnp.where(s < self.sink, s, jnp.where(ring >= self.sink, ring, -1))
+    return jnp.where(pos < n[:, None], pos, -1)
+
+  def prefill(self, state, layer, q, k, v, ctx):
+    held = self._positions(ctx.lengths)
+    take = lambda x: jnp.take_along_axis(x, jnp.clip(held, 0)[:, None, :, None], axis=2)
+    return SinkWindowState(k=write_layer(state.k, layer, take(k)), v=write_layer(state.v, layer, take(v)))
+
+  def step(self, state, layer, q, k, v, ctx):
+    for t in range(k.shape[2]):
+      slot = self._slots(ctx.lengths + t)
+      state = SinkWindowState(k=write_at(state.k, layer, k[:, :, t:t + 1], slot, axis=2),
+                              v=write_at(state.v, layer, v[:, :, t:t + 1], slot, axis=2))
+    held = self._positions(self.advance(ctx.lengths, k.shape[2]))
+    mask = (held[:, None, :] >= 0) & (held[:, None, :] <= ctx.positions[:, :, None])
+    return decode_attention(q, layer, segments=((state.k, state.v, mask),), impl=ctx.impl), state
+
+  def held_bytes(self, spec, state, lengths):
+    n = np.minimum(np.asarray(lengths), self.sink + self.window)
+    return HeldBytes(device=int(2 * spec.num_layers * spec.kv_heads * spec.head_dim * n.sum()
+                                * jnp.dtype(spec.dtype).itemsize))
+
+
+@pytest.fixture
+def sink_window(monkeypatch):
+  monkeypatch.setitem(registry._REGISTRY, SinkWindow.name, SinkWindow)
+  return SinkWindow
+
+
+def test_a_new_method_runs_through_generate_and_compare(tiny_llama, sink_window):
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [9, 30], seed=5)
+  method = make_method("sink_window_test", sink=4, window=16)
+  res = gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=12, eos_ids=(), chunk=4)
+  dense = gen.generate(m.params, m.config, prompts, max_new_tokens=12, eos_ids=(), chunk=4)
+  # The 9-token prompt never outgrows 4 + 16 tokens within 12 steps: exactly dense. The 30-token one drops tokens.
+  assert res.tokens[0][:11] == dense.tokens[0][:11]
+  assert res.stats["kv_bytes"] == 2 * 2 * 2 * 64 * 4 * (20 + 20)
+  # Its first step (40 tokens held, 20 kept) against a direct computation over the kept tokens.
+  alone = gen.generate(m.params, m.config, prompts[1:], method=method, max_new_tokens=12, eos_ids=(), chunk=4)
+  assert alone.tokens[0] == res.tokens[1]
+
+  ids = np.random.default_rng(2).integers(2, m.config.vocab_size, 500).tolist()
+  specs = compare_lib.parse_methods(["dense", "sink_window_test:window=8"])
+  plan = ppl_lib.WindowPlan(context=20, scored=6, num_windows=2, batch_size=2)
+  rows = compare_lib.compare(m, specs, token_ids=ids, ppl=plan, passkey=None, progress=False)
+  assert rows[1]["method"] == "sink_window_test:window=8" and rows[1]["settings"] == dict(sink=4, window=8)
+  assert rows[1]["kv_bytes"] == 2 * 2 * 2 * 64 * 4 * 12 and rows[1]["compression"] == pytest.approx(26 / 12)
+  assert rows[1]["ppl"] != pytest.approx(rows[0]["ppl"], rel=1e-6)  # it did drop tokens
+
+
+def test_sink_window_attention_equals_attention_over_the_kept_tokens(sink_window):
+  """The test method is itself right: one step equals the reference over exactly the tokens it keeps."""
+  method, rng = SinkWindow(sink=2, window=5), np.random.default_rng(0)
+  spec = CacheSpec(num_layers=1, batch=1, capacity=64, kv_heads=2, head_dim=16, q_per_kv=2, dtype=jnp.float32)
+  k, v = rng.normal(size=(2, 1, 2, 12, 16)).astype(np.float32)
+  q = rng.normal(size=(1, 2, 1, 2, 16)).astype(np.float32)
+  from jkv.cache import StepContext
+  ctx = StepContext(lengths=jnp.asarray([11]), positions=jnp.arange(11)[None])
+  state = method.prefill(method.init(spec), 0, None, jnp.asarray(k[:, :, :11]), jnp.asarray(v[:, :, :11]), ctx)
+  out, _ = method.step(state, 0, jnp.asarray(q), jnp.asarray(k[:, :, 11:]), jnp.asarray(v[:, :, 11:]),
+                       StepContext(lengths=jnp.asarray([11]), positions=jnp.asarray([[11]])))
+  keep = [0, 1, 7, 8, 9, 10, 11]
+  ref = gqa_attention_reference(jnp.asarray(q), jnp.asarray(k[:, :, keep]), jnp.asarray(v[:, :, keep]),
+                                jnp.ones((1, 1, len(keep)), bool))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- no cache copies
+
+@pytest.mark.parametrize("name, options", METHODS[:2])
+def test_decode_step_reads_the_stacked_cache_in_place(tiny_llama, name, options):
+  """Compile the decode chunk (XLA path) with a 4096-token cache: its temporaries stay far below one layer's
+  cache in float32 (the size a per-layer slice, or a dequantized layer, would take), and the donated cache
+  is aliased to the output, not copied."""
+  _, m = tiny_llama
+  cfg = m.config
+  B, C = 2, 4096
+  cache = KVCache.create(make_method(name, **options), CacheSpec.for_model(cfg, B, C), "xla")
+  no = jnp.zeros((B,), bool)
+  args = (m.params, cache, jnp.zeros((B,), jnp.int32), no, no, jax.random.key(0), jnp.asarray([1]), jnp.int32(0))
+  compiled = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile()
+  analysis = compiled.memory_analysis()
+  layer_f32 = 2 * B * cfg.kv_heads * C * cfg.head_dim * 4
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(cache.state))
+  assert analysis.temp_size_in_bytes < layer_f32 / 4, (analysis.temp_size_in_bytes, layer_f32)
+  assert analysis.alias_size_in_bytes >= state_bytes
+
+
+# ------------------------------------------------------------------------------------------------- prefill
+
+@pytest.mark.parametrize("name, options", METHODS)
+def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
+  """Prefill of 5 prompts in sub-batches of 2 (the last one overlapping) leaves the same cache, bit for bit,
+  and the same logits, as one call; so generation is unchanged."""
+  _, m = tiny_llama
+  cfg = m.config
+  prompts = random_prompts(cfg.vocab_size, [5, 17, 32, 9, 28], seed=9)
+  method = make_method(name, **options)
+  tokens, positions = gen._pad_prompts(prompts, 32, 0)
+  results = []
+  for budget in (10_000, 64):
+    cache = KVCache.create(method, CacheSpec.for_model(cfg, 5, 64), "xla")
+    results.append(gen._prefill(m.params, cfg, tokens, positions, cache, budget))
+  (logits_one, cache_one), (logits_sub, cache_sub) = results
+  np.testing.assert_array_equal(np.asarray(logits_sub), np.asarray(logits_one))
+  for a, b in zip(jax.tree.leaves(cache_one), jax.tree.leaves(cache_sub)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  one = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=10, eos_ids=(), chunk=5)
+  sub = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=10, eos_ids=(), chunk=5,
+                     prefill_tokens=64)
+  assert sub.tokens == one.tokens and sub.stats["prefill_sub_batch"] == 2 and one.stats["prefill_sub_batch"] == 5
+
+
+def test_prefill_starts_cover_the_batch_with_one_shape():
+  assert gen.prefill_starts(5, 2) == [0, 2, 3]
+  assert gen.prefill_starts(6, 3) == [0, 3]
+  assert gen.prefill_starts(1, 1) == [0]
+  for batch in range(1, 12):
+    for rows in range(1, batch + 1):
+      covered = set()
+      for s in gen.prefill_starts(batch, rows):
+        assert 0 <= s and s + rows <= batch
+        covered |= set(range(s, s + rows))
+      assert covered == set(range(batch))
+
+
+# ------------------------------------------------------------------------------------------------- description
+
+@pytest.mark.parametrize("name, options", METHODS)
+def test_abstract_describes_what_init_allocates(name, options):
+  method = make_method(name, **options)
+  spec = CacheSpec(num_layers=3, batch=2, capacity=128, kv_heads=2, head_dim=64, q_per_kv=3, dtype=jnp.bfloat16)
+  abstract, state = method.abstract(spec), method.init(spec)
+  infos = jax.tree.leaves(abstract, is_leaf=is_array_info)
+  arrays = jax.tree.leaves(state)
+  assert len(infos) == len(arrays)
+  for info, x in zip(infos, arrays):
+    assert x.shape == info.shape and x.dtype == info.dtype
+    assert info.axes[:3] == ("layers", "batch", "kv_heads")
+    assert not np.any(np.asarray(x))  # zeros, never uninitialized memory
+  assert abstract_bytes(abstract) == HeldBytes(device=sum(x.nbytes for x in arrays))
+
+
+def test_largest_batch_fits_and_one_more_does_not():
+  """The batch limit follows from the cache description: at a Llama-3-8B shape on 80 GB with 16 GB of weights,
+  4k + 512 tokens, KIVI-2's cache lets more than 4x dense's batch fit."""
+  from jkv.config import ModelConfig
+  cfg = ModelConfig(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32,
+                    q_heads=32, kv_heads=8, head_dim=128, max_position=131072, dtype="bfloat16")
+  device, weights, capacity = 80 * 10**9, 16 * 10**9, 4096 + 512
+  batches = {}
+  for name, options in (("dense", {}), ("kivi", dict(bits=2))):
+    method = make_method(name, **options)
+    b = memory.largest_batch(cfg, method, capacity, 4096, device_bytes=device, weight_bytes=weights)
+    budget = device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096
+    assert memory.cache_bytes(method, cfg, b, capacity) <= budget < memory.cache_bytes(method, cfg, b + 1, capacity)
+    batches[name] = b
+  # dense: 2 * 32 * 8 * 128 * 2 bytes = 128 KiB per token, 4608 tokens: 576 MiB per sequence.
+  assert batches["dense"] == (device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096) // (
+      4608 * 131072 + 4)
+  assert batches["kivi"] > 4 * batches["dense"]
