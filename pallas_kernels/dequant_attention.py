@@ -1,23 +1,45 @@
-"""Fused decode attention over a KIVI-layout quantized cache plus full-precision segments (Pallas, Triton lowering).
+"""Fused decode attention over the stacked multi-layer cache, read in place (Pallas, Triton lowering).
 
-Layout of one layer's cache (C = capacity, G = group_size, Pk = 32 // k_bits, Pv = 32 // v_bits):
+One softmax runs over every source of keys for the current layer (KIVI spec §2.6-2.7): an optional quantized
+store in the KIVI layout and any number of full-precision segments. Every cache array carries a leading layer
+axis L and is passed whole; the kernel reads layer ``layer`` (a traced int32 scalar) by pointer offset, so no
+layer slice is ever materialized by XLA. With no store, the same kernel is the dense decode kernel.
 
-    k_codes [B, Hkv, D, C/Pk] uint32   keys per channel: groups of G tokens, codes packed along tokens
-    k_scale, k_zero [B, Hkv, D, C/G]
-    v_codes [B, Hkv, C, D/Pv] uint32   values per token: groups of G channels, codes packed along channels
-    v_scale, v_zero [B, Hkv, C, D/G]
-    quant_len [B] int32                token positions [0, quant_len[b]) of the store are valid for every query row
-    segments ((k [B, Hkv, S, D], v [B, Hkv, S, D], mask [B, T, S] bool), ...)   full-precision tokens (KIVI's
-                                       residual window, outlier pools, prefetched rows); S may differ per segment
+Layouts (C = capacity, G = group_size, Pk = 32 // k_bits, Pv = 32 // v_bits; T query positions, g query heads
+per KV head, so q has T*g rows per KV head):
 
-One softmax runs over everything (KIVI spec §2.6-2.7). The kernel stacks the T*g query rows that share a KV head
-into one tile, so K/V are read once per KV head. Each block of block_k tokens is unpacked and dequantized in
-registers (``quantization.dequantize_packed_last_axis``), so the packed cache is read once and never written
-back dequantized; one dot gives the block's logits and one its values. The store is split along tokens (flash-decoding): every split and every segment writes
-an unnormalized partial (o, l, m), and a few jnp lines merge them exactly.
+    q        [B, Hkv, T, g, D]
+    store    QuantizedStore (or None):
+      k_codes [L, B, Hkv, D, C/Pk] uint32   keys per channel: groups of G tokens, codes packed along tokens
+      k_scale, k_zero [L, B, Hkv, D, C/G]
+      v_codes [L, B, Hkv, C, D/Pv] uint32   values per token: groups of G channels, codes packed along channels
+      v_scale, v_zero [L, B, Hkv, C, D/G]
+      length  [B] int32                     tokens [0, length[b]) are valid for every query row
+    segments ((k, v, mask), ...)            full-precision tokens: KIVI's exact window, outlier pools, prefetched
+                                            rows, or the whole dense cache. S may differ per segment.
+      k, v  [L, B, Hkv, S, D] (stacked: read at ``layer``) or [B, Hkv, S, D] (a per-step segment)
+      mask  [B, T, S] bool (per query position) or [B, Hkv, T, S] bool (per KV head too)
+
+Work is split along tokens (flash-decoding): the grid is (B, Hkv, P), where the store gets ``k_splits`` programs
+and each segment ``s_splits`` (both clamped to the block count, so a short segment gets one). Each program
+loops over its blocks only up to the last token that can be valid (the store's ``length``; for a segment, the
+last True in its mask), writes an unnormalized partial (o, l, m) in fp32, and a few jnp lines merge them
+exactly. The T*g query rows that share a KV head form one tile, so K/V are read once per KV head (GQA without
+repeats). Quantized blocks are unpacked and dequantized in registers (``quantization.dequantize_packed_last_axis``).
+
+Statistics from the same pass: ``return_lse`` gives the natural-log sum of exp of the scaled logits over every
+valid key; ``token_mass_rows`` gives, for the chosen query positions, the softmax probability each key
+receives, summed over the g query heads of its KV head. For the mass the kernel also writes the scaled logits of
+the chosen rows (fp32, one write per visited key) and XLA normalizes them with the lse afterwards, so the cache
+is still read once.
+
+Masks are finite inside the kernel (``MASK_VALUE``), never -inf. A query row with no valid key gets o = 0 and
+lse = MASK_VALUE (finite: merging it with other partials never makes NaN) and zero token mass.
 """
 
+import dataclasses
 import functools
+from typing import Optional
 
 import jax
 from jax import lax
@@ -25,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
+from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs
 from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
 KERNEL_BITS = (2, 4, 8)
@@ -48,6 +70,45 @@ def triton_compiler_params(*, num_warps: int, num_stages: int):
 
 def _next_power_of_2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "length"],
+    meta_fields=["k_bits", "v_bits", "group_size"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedStore:
+  """The KIVI-layout quantized part of the cache, every array stacked over layers (a pytree; widths static)."""
+  k_codes: jax.Array  # [L, B, Hkv, D, C/Pk] uint32, packed along tokens
+  k_scale: jax.Array  # [L, B, Hkv, D, C/G]
+  k_zero: jax.Array   # [L, B, Hkv, D, C/G]
+  v_codes: jax.Array  # [L, B, Hkv, C, D/Pv] uint32, packed along channels
+  v_scale: jax.Array  # [L, B, Hkv, C, D/G]
+  v_zero: jax.Array   # [L, B, Hkv, C, D/G]
+  length: jax.Array   # [B] int32: tokens [0, length) are valid for every query row
+  k_bits: int
+  v_bits: int
+  group_size: int
+
+  @property
+  def capacity(self) -> int:
+    return self.v_codes.shape[3]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """Static description of one source of keys: which programs it gets and how they walk it."""
+  first: int             # its first program along the grid's last axis
+  splits: int            # programs it gets
+  block: int             # tokens per loop step (a power of two)
+  blocks_per_split: int
+  length: int            # tokens (S for a segment, C for the store)
+  ragged: bool = False   # length % block != 0: the last block's tail is masked at load time
+  stacked: bool = True   # segment arrays carry the layer axis (else it is a unit axis added by the wrapper)
 
 
 def _online_softmax_step(carry, logits, valid, v, precision):
@@ -74,316 +135,465 @@ def _online_softmax_step(carry, logits, valid, v, precision):
 
 def _decode_attention_kernel(
     # inputs
-    quant_len_ref,  # [1] int32
-    q_ref,          # [M, D]: the T*g query rows of one KV head, zero-padded to M
-    k_codes_ref,    # [D, C // Pk] uint32
-    k_scale_ref,    # [D, C // G]
-    k_zero_ref,     # [D, C // G]
-    v_codes_ref,    # [C, D // Pv] uint32
-    v_scale_ref,    # [C, D // G]
-    v_zero_ref,     # [C, D // G]
-    *refs,          # per segment: k [S_pad, D], v [S_pad, D], mask [M, S_pad] int8; then the outputs:
-                    # o [M, D] (unnormalized), l [M], m [M], of which only the first n_rows exist
+    layer_ref,   # [1] int32, clamped to [0, L)
+    bounds_ref,  # [n_sources] int32: keys at and past bounds[i] are never valid in source i (for this b, h)
+    q_ref,       # [M, D]: the T*g query rows of one KV head, zero-padded to M
+    *refs,       # the store (if any): k_codes [L, D, C/Pk], k_scale [L, D, C/G], k_zero, v_codes [L, C, D/Pv],
+                 #   v_scale [L, C, D/G], v_zero; per segment: k [L', S_blk, D], v [L', S_blk, D],
+                 #   mask [T, S_blk] int8; then the outputs o [M, D] (unnormalized), l [M], m [M], of which only
+                 #   the first n_rows exist; then, with token mass, the scaled logits [M, C or S] of each source
     n_rows: int,
+    q_per_kv: int,
+    t_rows: int,
+    sm_scale: float,
+    store: Optional[_Source],
     k_bits: int,
     v_bits: int,
     group_size: int,
-    sm_scale: float,
-    block_k: int,
-    blocks_per_split: int,
-    k_splits: int,
-    segment_blocks: tuple[int, ...],
+    segments: tuple[_Source, ...],
+    mass_rows: tuple[int, ...],
 ):
-  *segment_refs, o_ref, l_ref, m_ref = refs
-  split = pl.program_id(2)
+  n_store = 6 if store is not None else 0
+  store_refs, refs = refs[:n_store], refs[n_store:]
+  segment_refs, refs = refs[:3 * len(segments)], refs[3 * len(segments):]
+  o_ref, l_ref, m_ref, *logit_refs = refs
+  sources = ([store] if store is not None else []) + list(segments)
+
+  program = pl.program_id(2)
+  layer = layer_ref[0]
   rows, head_dim = q_ref.shape
   dot_dtype = q_ref.dtype
   precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-  q = q_ref[...].astype(jnp.float32)
+  q = q_ref[...]
+  row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  real_row = row < n_rows
+  row_position = row // q_per_kv  # query position t of row r = t * g + i
+  mass_row = functools.reduce(jnp.logical_or, [row_position == t for t in mass_rows], row < 0)
   init = (jnp.zeros((rows, head_dim), jnp.float32),
           jnp.full((rows,), MASK_VALUE, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
 
-  def store(carry):
+  def write_partials(carry):
     # Only the T*g real rows are written: the padding rows would multiply the partials' traffic by M / (T*g).
     o, m, l = carry
-    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < n_rows
-    plgpu.store(o_ref, o.astype(o_ref.dtype), mask=real[:, None])
-    plgpu.store(l_ref, l, mask=real)
-    plgpu.store(m_ref, m, mask=real)
+    plgpu.store(o_ref, o, mask=real_row[:, None])
+    plgpu.store(l_ref, l, mask=real_row)
+    plgpu.store(m_ref, m, mask=real_row)
 
-  def quantized_block(i, carry):
-    """Tokens [start, start + block_k) of the store."""
-    start = (split * blocks_per_split + i) * block_k
-    valid = (start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)) < quant_len_ref[0]
+  def write_logits(index, start, block, logits, valid, in_range):
+    """Scaled logits of the chosen rows for the token-mass statistic (invalid keys: MASK_VALUE)."""
+    if not mass_rows:
+      return
+    mask = mass_row[:, None] & (in_range[None, :] if in_range is not None else True)
+    mask = jnp.broadcast_to(mask, logits.shape)
+    plgpu.store(logit_refs[index].at[:, pl.ds(start, block)], jnp.where(valid, logits, MASK_VALUE), mask=mask)
 
+  def run(index, source, block_fn):
+    """Programs [first, first + splits) walk this source's blocks, stopping at the last block that can be valid."""
+    @pl.when((program >= source.first) & (program < source.first + source.splits))
+    def _():
+      first_block = (program - source.first) * source.blocks_per_split
+      valid_blocks = (bounds_ref[index] + source.block - 1) // source.block
+      n_blocks = jnp.clip(valid_blocks - first_block, 0, source.blocks_per_split)
+      body = lambda i, carry: block_fn(index, source, (first_block + i) * source.block, carry)
+      write_partials(lax.fori_loop(0, n_blocks, body, init))
+
+  def store_block(index, source, start, carry):
+    """Tokens [start, start + block_k) of the quantized store."""
+    k_codes_ref, k_scale_ref, k_zero_ref, v_codes_ref, v_scale_ref, v_zero_ref = store_refs
+    block = source.block
+    valid = (start + lax.broadcasted_iota(jnp.int32, (1, block), 1)) < bounds_ref[index]
     # The whole key tile is dequantized in registers and meets the query in one dot: every load is a 2-D tile
     # whose rows are contiguous. (Folding each group's key scales into the query instead costs block_k / G small
     # dots and column-wise scale loads; it measured 1.4x slower on an H100.)
-    groups = pl.ds(start // group_size, block_k // group_size)
+    groups = pl.ds(start // group_size, block // group_size)
     k_hat = dequantize_packed_last_axis(
-        k_codes_ref[:, pl.ds(start // (32 // k_bits), block_k // (32 // k_bits))], k_scale_ref[:, groups],
-        k_zero_ref[:, groups], bits=k_bits, group_size=group_size, dtype=dot_dtype)  # [D, block_k]
-    logits = _dot(q.astype(dot_dtype), k_hat, precision=precision) * sm_scale
-    tokens = pl.ds(start, block_k)
-    v_hat = dequantize_packed_last_axis(v_codes_ref[tokens, :], v_scale_ref[tokens, :], v_zero_ref[tokens, :],
-                                        bits=v_bits, group_size=group_size, dtype=dot_dtype)  # [block_k, D]
+        k_codes_ref[layer, :, pl.ds(start // (32 // k_bits), block // (32 // k_bits))],
+        k_scale_ref[layer, :, groups], k_zero_ref[layer, :, groups],
+        bits=k_bits, group_size=group_size, dtype=dot_dtype)  # [D, block_k]
+    logits = _dot(q, k_hat, precision=precision) * sm_scale  # [M, block_k] f32
+    write_logits(index, start, block, logits, valid, None)
+    tokens = pl.ds(start, block)
+    v_hat = dequantize_packed_last_axis(
+        v_codes_ref[layer, tokens, :], v_scale_ref[layer, tokens, :], v_zero_ref[layer, tokens, :],
+        bits=v_bits, group_size=group_size, dtype=dot_dtype)  # [block_k, D]
     return _online_softmax_step(carry, logits, valid, v_hat, precision)
 
-  @pl.when(split < k_splits)
-  def _():
-    # Blocks wholly past quant_len are never visited: the trip count stops at the last valid block.
-    first = split * blocks_per_split
-    valid_blocks = pl.cdiv(quant_len_ref[0], block_k)
-    n_blocks = jnp.clip(valid_blocks - first, 0, blocks_per_split)
-    store(lax.fori_loop(0, n_blocks, quantized_block, init))
+  def segment_block(index, source, start, carry):
+    """Tokens [start, start + block) of one full-precision segment."""
+    segment = index - (store is not None)
+    k_ref, v_ref, mask_ref = segment_refs[3 * segment: 3 * segment + 3]
+    block = source.block
+    at = layer if source.stacked else jnp.int32(0)
+    tokens = pl.ds(start, block)
+    in_range = None
+    if source.ragged:  # the segment ends inside this block: never read past it
+      in_range = (start + lax.broadcasted_iota(jnp.int32, (block,), 0)) < source.length
+      load = lambda ref, idx, mask: plgpu.load(ref.at[idx], mask=mask, other=0)
+      tile_in_range = jnp.broadcast_to(in_range[:, None], (block, head_dim))
+      k = load(k_ref, (at, tokens, slice(None)), tile_in_range)
+      v = load(v_ref, (at, tokens, slice(None)), tile_in_range)
+      position_masks = [load(mask_ref, (jnp.int32(t), tokens), in_range) for t in range(t_rows)]
+    else:
+      k, v = k_ref[at, tokens, :], v_ref[at, tokens, :]
+      position_masks = [mask_ref[t, tokens] for t in range(t_rows)]
+    # Row r = t * g + i sees key s iff mask[t, s]; padding rows (t >= T) see nothing.
+    valid = functools.reduce(jnp.logical_or, [(row_position == t)[:, None] & (mask_t != 0)[None, :]
+                                              for t, mask_t in enumerate(position_masks)])  # [M, block]
+    logits = _dot(q, k.astype(dot_dtype), trans_b=True, precision=precision) * sm_scale  # [M, block] f32
+    write_logits(index, start, block, logits, valid, in_range)
+    return _online_softmax_step(carry, logits, valid, v.astype(dot_dtype), precision)
 
-  for index, block_s in enumerate(segment_blocks):
-    k_ref, v_ref, mask_ref = segment_refs[3 * index: 3 * index + 3]
+  for index, source in enumerate(sources):
+    run(index, source, store_block if (store is not None and index == 0) else segment_block)
 
-    def segment_block(i, carry, k_ref=k_ref, v_ref=v_ref, mask_ref=mask_ref, block_s=block_s):
-      window = pl.ds(i * block_s, block_s)
-      k = k_ref[window, :].astype(dot_dtype)  # [block_s, D]
-      logits = _dot(q.astype(dot_dtype), k, trans_b=True, precision=precision) * sm_scale
-      valid = mask_ref[:, window] != 0  # [M, block_s]
-      return _online_softmax_step(carry, logits, valid, v_ref[window, :].astype(dot_dtype), precision)
 
-    @pl.when(split == k_splits + index)
-    def _(segment_block=segment_block, k_ref=k_ref, block_s=block_s):
-      store(lax.fori_loop(0, k_ref.shape[0] // block_s, segment_block, init))
+# ----------------------------------------------------------------------------------------------------------------
+# pallas_call
 
 
 def _decode_attention_partials(
-    q,          # [B, Hkv, M, D]: n_rows query rows, zero-padded to M
-    k_codes,    # [B, Hkv, D, C // Pk]
-    k_scale,    # [B, Hkv, D, C // G]
-    k_zero,     # [B, Hkv, D, C // G]
-    v_codes,    # [B, Hkv, C, D // Pv]
-    v_scale,    # [B, Hkv, C, D // G]
-    v_zero,     # [B, Hkv, C, D // G]
-    quant_len,  # [B] int32, clipped to [0, C]
-    segments,   # ((k [B, Hkv, S_pad, D], v [B, Hkv, S_pad, D], mask [B, M, S_pad] int8), ...)
+    layer,     # [1] int32
+    bounds,    # [B, Hkv, n_sources] int32
+    q,         # [B, Hkv, M, D]: n_rows query rows, zero-padded to M
+    store,     # QuantizedStore (arrays [L, B, Hkv, ...]) or None
+    segments,  # ((k [L', B, Hkv, S, D], v [L', B, Hkv, S, D], mask [B, Hkv or 1, T, S] int8), ...)
     *,
-    k_bits: int,
-    v_bits: int,
-    group_size: int,
-    sm_scale: float,
-    block_k: int,
-    k_splits: int,
+    store_source: Optional[_Source],
+    segment_sources: tuple[_Source, ...],
     n_rows: int,
-    segment_blocks: tuple[int, ...],
+    q_per_kv: int,
+    t_rows: int,
+    sm_scale: float,
+    mass_rows: tuple[int, ...],
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ):
-  """One pallas_call: grid (B, Hkv, k_splits + len(segments)); returns the partials o, l, m of the n_rows rows."""
+  """One pallas_call over grid (B, Hkv, P); returns the fp32 partials o, l, m (and the chosen rows' logits)."""
   batch, kv_heads, rows, head_dim = q.shape
-  capacity = v_codes.shape[2]
-  n_blocks = capacity // block_k
-  blocks_per_split = pl.cdiv(n_blocks, k_splits)
-  partials = k_splits + len(segments)
+  sources = ([store_source] if store is not None else []) + list(segment_sources)
+  partials = sum(source.splits for source in sources)
+
+  def whole_layers(array, *block):
+    """Every layer of (b, h)'s slice; the kernel picks one layer by index, so nothing is sliced outside."""
+    return pl.BlockSpec((array.shape[0], None, None, *block), lambda b, h, s: (0, b, h) + (0,) * len(block))
+
+  in_specs = [
+      pl.BlockSpec((1,), lambda b, h, s: (0,)),                                # layer
+      pl.BlockSpec((None, None, len(sources)), lambda b, h, s: (b, h, 0)),   # bounds
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+  ]
+  arrays = [layer, bounds, q]
+  name = ""
+  if store is not None:
+    in_specs += [whole_layers(a, *a.shape[3:]) for a in  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
+                 (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero)]
+    arrays += [store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero]
+    name += (f"_store_{store.k_bits}x{store.v_bits}bit_G{store.group_size}_bk{store_source.block}"
+             f"_ks{store_source.splits}")
+  for (k, v, mask), source in zip(segments, segment_sources):
+    # The token axis of a block is rounded up to whole blocks: loads past S are masked (``ragged``).
+    s_blk = source.splits * source.blocks_per_split * source.block
+    per_head = mask.shape[1] != 1
+    in_specs += [
+        whole_layers(k, s_blk, head_dim),                                                      # k
+        whole_layers(v, s_blk, head_dim),                                                      # v
+        pl.BlockSpec((None, None, t_rows, s_blk), lambda b, h, s, per_head=per_head: (b, h if per_head else 0, 0, 0)),
+    ]                                                                                          # mask
+    arrays += [k, v, mask]
+    name += f"_seg{source.length}_bs{source.block}_ss{source.splits}"
+
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),  # o
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),                # l
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),                # m
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows, head_dim), jnp.float32),  # o
+      jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),            # l
+      jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),            # m
+  ]
+  if mass_rows:
+    for source in sources:  # scaled logits of the chosen rows, every program of (b, h) writing its own keys
+      s_blk = source.splits * source.blocks_per_split * source.block
+      out_specs.append(pl.BlockSpec((None, None, rows, s_blk), lambda b, h, s: (b, h, 0, 0)))
+      out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, n_rows, source.length), jnp.float32))
+
   kernel = functools.partial(
-      _decode_attention_kernel, n_rows=n_rows, k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
-      block_k=block_k, blocks_per_split=blocks_per_split, k_splits=k_splits, segment_blocks=segment_blocks)
-
-  def per_head(*block):
-    return pl.BlockSpec((None, None, *block), lambda b, h, s: (b, h) + (0,) * len(block))
-
-  segment_specs, segment_arrays = [], []
-  for k, v, mask in segments:
-    seg_len = k.shape[2]
-    segment_specs += [
-        per_head(seg_len, head_dim),                                   # k
-        per_head(seg_len, head_dim),                                   # v
-        pl.BlockSpec((None, rows, seg_len), lambda b, h, s: (b, 0, 0)),  # mask
-    ]
-    segment_arrays += [k, v, mask]
-  o, l, m = pl.pallas_call(
+      _decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale,
+      store=store_source if store is not None else None,
+      k_bits=store.k_bits if store is not None else 0, v_bits=store.v_bits if store is not None else 0,
+      group_size=store.group_size if store is not None else 0, segments=tuple(segment_sources),
+      mass_rows=mass_rows)
+  return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, partials),
-      in_specs=[
-          pl.BlockSpec((1,), lambda b, h, s: (b,)),        # quant_len
-          per_head(rows, head_dim),                        # q
-          per_head(head_dim, k_codes.shape[3]),            # k_codes
-          per_head(head_dim, k_scale.shape[3]),            # k_scale
-          per_head(head_dim, k_zero.shape[3]),             # k_zero
-          per_head(capacity, v_codes.shape[3]),            # v_codes
-          per_head(capacity, v_scale.shape[3]),            # v_scale
-          per_head(capacity, v_zero.shape[3]),             # v_zero
-          *segment_specs,
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),  # o
-          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),                # l
-          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),                # m
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows, head_dim), q.dtype),  # o
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),        # l
-          jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),        # m
-      ],
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"kivi_decode_attention_{k_bits=}_{v_bits=}_{group_size=}_{block_k=}_{k_splits=}_{rows=}",
-  )(quant_len, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *segment_arrays)
-  return o, l, m
+      name=f"decode_attention_rows{rows}{name}_{num_warps=}_{num_stages=}",
+  )(*arrays)
 
 
-def _merge_partials(o, l, m):
-  """Exact softmax merge of partials o [..., P, M, D], l, m [..., P, M] -> [..., M, D] f32; empty rows give 0."""
-  m_all = jnp.max(m, axis=-2, keepdims=True)
-  alpha = jnp.exp(m - m_all)
-  l_all = jnp.sum(alpha * l, axis=-2)
-  o_all = jnp.sum(alpha[..., None] * o.astype(jnp.float32), axis=-3)
-  return o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry
 
 
-def _check_shapes(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, segments, *, k_bits, v_bits,
-                  group_size, allowed_bits):
-  """Raises ValueError naming the shapes that disagree with the KIVI layout in the module docstring."""
-  check_bits(k_bits, allowed_bits)
-  check_bits(v_bits, allowed_bits)
+def _split_plan(length: int, block: int, splits: int, first: int, **kw) -> _Source:
+  """``splits`` clamped to the block count, then to what leaves no split without blocks."""
+  n_blocks = pl.cdiv(length, block)
+  splits = max(1, min(splits, n_blocks))
+  blocks_per_split = pl.cdiv(n_blocks, splits)
+  splits = pl.cdiv(n_blocks, blocks_per_split)
+  return _Source(first=first, splits=splits, block=block, blocks_per_split=blocks_per_split, length=length, **kw)
+
+
+def _check_inputs(q, layer, store, segments, *, allowed_bits, mass_rows):
+  """Raises ValueError naming the shapes that disagree with the layouts in the module docstring."""
   if q.ndim != 5:
     raise ValueError(f"q must be [B, Hkv, T, g, D], got shape {q.shape}")
   batch, kv_heads, t_rows, _, head_dim = q.shape
-  if v_codes.ndim != 4:
-    raise ValueError(f"v_codes must be [B, Hkv, C, D/Pv], got shape {v_codes.shape}")
-  capacity = v_codes.shape[2]
-  if head_dim % group_size or capacity % group_size:
-    raise ValueError(f"group_size {group_size} must divide head_dim {head_dim} and capacity {capacity}")
-  pk, pv = 32 // k_bits, 32 // v_bits
-  if group_size % pk or group_size % pv:
-    raise ValueError(f"group_size {group_size} must be a multiple of the codes per word ({pk} keys, {pv} values)")
-  expected = {
-      "k_codes": (k_codes, (batch, kv_heads, head_dim, capacity // pk)),
-      "k_scale": (k_scale, (batch, kv_heads, head_dim, capacity // group_size)),
-      "k_zero": (k_zero, (batch, kv_heads, head_dim, capacity // group_size)),
-      "v_codes": (v_codes, (batch, kv_heads, capacity, head_dim // pv)),
-      "v_scale": (v_scale, (batch, kv_heads, capacity, head_dim // group_size)),
-      "v_zero": (v_zero, (batch, kv_heads, capacity, head_dim // group_size)),
-      "quant_len": (quant_len, (batch,)),
-  }
-  for name, (array, shape) in expected.items():
-    if array.shape != shape:
-      raise ValueError(f"{name} has shape {array.shape}, expected {shape} for q {q.shape}, v_codes "
-                       f"{v_codes.shape}, {k_bits=}, {v_bits=}, {group_size=}")
-  for name in ("k_codes", "v_codes"):
-    if expected[name][0].dtype != jnp.uint32:
-      raise ValueError(f"{name} must be uint32, got {expected[name][0].dtype}")
-  if quant_len.dtype != jnp.int32:
-    raise ValueError(f"quant_len must be int32, got {quant_len.dtype}")
+  if layer is not None and (jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+    raise ValueError(f"layer must be an integer scalar, got {jnp.shape(layer)} {jnp.result_type(layer)}")
+  if store is None and not segments:
+    raise ValueError("decode_attention needs a store or at least one segment")
+  for t in mass_rows:
+    if not 0 <= t < t_rows:
+      raise ValueError(f"token_mass_rows {mass_rows} must be query positions in [0, {t_rows})")
+  if store is not None:
+    check_bits(store.k_bits, allowed_bits)
+    check_bits(store.v_bits, allowed_bits)
+    group_size = store.group_size
+    if store.v_codes.ndim != 5:
+      raise ValueError(f"v_codes must be [L, B, Hkv, C, D/Pv], got shape {store.v_codes.shape}")
+    num_layers, capacity = store.v_codes.shape[0], store.v_codes.shape[3]
+    if head_dim % group_size or capacity % group_size:
+      raise ValueError(f"group_size {group_size} must divide head_dim {head_dim} and capacity {capacity}")
+    pk, pv = 32 // store.k_bits, 32 // store.v_bits
+    if group_size % pk or group_size % pv:
+      raise ValueError(f"group_size {group_size} must be a multiple of the codes per word ({pk} keys, {pv} values)")
+    lead = (num_layers, batch, kv_heads)
+    expected = {
+        "k_codes": (store.k_codes, (*lead, head_dim, capacity // pk)),
+        "k_scale": (store.k_scale, (*lead, head_dim, capacity // group_size)),
+        "k_zero": (store.k_zero, (*lead, head_dim, capacity // group_size)),
+        "v_codes": (store.v_codes, (*lead, capacity, head_dim // pv)),
+        "v_scale": (store.v_scale, (*lead, capacity, head_dim // group_size)),
+        "v_zero": (store.v_zero, (*lead, capacity, head_dim // group_size)),
+        "length": (store.length, (batch,)),
+    }
+    for name, (array, shape) in expected.items():
+      if array.shape != shape:
+        raise ValueError(f"store.{name} has shape {array.shape}, expected {shape} for q {q.shape}, v_codes "
+                         f"{store.v_codes.shape}, k_bits={store.k_bits}, v_bits={store.v_bits}, {group_size=}")
+    for name in ("k_codes", "v_codes"):
+      if expected[name][0].dtype != jnp.uint32:
+        raise ValueError(f"store.{name} must be uint32, got {expected[name][0].dtype}")
+    if store.length.dtype != jnp.int32:
+      raise ValueError(f"store.length must be int32, got {store.length.dtype}")
   for index, segment in enumerate(segments):
     if len(segment) != 3:
       raise ValueError(f"segment {index} must be (k, v, mask), got {len(segment)} arrays")
     k, v, mask = segment
-    seg_len = k.shape[2] if k.ndim == 4 else -1
-    if k.shape != (batch, kv_heads, seg_len, head_dim) or v.shape != k.shape:
-      raise ValueError(f"segment {index}: k {k.shape} and v {v.shape} must both be [B, Hkv, S, D] = "
-                       f"[{batch}, {kv_heads}, S, {head_dim}] for q {q.shape}")
-    if mask.shape != (batch, t_rows, seg_len) or mask.dtype != jnp.bool_:
+    seg_len = k.shape[-2] if k.ndim in (4, 5) else -1
+    lead = k.shape[:1] if k.ndim == 5 else ()
+    if k.shape != (*lead, batch, kv_heads, seg_len, head_dim) or v.shape != k.shape or seg_len < 1:
+      raise ValueError(f"segment {index}: k {k.shape} and v {v.shape} must both be [L, B, Hkv, S, D] or "
+                       f"[B, Hkv, S, D] with B, Hkv, D = {batch}, {kv_heads}, {head_dim} (q {q.shape}), S >= 1")
+    if mask.dtype != jnp.bool_ or mask.shape not in ((batch, t_rows, seg_len), (batch, kv_heads, t_rows, seg_len)):
       raise ValueError(f"segment {index}: mask {mask.shape} {mask.dtype} must be bool [B, T, S] = "
-                       f"[{batch}, {t_rows}, {seg_len}]")
+                       f"[{batch}, {t_rows}, {seg_len}] or [B, Hkv, T, S]")
+
+
+def _num_layers(store, segments):
+  stacked = [store.k_codes.shape[0]] if store is not None else []
+  stacked += [k.shape[0] for k, _, _ in segments if k.ndim == 5]
+  if len(set(stacked)) > 1:
+    raise ValueError(f"stacked arrays disagree on the number of layers: {stacked}")
+  return stacked[0] if stacked else 1
+
+
+def _results(o, lse, mass, *, return_lse, mass_rows):
+  """o, then lse and the token mass where asked for."""
+  extra = ((lse,) if return_lse else ()) + ((mass,) if mass_rows else ())
+  return (o, *extra) if extra else o
+
+
+def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
+  """[B, Hkv, T*g, S] logits (or [B, Hkv, T, g, S] probabilities) -> mass [B, Hkv, R, S] of the chosen rows."""
+  pick = lambda x: jnp.stack([x[:, :, t] for t in mass_rows], axis=2)  # static slices, no gather
+  if from_logits:
+    batch, kv_heads, _, length = probs_or_logits.shape
+    logits = pick(probs_or_logits.reshape(batch, kv_heads, -1, q_per_kv, length))
+    p = jnp.exp(logits - pick(lse)[..., None])
+  else:
+    p = pick(probs_or_logits)
+  return jnp.sum(jnp.where(pick(valid)[:, :, :, None, :], p, 0.0), axis=3)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=["k_bits", "v_bits", "group_size", "sm_scale", "block_k", "k_splits",
+    static_argnames=["sm_scale", "return_lse", "token_mass_rows", "block_k", "k_splits", "block_s", "s_splits",
                      "num_warps", "num_stages", "interpret"])
 def decode_attention(
-    q,          # [B, Hkv, T, g, D]
-    k_codes,    # [B, Hkv, D, C // Pk] uint32
-    k_scale,    # [B, Hkv, D, C // G]
-    k_zero,     # [B, Hkv, D, C // G]
-    v_codes,    # [B, Hkv, C, D // Pv] uint32
-    v_scale,    # [B, Hkv, C, D // G]
-    v_zero,     # [B, Hkv, C, D // G]
-    quant_len,  # [B] int32
-    segments=(),  # ((k [B, Hkv, S, D], v [B, Hkv, S, D], mask [B, T, S] bool), ...)
+    q,              # [B, Hkv, T, g, D]
+    layer,          # int32 scalar (traced); None when nothing is stacked
+    store: Optional[QuantizedStore] = None,
+    segments=(),    # ((k [L, B, Hkv, S, D] or [B, Hkv, S, D], v (same), mask [B, T, S] or [B, Hkv, T, S] bool), ...)
     *,
-    k_bits: int,
-    v_bits: int,
-    group_size: int,
-    sm_scale: float | None = None,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    token_mass_rows: tuple[int, ...] = (),
     block_k: int = 64,
     k_splits: int = 16,
+    block_s: int = 64,
+    s_splits: int = 16,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
 ):
-  """Softmax attention of T query rows per sequence over a KIVI-layout cache and full-precision segments.
+  """Softmax attention of T query rows per sequence over layer ``layer`` of a stacked cache, in one pass.
 
-  Layouts are in the module docstring. Returns o [B, Hkv, T, g, D] in q.dtype; a row with no valid token is 0.
+  Layouts are in the module docstring. ``layer`` is clamped to [0, L). The store is optional (dense decoding
+  passes segments only); so are segments.
 
-  Tunables (static; defaults: the best of benchmarks/kernel_decode.py's autotune on an H100 at B=8, L=32768):
-    block_k: store tokens per loop step (block_k / group_size key groups, unrolled); a power of two and a multiple
-      of group_size, clamped to the largest power of two that divides the capacity.
-    k_splits: programs per (batch row, KV head) along the store (flash-decoding), clamped to the block count;
-      each segment gets one more program.
+  Returns:
+    o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key); with ``return_lse`` also lse [B, Hkv, T, g]
+    float32 (MASK_VALUE for a row with no valid key); with ``token_mass_rows`` (a static tuple of query
+    positions t) also the token mass ``(store_mass [B, Hkv, R, C] or None, (segment_mass [B, Hkv, R, S], ...))``,
+    R = len(token_mass_rows): the probability each key receives from row t, summed over the g query heads
+    (0 for keys no row may see). In that order: ``o``, ``(o, lse)``, ``(o, mass)`` or ``(o, lse, mass)``.
+
+  Tunables (static; store defaults: the best of benchmarks/kernel_decode.py's autotune on an H100 at B=8,
+  L=32768, KIVI-2):
+    block_k: store tokens per loop step; a power of two and a multiple of group_size, clamped to the largest
+      power of two dividing the capacity.
+    k_splits: programs per (batch row, KV head) along the store (flash-decoding), clamped to its block count.
+    block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
+    s_splits: programs per (batch row, KV head) along each segment, clamped to its block count.
     num_warps, num_stages: Triton launch and software-pipelining parameters.
     interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
-  _check_shapes(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, segments, k_bits=k_bits,
-                v_bits=v_bits, group_size=group_size, allowed_bits=KERNEL_BITS)
+  mass_rows = tuple(token_mass_rows)
+  _check_inputs(q, layer, store, segments, allowed_bits=KERNEL_BITS, mass_rows=mass_rows)
   batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
-  capacity = v_codes.shape[2]
   # The Triton lowering needs power-of-two tiles, and dots need both dims >= 16.
   if head_dim != _next_power_of_2(head_dim) or head_dim < 16:
     raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Pallas kernel")
-  if group_size != _next_power_of_2(group_size) or group_size < 16:
-    raise ValueError(f"group_size {group_size} must be a power of two >= 16 for the Pallas kernel")
-  block_k = min(block_k, capacity & -capacity)  # the largest power of two dividing the capacity
-  if block_k % group_size:
-    raise ValueError(f"block_k {block_k} (clamped to the capacity {capacity}) must be a multiple of group_size "
-                     f"{group_size}")
-  n_blocks = capacity // block_k
-  k_splits = max(1, min(k_splits, n_blocks))
-  k_splits = pl.cdiv(n_blocks, pl.cdiv(n_blocks, k_splits))  # no split left without blocks
+  if block_s != _next_power_of_2(block_s) or block_s < 16:
+    raise ValueError(f"block_s {block_s} must be a power of two >= 16")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  num_layers = _num_layers(store, segments)
+  layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
+
+  bounds, store_source, first = [], None, 0
+  if store is not None:
+    group_size, capacity = store.group_size, store.capacity
+    if group_size != _next_power_of_2(group_size) or group_size < 16:
+      raise ValueError(f"group_size {group_size} must be a power of two >= 16 for the Pallas kernel")
+    block_k = min(block_k, capacity & -capacity)  # the largest power of two dividing the capacity
+    if block_k % group_size:
+      raise ValueError(f"block_k {block_k} (clamped to the capacity {capacity}) must be a multiple of group_size "
+                       f"{group_size}")
+    store_source = _split_plan(capacity, block_k, k_splits, first)
+    first += store_source.splits
+    bounds.append(jnp.broadcast_to(jnp.clip(store.length, 0, capacity)[:, None], (batch, kv_heads)))
+
+  segment_sources, kernel_segments = [], []
+  for k, v, mask in segments:
+    seg_len = k.shape[-2]
+    block = max(16, min(block_s, _next_power_of_2(seg_len)))
+    source = _split_plan(seg_len, block, s_splits, first, ragged=seg_len % block != 0, stacked=k.ndim == 5)
+    first += source.splits
+    segment_sources.append(source)
+    mask4 = mask if mask.ndim == 4 else mask[:, None]  # [B, Hkv or 1, T, S]
+    # The loop stops after the last key any row of (b, h) may see (one small reduction over the mask).
+    last = jnp.max(jnp.where(mask4, jnp.arange(1, seg_len + 1, dtype=jnp.int32), 0), axis=(2, 3))
+    bounds.append(jnp.broadcast_to(last, (batch, kv_heads)))
+    if k.ndim == 4:  # a per-step segment: a unit layer axis (a bitcast, not a copy)
+      k, v = k[None], v[None]
+    kernel_segments.append((k, v, mask4.astype(jnp.int8)))
 
   n_rows = t_rows * q_per_kv
   rows = max(16, _next_power_of_2(n_rows))
   q_rows = jnp.pad(q.reshape(batch, kv_heads, n_rows, head_dim), ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
-  # Query row r = t * g + i belongs to query position t; padded rows copy the last position's mask.
-  row_position = jnp.minimum(jnp.arange(rows) // q_per_kv, t_rows - 1)
-  padded_segments, segment_blocks = [], []
-  for k, v, mask in segments:
-    seg_len = k.shape[2]
-    block_s = max(16, min(block_k, _next_power_of_2(seg_len)))
-    pad = -seg_len % block_s
-    pad_tokens = ((0, 0), (0, 0), (0, pad), (0, 0))
-    padded_segments.append((jnp.pad(k, pad_tokens), jnp.pad(v, pad_tokens),
-                            jnp.pad(mask[:, row_position, :], ((0, 0), (0, 0), (0, pad))).astype(jnp.int8)))
-    segment_blocks.append(block_s)
+  o, l, m, *logits = _decode_attention_partials(
+      layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, store, tuple(kernel_segments),
+      store_source=store_source, segment_sources=tuple(segment_sources), n_rows=n_rows, q_per_kv=q_per_kv,
+      t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret)
 
-  o, l, m = _decode_attention_partials(
-      q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.clip(quant_len, 0, capacity),
-      tuple(padded_segments), k_bits=k_bits, v_bits=v_bits, group_size=group_size, sm_scale=sm_scale,
-      block_k=block_k, k_splits=k_splits, n_rows=n_rows, segment_blocks=tuple(segment_blocks), num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-  return _merge_partials(o, l, m).reshape(q.shape).astype(q.dtype)
+  # Exact softmax merge of the partials; a row with no valid key has l_all = 0.
+  m_all = jnp.max(m, axis=2)
+  alpha = jnp.exp(m - m_all[:, :, None])
+  l_all = jnp.sum(alpha * l, axis=2)
+  empty = l_all == 0
+  o = jnp.sum(alpha[..., None] * o, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]
+  o = o.reshape(q.shape).astype(q.dtype)
+  lse = jnp.where(empty, MASK_VALUE, m_all + jnp.log(jnp.where(empty, 1.0, l_all))).reshape(q.shape[:-1])
+
+  mass = None
+  if mass_rows:
+    store_mass = None
+    if store is not None:
+      valid = jnp.arange(store.capacity)[None, None, None, :] < store.length[:, None, None, None]  # [B, 1, 1, C]
+      store_mass = _token_mass(logits.pop(0), lse, jnp.broadcast_to(valid, (batch, 1, t_rows, store.capacity)),
+                               q_per_kv, mass_rows, from_logits=True)
+    segment_mass = tuple(
+        _token_mass(seg_logits, lse, mask if mask.ndim == 4 else mask[:, None], q_per_kv, mass_rows, True)
+        for seg_logits, (_, _, mask) in zip(logits, segments))
+    mass = (store_mass, segment_mass)
+  return _results(o, lse, mass, return_lse=return_lse, mass_rows=mass_rows)
 
 
-@functools.partial(jax.jit, static_argnames=["k_bits", "v_bits", "group_size", "sm_scale"])
+@functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "token_mass_rows"])
 def decode_attention_reference(
-    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, segments=(), *, k_bits: int, v_bits: int,
-    group_size: int, sm_scale: float | None = None,
+    q, layer, store: Optional[QuantizedStore] = None, segments=(), *, sm_scale: Optional[float] = None,
+    return_lse: bool = False, token_mass_rows: tuple[int, ...] = (),
 ):
-  """``decode_attention`` in plain jnp and fp32: dequantize the store, append the segments, one masked softmax.
+  """``decode_attention`` in plain jnp and fp32 (same arguments, no tunables; same results).
 
-  Also the XLA path for GPUs without Pallas support (compute capability < 8.0). Accepts 1-bit codes too.
+  Reads layer ``layer`` of the stacked arrays by plain indexing (XLA may copy it), dequantizes the store, appends
+  the segments and runs one masked softmax. Also the XLA path for GPUs without Pallas support (compute capability
+  < 8.0). Accepts 1-bit codes too.
   """
-  _check_shapes(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, segments, k_bits=k_bits,
-                v_bits=v_bits, group_size=group_size, allowed_bits=BITS)
-  batch, _, t_rows, _, _ = q.shape
-  capacity = v_codes.shape[2]
-  k = dequantize(unpack(k_codes, bits=k_bits, axis=3), k_scale, k_zero, axis=3, group_size=group_size,
-                 dtype=jnp.float32)
-  v = dequantize(unpack(v_codes, bits=v_bits, axis=3), v_scale, v_zero, axis=3, group_size=group_size,
-                 dtype=jnp.float32)
-  quant_mask = jnp.arange(capacity)[None, None, :] < quant_len[:, None, None]
-  ks = [jnp.swapaxes(k, 2, 3)] + [seg_k.astype(jnp.float32) for seg_k, _, _ in segments]
-  vs = [v] + [seg_v.astype(jnp.float32) for _, seg_v, _ in segments]
-  masks = [jnp.broadcast_to(quant_mask, (batch, t_rows, capacity))] + [mask for _, _, mask in segments]
-  mask = jnp.concatenate(masks, axis=-1)
-  # Slots that no query row attends may hold garbage (even NaN); keep it out of p·V.
-  v = jnp.where(jnp.any(mask, axis=1)[:, None, :, None], jnp.concatenate(vs, axis=2), 0.0)
-  return gqa_attention_reference(q, jnp.concatenate(ks, axis=2), v, mask, sm_scale=sm_scale)
+  mass_rows = tuple(token_mass_rows)
+  _check_inputs(q, layer, store, segments, allowed_bits=BITS, mass_rows=mass_rows)
+  batch, kv_heads, t_rows, q_per_kv, _ = q.shape
+  num_layers = _num_layers(store, segments)
+  layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1)
+  ks, vs, masks = [], [], []
+  if store is not None:
+    at = lambda a: a[layer]
+    k = dequantize(unpack(at(store.k_codes), bits=store.k_bits, axis=3), at(store.k_scale), at(store.k_zero),
+                   axis=3, group_size=store.group_size, dtype=jnp.float32)
+    v = dequantize(unpack(at(store.v_codes), bits=store.v_bits, axis=3), at(store.v_scale), at(store.v_zero),
+                   axis=3, group_size=store.group_size, dtype=jnp.float32)
+    ks.append(jnp.swapaxes(k, 2, 3))
+    vs.append(v)
+    valid = jnp.arange(store.capacity)[None, None, None, :] < store.length[:, None, None, None]
+    masks.append(jnp.broadcast_to(valid, (batch, kv_heads, t_rows, store.capacity)))
+  for k, v, mask in segments:
+    if k.ndim == 5:
+      k, v = k[layer], v[layer]
+    ks.append(k.astype(jnp.float32))
+    vs.append(v.astype(jnp.float32))
+    masks.append(jnp.broadcast_to(mask if mask.ndim == 4 else mask[:, None], (batch, kv_heads, *mask.shape[-2:])))
+  mask = jnp.concatenate(masks, axis=-1)  # [B, Hkv, T, S_all]
+  # Slots that no query row of the head attends may hold garbage (even NaN); keep it out of p·V.
+  v = jnp.where(jnp.any(mask, axis=2)[..., None], jnp.concatenate(vs, axis=2), 0.0)
+  p, lse = gqa_attention_probs(q, jnp.concatenate(ks, axis=2), mask, sm_scale=sm_scale)
+  o = jnp.einsum("bhtgs,bhsd->bhtgd", p, v, precision=lax.Precision.HIGHEST).astype(q.dtype)
+
+  mass = None
+  if mass_rows:
+    pieces, offset = [], 0
+    for piece_mask in masks:
+      length = piece_mask.shape[-1]
+      pieces.append(_token_mass(p[..., offset:offset + length], lse, piece_mask, q_per_kv, mass_rows, False))
+      offset += length
+    mass = (pieces.pop(0) if store is not None else None, tuple(pieces))
+  return _results(o, lse, mass, return_lse=return_lse, mass_rows=mass_rows)

@@ -2,13 +2,30 @@
 
 Asymmetric min-max quantization over groups of ``group_size`` consecutive elements along one axis (KIVI spec §2.1):
 
-    z = min(group), s = (max(group) - min(group)) / (2**bits - 1)      (fp32, then stored in ``meta_dtype``)
-    c = round_half_even(clip((x - z) / s, 0, 2**bits - 1))            (with the *stored* s and z)
+    z = min(group), s = (max(group) - min(group)) * fl(1 / (2**bits - 1))   (fp32, then stored in ``meta_dtype``)
+    c = clip(round_half_even((x - z) / s), 0, 2**bits - 1)                  (with the *stored* s and z)
     x' = c * s + z
 
 Codes are computed from the stored (rounded) s and z, so quantize and dequantize agree; a constant group (s = 0)
 divides by 1 instead and reconstructs exactly. Codes are packed into uint32 words, ``32 // bits`` per word along
 one axis, element j of a word at bits [bits*j, bits*j + bits), j = 0 least significant (spec §2.8).
+
+Bit-exact on every backend. The Pallas kernel (Triton) and the reference (XLA) must produce the same codes on CPU
+and GPU, and a floating-point division is where they differ: Triton lowers fp32 ``/`` to the approximate
+``div.full.f32`` (up to 2 ulp off), XLA emits an IEEE division, and XLA's simplifier rewrites ``x / const`` into
+``x * (1 / const)``; one ulp in (x - z) / s moves a value that sits near a rounding boundary to the next code
+(issue 8 saw exactly that on an H100). So the arithmetic here uses no division whose rounding matters:
+
+- s multiplies by the fp32 constant fl(1/qmax) (one correctly rounded product everywhere; it differs from
+  (max - min) / qmax by at most one fp32 ulp before the cast to ``meta_dtype``).
+- c is *defined* as the integer nearest to the exact real quotient (x - z) / s (ties to even), and computed
+  so: an estimate c0 = floor((x - z) * (1 / s) + 0.5) from any approximate reciprocal (within one code of the
+  answer, since the estimate is off by far less than one half), then one correction step that compares d = x - z
+  with the decision thresholds (c0 ± 0.5) * s. With s in fp16 or bf16 (<= 11 significant bits) and c0 + 0.5 in
+  at most 9 bits, those products are exact in fp32, d is one IEEE subtraction and comparisons are exact, so the
+  codes do not depend on how either compiler rounds, contracts (FMA) or divides. With an fp32 ``meta_dtype`` the
+  thresholds are rounded products, still identical on every backend (a multiply followed by a compare cannot be
+  contracted).
 
 The ``*_last_axis`` / ``quantize_groups`` forms are the in-register versions that the Pallas kernels call on a tile:
 they use only operations the Triton lowering has (no ``round``, no gathers), so the kernels and the references here
@@ -32,12 +49,27 @@ def check_bits(bits: int, allowed: tuple[int, ...] = BITS) -> None:
     raise ValueError(f"bits must be one of {allowed}, got {bits}")
 
 
-def _round_half_even(y):
-  """jnp.round (ties to even) from floor and compares, because the Triton lowering has no round primitive."""
-  r = jnp.floor(y)
-  frac = y - r
-  r_is_odd = (r - 2.0 * jnp.floor(0.5 * r)) == 1.0
-  return jnp.where((frac > 0.5) | ((frac == 0.5) & r_is_odd), r + 1.0, r)
+def _correct_code(c0, d, s):
+  """The integer nearest to d / s (exact quotient, ties to even), given an estimate c0 within one of it.
+
+  Compares d with the decision thresholds (c0 +- 0.5) * s; a tie goes to the even neighbour.
+  """
+  c0_is_odd = (c0 - 2.0 * jnp.floor(0.5 * c0)) == 1.0
+  upper = (c0 + 0.5) * s
+  lower = (c0 - 0.5) * s
+  up = (d > upper) | ((d == upper) & c0_is_odd)
+  down = (d < lower) | ((d == lower) & c0_is_odd)
+  return c0 + jnp.where(up, 1.0, 0.0) - jnp.where(down, 1.0, 0.0)
+
+
+def _nearest_code(d, s, qmax: int):
+  """clip(round_half_even(d / s), 0, qmax) for d = x - z and s > 0, with the exact quotient (module docstring).
+
+  The estimate may come from any approximate reciprocal (Triton's and XLA's differ); the correction step makes
+  the result independent of it.
+  """
+  c0 = jnp.floor(d * (1.0 / s) + 0.5)
+  return jnp.clip(_correct_code(c0, d, s), 0.0, float(qmax))
 
 
 def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16):
@@ -55,13 +87,13 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16):
   x = x.astype(jnp.float32)
   lo = jnp.min(x, axis=-1)
   hi = jnp.max(x, axis=-1)
-  scale = ((hi - lo) / qmax).astype(meta_dtype)
+  scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
   zero = lo.astype(meta_dtype)
   # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
   s = scale.astype(jnp.float32)[..., None]
   z = zero.astype(jnp.float32)[..., None]
-  y = jnp.clip((x - z) / jnp.where(s == 0.0, 1.0, s), 0.0, float(qmax))
-  return _round_half_even(y).astype(jnp.uint32), scale, zero
+  codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
+  return codes.astype(jnp.uint32), scale, zero
 
 
 def _group_view(x, axis: int, group_size: int):

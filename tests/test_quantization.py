@@ -204,3 +204,53 @@ def test_fused_unpack_dequantize_equals_unpack_then_dequantize(bits):
   expect = dequantize(unpack(words, bits=bits, axis=-1), scale, zero, axis=-1, group_size=32, dtype=jnp.float32)
   got = dequantize_packed_last_axis(words, scale, zero, bits=bits, group_size=32, dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
+
+
+def _exact_codes(x, scale, zero, bits):
+  """float64 oracle: the integer nearest to the exact quotient (x - z) / s (ties to even), x - z rounded in fp32."""
+  s = np.asarray(scale, np.float32).astype(np.float64)[..., None]
+  d = (np.asarray(x, np.float32) - np.asarray(zero, np.float32)[..., None]).astype(np.float64)
+  return np.clip(np.round(d / np.where(s == 0, 1.0, s)), 0, 2**bits - 1)
+
+
+@pytest.mark.parametrize("meta_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_codes_are_the_exact_nearest_code(bits, meta_dtype):
+  """Codes are a function of the stored s and z alone (no division whose rounding a compiler chooses): random
+  groups, and groups whose elements sit exactly on a decision threshold (c + 1/2) s or one fp32 ulp to either side
+  of it, where an approximate division (Triton's div.full) would pick either neighbour."""
+  rng = np.random.default_rng(bits)
+  qmax = 2**bits - 1
+  x = rng.normal(size=(64, 32)).astype(np.float32) * rng.uniform(0.01, 100.0, size=(64, 1)).astype(np.float32)
+  # Threshold groups: min 0 and max qmax * s0 pin z = 0 and s = s0 (exact in fp16 and bf16); the rest sit on
+  # thresholds (k + 1/2) s0 (exact in fp32) or one ulp either side.
+  s0 = np.float32(0.375)
+  k = rng.integers(0, qmax, size=(48, 30)).astype(np.float32)
+  on = (k + np.float32(0.5)) * s0
+  ties = np.stack([on, np.nextafter(on, np.float32(np.inf)), np.nextafter(on, np.float32(-np.inf))])
+  ties = ties.reshape(-1, 30)
+  ties = np.concatenate([np.zeros((len(ties), 1), np.float32), np.full((len(ties), 1), qmax * s0, np.float32),
+                         ties], axis=1)
+  x = np.concatenate([x, ties]).astype(np.float32)
+  codes, scale, zero = quantize(jnp.asarray(x), bits=bits, axis=1, group_size=32, meta_dtype=meta_dtype)
+  want = _exact_codes(x.reshape(len(x), 1, 32), scale, zero, bits).reshape(x.shape)
+  np.testing.assert_array_equal(np.asarray(codes), want)
+  # the threshold groups really have the pinned grid, and their ties went to the even code
+  assert np.all(np.asarray(scale, np.float32)[-len(ties):] == s0) and np.all(np.asarray(zero)[-len(ties):] == 0)
+  tie_codes = np.asarray(codes)[64:64 + 48, 2:]
+  np.testing.assert_array_equal(tie_codes, k + (k % 2 == 1))
+
+
+def test_code_correction_fixes_any_estimate_within_one():
+  """The correction step returns the exact nearest code from an estimate off by one either way, ties included:
+  so the estimate's reciprocal may be approximate (it is, in Triton) without changing a single code."""
+  from jkv_kernels.quantization import _correct_code
+  rng = np.random.default_rng(0)
+  s = np.float32(0.0703125)  # 9 significant bits
+  c = rng.integers(0, 256, size=4096).astype(np.float32)
+  frac = rng.choice(np.array([-0.5, -0.25, 0.0, 0.25, 0.5, 0.4999], np.float32), size=c.shape)
+  d = ((c + frac) * s).astype(np.float32)
+  want = np.round(d.astype(np.float64) / np.float64(s))
+  for offset in (-1.0, 0.0, 1.0):
+    got = _correct_code(jnp.asarray(want + offset, jnp.float32), jnp.asarray(d), jnp.float32(s))
+    np.testing.assert_array_equal(np.asarray(got), want)

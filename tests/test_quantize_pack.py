@@ -46,6 +46,27 @@ class TestQuantizePackInterpret:
       assert got.shape == want.shape and got.dtype == want.dtype, name
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
+  @pytest.mark.parametrize("bits", [2, 4, 8])
+  def test_bit_exact_on_decision_thresholds(self, bits):
+    """Elements exactly on a decision threshold (c + 1/2) s of a pinned grid, or one fp32 ulp either side: where
+    an approximate division (Triton's fp32 ``/``) would pick either neighbour, kernel and reference agree with the
+    exact nearest code (ties to even) along both groupings."""
+    rng = np.random.default_rng(bits)
+    qmax, s0 = 2**bits - 1, np.float32(0.375)
+    on = (rng.integers(0, qmax, size=(3, 64, 30)).astype(np.float32) + np.float32(0.5)) * s0
+    x = np.stack([on, np.nextafter(on, np.float32(np.inf)), np.nextafter(on, np.float32(-np.inf))])
+    x = np.concatenate([np.zeros((3, 3, 64, 1)), np.full((3, 3, 64, 1), qmax * s0), x], -1).astype(np.float32)
+    x = jnp.asarray(x.reshape(9, 64, 32))  # [N, T, D]: every token's 32 channels form one group
+    for axis, data in ((-1, x), (-2, jnp.swapaxes(x, -1, -2))):
+      out = quantize_pack(data, bits=bits, group_size=32, axis=axis, interpret=self.INTERPRET)
+      ref = quantize_pack_reference(data, bits=bits, group_size=32, axis=axis)
+      for name, got, want in zip(("codes", "scale", "zero"), out, ref):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} along {axis}")
+      codes = unpack(out[0], bits=bits, axis=-1)  # [N, 64, 32] both ways: keys come out channel-major
+      np.testing.assert_array_equal(np.asarray(out[1], np.float32), s0)
+      exact = np.clip(np.round(np.asarray(x, np.float64) / np.float64(s0)), 0, qmax)
+      np.testing.assert_array_equal(np.asarray(codes), exact)
+
   def test_layouts_round_trip(self):
     """Keys come out as [..., D, T/P] (the k_codes layout) and dequantize back within half a step."""
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 64, 64)), jnp.float32)
