@@ -137,7 +137,7 @@ def _decode_attention_kernel(
     # inputs
     layer_ref,   # [1] int32, clamped to [0, L)
     bounds_ref,  # [n_sources] int32: keys at and past bounds[i] are never valid in source i (for this b, h)
-    q_ref,       # [M, D]: the T*g query rows of one KV head, zero-padded to M
+    q_ref,       # [M, D] block over the T*g query rows of one KV head (rows past T*g are never read)
     *refs,       # the store (if any): k_codes [L, D, C/Pk], k_scale [L, D, C/G], k_zero, v_codes [L, C, D/Pv],
                  #   v_scale [L, C, D/G], v_zero; per segment: k [L', S_blk, D], v [L', S_blk, D],
                  #   mask [T, S_blk] int8; then the outputs o [M, D] (unnormalized), l [M], m [M], of which only
@@ -164,9 +164,9 @@ def _decode_attention_kernel(
   rows, head_dim = q_ref.shape
   dot_dtype = q_ref.dtype
   precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-  q = q_ref[...]
   row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
   real_row = row < n_rows
+  q = plgpu.load(q_ref, mask=jnp.broadcast_to(real_row[:, None], (rows, head_dim)), other=0)  # padding rows: 0
   row_position = row // q_per_kv  # query position t of row r = t * g + i
   mass_row = functools.reduce(jnp.logical_or, [row_position == t for t in mass_rows], row < 0)
   init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -255,13 +255,12 @@ def _decode_attention_kernel(
 def _decode_attention_partials(
     layer,     # [1] int32
     bounds,    # [B, Hkv, n_sources] int32
-    q,         # [B, Hkv, M, D]: n_rows query rows, zero-padded to M
+    q,         # [B, Hkv, n_rows, D]
     store,     # QuantizedStore (arrays [L, B, Hkv, ...]) or None
     segments,  # ((k [L', B, Hkv, S, D], v [L', B, Hkv, S, D], mask [B, Hkv or 1, T, S] int8), ...)
     *,
     store_source: Optional[_Source],
     segment_sources: tuple[_Source, ...],
-    n_rows: int,
     q_per_kv: int,
     t_rows: int,
     sm_scale: float,
@@ -271,7 +270,8 @@ def _decode_attention_partials(
     interpret: bool,
 ):
   """One pallas_call over grid (B, Hkv, P); returns the fp32 partials o, l, m (and the chosen rows' logits)."""
-  batch, kv_heads, rows, head_dim = q.shape
+  batch, kv_heads, n_rows, head_dim = q.shape
+  rows = max(16, _next_power_of_2(n_rows))  # M: the tile's rows (dots need >= 16)
   sources = ([store_source] if store is not None else []) + list(segment_sources)
   partials = sum(source.splits for source in sources)
 
@@ -282,7 +282,7 @@ def _decode_attention_partials(
   in_specs = [
       pl.BlockSpec((1,), lambda b, h, s: (0,)),                                # layer
       pl.BlockSpec((None, None, len(sources)), lambda b, h, s: (b, h, 0)),   # bounds
-      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q (M >= n_rows rows)
   ]
   arrays = [layer, bounds, q]
   name = ""
@@ -518,11 +518,10 @@ def decode_attention(
     kernel_segments.append((k, v, mask4.astype(jnp.int8)))
 
   n_rows = t_rows * q_per_kv
-  rows = max(16, _next_power_of_2(n_rows))
-  q_rows = jnp.pad(q.reshape(batch, kv_heads, n_rows, head_dim), ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
+  q_rows = q.reshape(batch, kv_heads, n_rows, head_dim)
   o, l, m, *logits = _decode_attention_partials(
       layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, store, tuple(kernel_segments),
-      store_source=store_source, segment_sources=tuple(segment_sources), n_rows=n_rows, q_per_kv=q_per_kv,
+      store_source=store_source, segment_sources=tuple(segment_sources), q_per_kv=q_per_kv,
       t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, num_warps=num_warps, num_stages=num_stages,
       interpret=interpret)
 
