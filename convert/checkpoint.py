@@ -1,19 +1,31 @@
-"""Save and restore a converted model: orbax-checkpoint for the parameters, one JSON for the rest.
+"""Save and restore a converted model: orbax-checkpoint for the parameters, one JSON for the rest, all checksummed.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (format 2)::
 
-  jkv_checkpoint.json   {"format": 1, "config": ModelConfig fields, "tokenizer": Tokenizer.to_dict() or null}
+  jkv_checkpoint.json   {"format": 2, "config": ModelConfig fields, "tokenizer": Tokenizer.to_dict() or null,
+                         "files": {path under the directory: {"bytes": size, "sha256": hex}} for every file
+                         orbax wrote, "sha256": hex digest of the other fields in canonical JSON}
   params/               orbax PyTree checkpoint of Params
 
-Restoring reads straight into the tree ``jkv.params.abstract(cfg)`` describes: no random init, no conversion.
+Saving is atomic: everything is written into the sibling ``<directory>.jkv-partial``, read back and compared,
+and one rename makes it ``<directory>``, so a checkpoint exists whole or not at all. What an interrupted save
+leaves (that sibling, or orbax's ``*.orbax-checkpoint-tmp*``) is recognized and named with what to delete.
+
+Restoring verifies every checksum first, so a flipped byte or a truncated file is one line naming the file, and
+reads straight into the tree ``jkv.params.abstract(cfg)`` describes: no random init, no conversion.
 """
 
+import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
-from typing import Optional
+import shlex
+import shutil
+from typing import Callable, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jkv import params as params_lib
@@ -21,7 +33,14 @@ from jkv.config import ModelConfig, RopeScaling
 from jkv.tokenizer import Tokenizer
 
 MARKER = "jkv_checkpoint.json"
-FORMAT = 1
+PARAMS = "params"
+FORMAT = 2  # 2: checksums of every file and of the JSON itself (format 1 had none)
+PARTIAL = ".jkv-partial"  # suffix of the directory a save writes before its final rename
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own unfinished-save marker (atomicity_types.TMP_DIR_SUFFIX)
+
+
+def _quiet(msg: str) -> None:
+  del msg
 
 
 def is_checkpoint(path: str) -> bool:
@@ -29,38 +48,163 @@ def is_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, MARKER))
 
 
-def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer: Optional[Tokenizer] = None):
-  """Write ``(cfg, params, tokenizer)`` to a new ``directory`` (it must not exist or be empty)."""
+def leftover(path: str) -> Optional[str]:
+  """One line naming what an interrupted save left at ``path`` (or beside it) and what to delete, else None."""
+  path = os.path.abspath(path)
+  found = None
+  if os.path.isdir(path) and (path.endswith(PARTIAL) or _holds_orbax_tmp(path)):
+    found = path
+  elif os.path.exists(path + PARTIAL):
+    found = path + PARTIAL
+  if found is None:
+    return None
+  return (f"{found} is left over from an interrupted `jkv convert`; delete it (rm -r {shlex.quote(found)}) "
+          "and run again")
+
+
+def _holds_orbax_tmp(path: str) -> bool:
+  dirs = [d for d in (path, os.path.join(path, PARAMS)) if os.path.isdir(d)]
+  return any(ORBAX_TMP in name for d in dirs for name in os.listdir(d))
+
+
+def check_target(directory: str) -> None:
+  """Raise FileExistsError / PermissionError (one line) unless ``save(directory, ...)`` can write there.
+
+  Cheap and side-effect free, so that callers can run it before the work that produces the checkpoint.
+  """
   directory = os.path.abspath(directory)
-  if os.path.exists(directory) and os.listdir(directory):
+  problem = leftover(directory)
+  if problem:
+    raise FileExistsError(problem)
+  if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
     raise FileExistsError(f"checkpoint directory {directory} exists and is not empty")
-  os.makedirs(directory, exist_ok=True)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(directory, "params"), params)
-  meta = {"format": FORMAT, "config": dataclasses.asdict(cfg),
-          "tokenizer": None if tokenizer is None else tokenizer.to_dict()}
-  with open(os.path.join(directory, MARKER), "w") as f:
-    json.dump(meta, f)
+  parent = os.path.dirname(directory)
+  while not os.path.exists(parent):  # save creates missing parents: the nearest existing one must be writable
+    parent = os.path.dirname(parent)
+  if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+    raise PermissionError(f"cannot write a checkpoint at {directory}: {parent} is not a writable directory")
+
+
+def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer: Optional[Tokenizer] = None,
+         progress: Callable[[str], None] = _quiet) -> None:
+  """Write ``(cfg, params, tokenizer)`` to a new ``directory`` (it must not exist or be empty), atomically.
+
+  ``progress`` receives one line per stage (saving, verifying). Any failure, an interrupt included, removes the
+  partial directory before the exception propagates.
+  """
+  directory = os.path.abspath(directory)
+  check_target(directory)
+  partial = directory + PARTIAL
+  os.makedirs(partial)
+  try:
+    progress(f"saving to {partial} ...")
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(partial, PARAMS), params)
+    meta = {"format": FORMAT, "config": dataclasses.asdict(cfg),
+            "tokenizer": None if tokenizer is None else tokenizer.to_dict(), "files": _file_digests(partial)}
+    with open(os.path.join(partial, MARKER), "w") as f:
+      json.dump({**meta, "sha256": _json_digest(meta)}, f)
+      f.flush()
+      os.fsync(f.fileno())
+    progress("verifying the saved checkpoint ...")
+    _check_equal(partial, restore(partial)[1], params)
+    os.rename(partial, directory)  # replaces an empty directory too (POSIX rename)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
 
 
 def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[Tokenizer]]:
-  """Read a directory written by ``save``; the parameters come back in the saved dtype."""
+  """Read a directory written by ``save``; the parameters come back in the saved dtype.
+
+  Raises ValueError (one line naming the file) when a checksum does not match or a file is missing or truncated.
+  """
   directory = os.path.abspath(directory)
-  if not is_checkpoint(directory):
-    raise FileNotFoundError(f"{directory} is not a jkv checkpoint (no {MARKER})")
-  with open(os.path.join(directory, MARKER)) as f:
-    meta = json.load(f)
-  if meta.get("format") != FORMAT:
-    raise ValueError(f"{directory}: checkpoint format {meta.get('format')!r}, this jkv reads format {FORMAT}")
-  fields = dict(meta["config"])
-  if fields["rope_scaling"] is not None:
-    fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-  fields["eos_ids"] = tuple(fields["eos_ids"])
-  cfg = ModelConfig(**fields)
+  meta = _read_meta(directory)
+  _verify_files(directory, meta["files"])
+  cfg = _config(meta["config"])
   # Name the device: the sharding recorded at save time names the saving machine's device (say a CPU).
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), params_lib.abstract(cfg))
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(directory, "params"), target)
+    params = ckptr.restore(os.path.join(directory, PARAMS), target)
   tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_dict(meta["tokenizer"])
   return cfg, params, tokenizer
+
+
+def _read_meta(directory: str) -> dict:
+  """The marker's JSON, its format and own checksum checked."""
+  path = os.path.join(directory, MARKER)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} is not a jkv checkpoint (no {MARKER})")
+  try:
+    with open(path, encoding="utf-8") as f:
+      meta = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is damaged ({e}); convert the source again") from None
+  if not isinstance(meta, dict) or "format" not in meta:
+    raise ValueError(f"{path} is damaged (no format field); convert the source again")
+  if meta["format"] == 1:
+    raise ValueError(f"{directory}: checkpoint format 1 (written by an older jkv) carries no checksums; convert "
+                     f"the source again (this jkv reads format {FORMAT})")
+  if meta["format"] != FORMAT:
+    raise ValueError(f"{directory}: checkpoint format {meta['format']!r}, this jkv reads format {FORMAT}")
+  sealed = meta.pop("sha256", None)
+  if sealed != _json_digest(meta):
+    raise ValueError(f"{path} is damaged (checksum mismatch); convert the source again")
+  return meta
+
+
+def _verify_files(directory: str, files: dict) -> None:
+  """Every file the manifest lists exists with its size and sha256; else one line naming the first bad one."""
+  for rel, want in sorted(files.items()):
+    path = os.path.join(directory, rel)
+    if not os.path.isfile(path):
+      raise ValueError(f"{path} is missing from the checkpoint; convert the source again")
+    size = os.path.getsize(path)
+    if size != want["bytes"]:
+      raise ValueError(f"{path} is damaged ({'truncated: ' if size < want['bytes'] else ''}{size} bytes, the "
+                       f"manifest says {want['bytes']}); convert the source again")
+  rels = sorted(files)
+  for rel, digest in zip(rels, _sha256_all([os.path.join(directory, r) for r in rels])):
+    if digest != files[rel]["sha256"]:
+      raise ValueError(f"{os.path.join(directory, rel)} is damaged (sha256 mismatch); convert the source again")
+
+
+def _file_digests(directory: str) -> dict:
+  """{path relative to directory: {"bytes", "sha256"}} for every file under ``directory/params``."""
+  paths = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(directory, PARAMS)) for name in names]
+  return {os.path.relpath(p, directory): {"bytes": os.path.getsize(p), "sha256": d}
+          for p, d in zip(paths, _sha256_all(paths))}
+
+
+def _sha256_all(paths: list) -> list:
+  """sha256 hex digests of the files, several at once (hashlib releases the GIL; one core hashes ~0.5 GB/s)."""
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    return list(pool.map(_sha256, paths))
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _json_digest(data: dict) -> str:
+  """sha256 of ``data`` as canonical JSON (sorted keys, no spaces): equal after a dump/load round trip."""
+  return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _config(fields: dict) -> ModelConfig:
+  fields = dict(fields)
+  if fields["rope_scaling"] is not None:
+    fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+  fields["eos_ids"] = tuple(fields["eos_ids"])
+  return ModelConfig(**fields)
+
+
+def _check_equal(directory: str, restored: params_lib.Params, params: params_lib.Params) -> None:
+  """The parameters read back from ``directory`` are bit for bit the ones saved."""
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(params)):
+    if np.asarray(a).tobytes() != np.asarray(b).tobytes():  # bits, so that NaN equals NaN
+      raise OSError(f"{directory}: parameter {jax.tree_util.keystr(path)} reads back different from what was "
+                    "saved (a failing disk?)")

@@ -196,6 +196,17 @@ def test_gguf_logits_match_transformers(arch, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params, hf_params)
 
 
+def test_non_finite_gguf_weights_are_refused(tmp_path):
+  """Issue 10 case 2: a NaN or Inf weight is one line naming the tensor, whatever the source (here a GGUF)."""
+  hf_model = _tiny_hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM)
+  with torch.no_grad():
+    hf_model.model.layers[1].mlp.down_proj.weight[0, 0] = float("-inf")
+  _write_gguf(hf_model, tmp_path / "tiny.gguf", "llama")
+  with pytest.raises(ValueError, match=r"params\.layers\.w_down holds 1 non-finite value\(s\), the first -inf at "
+                                       r"index \(1, 0, 0\)"):
+    load_lib.load_model(str(tmp_path / "tiny.gguf"))
+
+
 def test_unpermute_inverts_llama_cpp_permute():
   w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
   np.testing.assert_array_equal(gguf_file.unpermute_rows(_llama_cpp_permute(w, 6), 6), w)
