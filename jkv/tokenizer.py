@@ -100,6 +100,10 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+    """An incremental decoder for tokens that arrive one at a time (``jkv generate --stream``)."""
+    return StreamDecoder(self, skip_special_tokens)
+
   def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
     """Render ``[{"role": ..., "content": ...}, ...]`` into the prompt text the model was tuned on."""
     if self.chat_template is None:
@@ -187,3 +191,38 @@ class Tokenizer:
   def from_dict(cls, data: dict) -> "Tokenizer":
     return cls(tokenizers.Tokenizer.from_str(json.dumps(data["backend"])), bos_id=data["bos_id"],
                eos_ids=data["eos_ids"], add_bos=data["add_bos"], chat_template=data["chat_template"])
+
+
+class StreamDecoder:
+  """Text of a token stream, piece by piece, never cutting a character in two.
+
+  One token can hold part of a character (byte-level BPE spells an emoji in three or four byte tokens), and its
+  text alone decodes to U+FFFD. ``push`` therefore holds back text that ends in U+FFFD until a later token
+  completes the character; ``finish`` gives what is still held (a real U+FFFD, or bytes that never completed).
+  The pieces joined equal ``decode`` of all the tokens. Each call decodes only the tokens since the last
+  printed piece plus the one before it (``_prefix``), so that decoders which treat the first token specially (a
+  leading space stripped) give the same text as in the middle of a sequence; the cost per token stays constant.
+  """
+
+  def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    self._ids: list[int] = []
+    self._prefix = 0  # ids[_prefix:_read] decode to text already given out
+    self._read = 0  # ids[_read:] are not given out yet
+
+  def push(self, token_id: int) -> str:
+    """Add one token; returns the new text that is safe to print (possibly "")."""
+    self._ids.append(int(token_id))
+    shown = self._decode(self._ids[self._prefix:self._read])
+    text = self._decode(self._ids[self._prefix:])
+    if len(text) <= len(shown) or text.endswith("\ufffd"):
+      return ""
+    self._prefix, self._read = self._read, len(self._ids)
+    return text[len(shown):]
+
+  def finish(self) -> str:
+    """The text still held back at the end of the stream."""
+    shown = self._decode(self._ids[self._prefix:self._read])
+    text = self._decode(self._ids[self._prefix:])
+    self._prefix = self._read = len(self._ids)
+    return text[len(shown):]

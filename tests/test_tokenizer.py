@@ -78,3 +78,34 @@ def test_sentencepiece_gguf_is_refused():
   with pytest.raises(ValueError, match="'llama'.*byte-level"):
     Tokenizer.from_gguf_fields(model="llama", pre=None, tokens=["a"], token_types=[1], merges=[], bos_id=None,
                                eos_ids=(), add_bos=False, chat_template=None)
+
+
+# --- streaming (issue 10 case 3) ------------------------------------------------------------------------------
+
+
+def _stream(tokenizer, ids, skip_special_tokens=False):
+  decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
+  return [decoder.push(i) for i in ids] + [decoder.finish()]
+
+
+@pytest.mark.parametrize("text", ["🎉🎂🎈🥳", " 🎉 ok 日本語", "Ça va? naïve café — déjà vu 😀🚀", TEXT])
+def test_stream_decoder_never_splits_a_character(ours, text):
+  """Byte-level BPE spells an emoji in several tokens, each of which alone decodes to U+FFFD."""
+  ids = ours.encode(text, add_bos=False)
+  pieces = _stream(ours, ids)
+  assert "".join(pieces) == ours.decode(ids) == text
+  assert not any("\ufffd" in p for p in pieces)
+  if text == "🎉🎂🎈🥳":  # each emoji comes out with the token that completes it, not later
+    assert [p for p in pieces if p] == ["🎉", "🎂", "🎈", "🥳"]
+    assert [i for i, p in enumerate(pieces) if p] == [2, 5, 8, 11]
+
+
+def test_stream_decoder_equals_decode_on_random_tokens(ours):
+  """Random ids hold bytes that never form a character: they come out as U+FFFD at the latest at the end, as in
+  ``decode``, and the pieces still join to exactly ``decode``'s text."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    ids = rng.integers(0, ours.vocab_size, 12).tolist()
+    for skip in (False, True):
+      assert "".join(_stream(ours, ids, skip)) == ours.decode(ids, skip_special_tokens=skip)
