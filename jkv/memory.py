@@ -22,13 +22,13 @@ RESERVE_BYTES = 2 << 30
 def prefill_bytes_per_token(cfg: ModelConfig) -> int:
   """Peak live activation bytes per prompt token within one layer of prefill (an upper estimate).
 
-  The residual stream and its normed copy (with an fp32 temporary), q/k/v, the attention output, the MLP's gate,
+  The fp32 residual stream, its normed copy (with an fp32 temporary), q/k/v, the attention output, the MLP's gate,
   up and their product, and fp32 temporaries of the K/V a method quantizes.
   """
   dt = jnp.dtype(cfg.jnp_dtype).itemsize
   E, F, D = cfg.embed, cfg.ffw_size, cfg.head_dim
   kv = 2 * cfg.kv_heads * D
-  return dt * (3 * E + cfg.q_heads * D * 2 + kv + 3 * F) + 4 * (E + kv)
+  return dt * (2 * E + cfg.q_heads * D * 2 + kv + 3 * F) + 4 * (2 * E + kv)
 
 
 def device_memory(device=None) -> Optional[dict]:

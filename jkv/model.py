@@ -17,10 +17,10 @@ from jkv_kernels.attention_reference import gqa_attention_reference
 
 
 def rms_norm(x, weight, eps):
-  """HF order: normalize in fp32, cast back to the activation dtype, then scale."""
+  """HF order: normalize in fp32, cast to the weights' dtype, then scale."""
   x32 = x.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight * normed.astype(x.dtype)
+  return weight * normed.astype(weight.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig):
@@ -50,11 +50,16 @@ def apply_rope(x, positions, inv_freq):
   return x * cos + rotated * sin
 
 
+def _matmul(subscripts, x, w):
+  """An einsum accumulated in fp32 (what careful bf16 inference does), returned in the activation dtype."""
+  return jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _qkv(layer, h, positions, cfg):
   """Projections and RoPE. Returns q [B, H, T, g, D], k and v [B, H, T, D]."""
-  q = jnp.einsum("bte,ehd->bthd", h, layer.q)
-  k = jnp.einsum("bte,ehd->bthd", h, layer.k)
-  v = jnp.einsum("bte,ehd->bthd", h, layer.v)
+  q = _matmul("bte,ehd->bthd", h, layer.q)
+  k = _matmul("bte,ehd->bthd", h, layer.k)
+  v = _matmul("bte,ehd->bthd", h, layer.v)
   if cfg.qkv_bias:
     q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
   inv_freq = rope_frequencies(cfg)
@@ -66,26 +71,27 @@ def _qkv(layer, h, positions, cfg):
 
 def _mlp(layer, x, cfg):
   h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
-  gate = jnp.einsum("bte,ef->btf", h, layer.w_gate)
-  up = jnp.einsum("bte,ef->btf", h, layer.w_up)
-  return x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down)
+  gate = _matmul("bte,ef->btf", h, layer.w_gate)
+  up = _matmul("bte,ef->btf", h, layer.w_up)
+  return x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down, preferred_element_type=jnp.float32)
 
 
 def _attn_out(layer, x, attn, cfg):
   B, H, T, g, D = attn.shape
   attn = attn.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D)
-  return x + jnp.einsum("bthd,hde->bte", attn, layer.o)
+  return x + jnp.einsum("bthd,hde->bte", attn, layer.o, preferred_element_type=jnp.float32)
 
 
 def _embed(params, tokens, cfg):
-  return params.embedding[tokens].astype(cfg.jnp_dtype)
+  return params.embedding[tokens].astype(jnp.float32)
 
 
 def _logits(params, x, cfg):
+  """fp32 logits, never rounded to bf16: bf16 values near 20 are 0.125 apart, enough to flip a greedy near-tie."""
   x = rms_norm(x, params.final_norm, cfg.norm_eps)
   if params.lm_head is None:
-    return jnp.einsum("bte,ve->btv", x, params.embedding).astype(jnp.float32)
-  return jnp.einsum("bte,ev->btv", x, params.lm_head).astype(jnp.float32)
+    return jnp.einsum("bte,ve->btv", x, params.embedding, preferred_element_type=jnp.float32)
+  return jnp.einsum("bte,ev->btv", x, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False,
