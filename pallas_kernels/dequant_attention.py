@@ -34,7 +34,12 @@ the chosen rows (fp32, one write per visited key) and XLA normalizes them with t
 is still read once.
 
 Masks are finite inside the kernel (``MASK_VALUE``), never -inf. A query row with no valid key gets o = 0 and
-lse = MASK_VALUE (finite: merging it with other partials never makes NaN) and zero token mass.
+lse = MASK_VALUE (finite: merging it with other partials never makes NaN) and zero token mass. Keys that no
+query row of a KV head may see can hold anything, NaN included.
+
+Around the pallas_call, XLA does only small work: ``layer`` clamped to [0, L), each segment's bound (one reduction
+over its mask), the masks cast to int8, and the merge of the partials. Per-step segments ([B, Hkv, S, D]) get a
+unit layer axis (a bitcast). Nothing indexes, slices or pads a stacked array outside the kernel.
 """
 
 import dataclasses
