@@ -20,6 +20,23 @@ def _head_mask(mask):
   return mask[:, :, :, None, :]
 
 
+def _softmax_parts(q, k, mask, sm_scale):
+  """Unnormalized probabilities p [B, Hkv, T, g, S] (0 at masked keys), their row sums l [B, Hkv, T, g, 1] and
+  the log-sum-exp [B, Hkv, T, g] (MASK_VALUE for a row with no valid key)."""
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  mask = _head_mask(mask)
+  logits = jnp.einsum("bhtgd,bhsd->bhtgs", q.astype(jnp.float32), k.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)
+  logits = jnp.where(mask, logits * sm_scale, MASK_VALUE)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  empty = l == 0
+  lse = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))[..., 0]
+  return p, l, lse
+
+
 def gqa_attention_probs(q, k, mask, *, sm_scale=None):
   """Softmax probabilities of T query rows over S keys, and their log-sum-exp.
 
@@ -33,18 +50,8 @@ def gqa_attention_probs(q, k, mask, *, sm_scale=None):
     p [B, Hkv, T, g, S] float32 (0 at masked keys; a row with no valid key is all 0), and
     lse [B, Hkv, T, g] float32: log of the sum of exp of the scaled logits over valid keys (MASK_VALUE where none).
   """
-  if sm_scale is None:
-    sm_scale = q.shape[-1] ** -0.5
-  mask = _head_mask(mask)
-  logits = jnp.einsum("bhtgd,bhsd->bhtgs", q.astype(jnp.float32), k.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST)
-  logits = jnp.where(mask, logits * sm_scale, MASK_VALUE)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  empty = l == 0
-  lse = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))[..., 0]
-  return p / jnp.where(empty, 1.0, l), lse
+  p, l, lse = _softmax_parts(q, k, mask, sm_scale)
+  return p / jnp.maximum(l, jnp.finfo(jnp.float32).tiny), lse
 
 
 def gqa_attention_reference(q, k, v, mask, *, sm_scale=None, return_lse=False):
@@ -61,8 +68,9 @@ def gqa_attention_reference(q, k, v, mask, *, sm_scale=None, return_lse=False):
   Returns:
     [B, Hkv, T, g, D] in q.dtype. A row with no valid key gives zeros, never NaN.
   """
-  p, lse = gqa_attention_probs(q, k, mask, sm_scale=sm_scale)
-  o = jnp.einsum("bhtgs,bhsd->bhtgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST).astype(q.dtype)
+  p, l, lse = _softmax_parts(q, k, mask, sm_scale)
+  o = jnp.einsum("bhtgs,bhsd->bhtgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  o = (o / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)).astype(q.dtype)
   return (o, lse) if return_lse else o
 
 
