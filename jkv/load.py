@@ -85,8 +85,9 @@ def check_finite(params: params_lib.Params) -> None:
       values = np.asarray(leaf, np.float32)
       where = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
       count = int(np.sum(~np.isfinite(values)))
-      raise ValueError(f"parameter params{jax.tree_util.keystr(path)} holds {count} non-finite value(s), the "
-                       f"first {values[where]} at index {where}; the model file is damaged")
+      # Named with its dtype: a file can be damaged, or hold values beyond the range of the dtype asked for.
+      raise ValueError(f"parameter params{jax.tree_util.keystr(path)} holds {count} non-finite {leaf.dtype} "
+                       f"value(s), the first {values[where]} at index {where}")
 
 
 def convert(src: str, out: str, dtype: str = "float32", progress: Callable[[str], None] = lambda msg: None) -> Model:

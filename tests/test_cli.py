@@ -94,7 +94,7 @@ def test_generate_json_kivi_2bit(capsys):
   assert res["method_config"]["bits"] == 2 and res["method_config"]["residual"] == 32
   held = held_tokens(res, 16)
   assert res["kv_bytes"] < res["dense_kv_bytes"]
-  assert res["kv_bytes"] == Kivi(bits=2, residual=32).kv_bytes(spec_for(res), held)
+  assert res["kv_bytes"] == Kivi(bits=2, residual=32).held_bytes(spec_for(res), None, held).total
   # The same number from the spec §3.2 formula (plus the int32 length): fp16 scales, fp32 exact parts.
   n = int(held[0])
   n_k, n_v = 32 * (n // 32), max(n - 32, 0)

@@ -202,8 +202,8 @@ def test_non_finite_gguf_weights_are_refused(tmp_path):
   with torch.no_grad():
     hf_model.model.layers[1].mlp.down_proj.weight[0, 0] = float("-inf")
   _write_gguf(hf_model, tmp_path / "tiny.gguf", "llama")
-  with pytest.raises(ValueError, match=r"params\.layers\.w_down holds 1 non-finite value\(s\), the first -inf at "
-                                       r"index \(1, 0, 0\)"):
+  with pytest.raises(ValueError, match=r"params\.layers\.w_down holds 1 non-finite float32 value\(s\), the first "
+                                       r"-inf at index \(1, 0, 0\)"):
     load_lib.load_model(str(tmp_path / "tiny.gguf"))
 
 

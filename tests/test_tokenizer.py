@@ -88,7 +88,10 @@ def _stream(tokenizer, ids, skip_special_tokens=False):
   return [decoder.push(i) for i in ids] + [decoder.finish()]
 
 
-@pytest.mark.parametrize("text", ["🎉🎂🎈🥳", " 🎉 ok 日本語", "Ça va? naïve café — déjà vu 😀🚀", TEXT])
+STREAMED = ["🎉🎂🎈🥳", " 🎉 ok 日本語", "Ça va? naïve café — déjà vu 😀🚀", TEXT]
+
+
+@pytest.mark.parametrize("text", STREAMED)
 def test_stream_decoder_never_splits_a_character(ours, text):
   """Byte-level BPE spells an emoji in several tokens, each of which alone decodes to U+FFFD."""
   ids = ours.encode(text, add_bos=False)
@@ -101,7 +104,7 @@ def test_stream_decoder_never_splits_a_character(ours, text):
 
 
 def test_stream_decoder_equals_decode_on_random_tokens(ours):
-  """Random ids hold bytes that never form a character: they come out as U+FFFD at the latest at the end, as in
+  """Random ids hold bytes that never form a character: they come out as U+FFFD (at the end at the latest), as in
   ``decode``, and the pieces still join to exactly ``decode``'s text."""
   import numpy as np
   rng = np.random.default_rng(0)

@@ -21,24 +21,31 @@ def _label(args, method) -> str:
   return compare_lib.method_label(method, given=given)
 
 
-def _add_ppl_args(p, plan: ppl_lib.WindowPlan):
+def _add_ppl_args(p, plan: ppl_lib.WindowPlan, cli):
   g = p.add_argument_group("perplexity")
   g.add_argument("--text-file", default=None, help="UTF-8 text to score (default: the stdlib's pydoc_data.topics)")
-  g.add_argument("--context", type=int, default=plan.context, help="tokens prefilled per window")
-  g.add_argument("--scored", type=int, default=plan.scored, help="tokens scored per window, one decode step each")
-  g.add_argument("--windows", type=int, default=plan.num_windows, help="number of windows")
-  g.add_argument("--batch-size", type=int, default=plan.batch_size, help="windows decoded together")
-  g.add_argument("--seed", type=int, default=plan.seed, help="seed choosing the windows (and pass keys)")
+  g.add_argument("--context", type=cli.positive_int, default=plan.context,
+                 help=f"tokens prefilled per window (default: {plan.context})")
+  g.add_argument("--scored", type=cli.positive_int, default=plan.scored,
+                 help=f"tokens scored per window, one decode step each (default: {plan.scored})")
+  g.add_argument("--windows", type=cli.positive_int, default=plan.num_windows,
+                 help=f"number of windows (default: {plan.num_windows})")
+  g.add_argument("--batch-size", type=cli.positive_int, default=plan.batch_size,
+                 help=f"windows decoded together (default: {plan.batch_size})")
+  g.add_argument("--seed", type=cli.seed, default=plan.seed,
+                 help=f"seed choosing the windows and pass keys (default: {plan.seed})")
 
 
-def _add_passkey_args(p, grid: passkey_lib.PasskeyGrid, prefix=""):
+def _add_passkey_args(p, grid: passkey_lib.PasskeyGrid, cli, prefix=""):
   g = p.add_argument_group("pass-key retrieval")
-  g.add_argument(f"--{prefix}lengths", type=int, nargs="+", default=list(grid.lengths), metavar="TOKENS",
-                 help="prompt lengths in tokens")
+  g.add_argument(f"--{prefix}lengths", type=cli.positive_int, nargs="+", default=list(grid.lengths),
+                 metavar="TOKENS", help=f"prompt lengths in tokens (default: {' '.join(map(str, grid.lengths))})")
   g.add_argument(f"--{prefix}depths", type=float, nargs="+", default=list(grid.depths), metavar="FRACTION",
-                 help="fractions of the filler before the key")
-  g.add_argument(f"--{prefix}trials", type=int, default=grid.trials, help="keys per (length, depth) cell")
-  g.add_argument(f"--{prefix}batch-size", type=int, default=grid.batch_size, help="prompts generated together")
+                 help=f"fractions of the filler before the key (default: {' '.join(map(str, grid.depths))})")
+  g.add_argument(f"--{prefix}trials", type=cli.positive_int, default=grid.trials,
+                 help=f"keys per (length, depth) cell (default: {grid.trials})")
+  g.add_argument(f"--{prefix}batch-size", type=cli.positive_int, default=grid.batch_size,
+                 help=f"prompts generated together (default: {grid.batch_size})")
   g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
@@ -60,8 +67,11 @@ def _grid(args, prefix="") -> passkey_lib.PasskeyGrid:
 def _text(args) -> tuple[str, str]:
   if args.text_file is None:
     return ppl_lib.default_text(), "pydoc_data.topics (Python stdlib)"
-  with open(args.text_file, encoding="utf-8") as f:
-    return f.read(), args.text_file
+  try:
+    with open(args.text_file, encoding="utf-8") as f:
+      return f.read(), args.text_file
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{args.text_file} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def _load(args):
@@ -73,8 +83,8 @@ def _load(args):
   return model
 
 
-def cmd_ppl(args, method_from_args):
-  method = method_from_args(args)
+def cmd_ppl(args, cli):
+  method = cli.method_from_args(args)
   plan = _plan(args)
   text, source = _text(args)
   model = _load(args)
@@ -92,11 +102,12 @@ def cmd_ppl(args, method_from_args):
   return 0
 
 
-def cmd_passkey(args, method_from_args):
-  method = method_from_args(args)
+def cmd_passkey(args, cli):
+  method = cli.method_from_args(args)
   grid = _grid(args)
+  if args.plot:
+    cli.check_output(args.plot)
   model = _load(args)
-  grid.validate(model.config)
   res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid)
   if args.plot:
     passkey_lib.plot_heatmap(res, args.plot, title=f"pass-key retrieval: {args.model}, "
@@ -112,13 +123,18 @@ def cmd_passkey(args, method_from_args):
   return 0
 
 
-def cmd_compare(args):
+def cmd_compare(args, cli):
   specs = compare_lib.parse_methods(args.methods)  # bad specs fail before the model loads
   plan = _plan(args)
   grid = None if args.no_passkey else _grid(args, prefix="passkey_")
+  if args.output:
+    for suffix in (".json", ".md", ".png"):
+      cli.check_output(args.output + suffix)
   text, source = _text(args)
   t0 = time.perf_counter()
   model = _load(args)
+  if grid is not None:
+    grid.validate(model.config, model.tokenizer)  # every length, before the first method runs
   ids = model.tokenizer.encode(text, add_bos=False)
   rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline)
   meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
@@ -134,36 +150,37 @@ def cmd_compare(args):
   return 0
 
 
-def add_commands(sub, *, add_model_args, add_method_args, method_from_args):
+def add_commands(sub, cli):
+  """Add ``eval`` and ``compare`` to the subcommands ``sub``; ``cli`` is ``jkv.cli`` (shared flags and checks)."""
   e = sub.add_parser("eval", help="evaluate a cache method: perplexity or pass-key retrieval")
   esub = e.add_subparsers(dest="eval_command", required=True)
 
   p = esub.add_parser("ppl", help="perplexity of a text, scored through the compressed cache's decode path")
-  add_model_args(p)
-  add_method_args(p)
-  _add_ppl_args(p, ppl_lib.WindowPlan())
-  p.add_argument("--json", action="store_true")
-  p.set_defaults(fn=lambda args: cmd_ppl(args, method_from_args))
+  cli.add_model_args(p)
+  cli.add_method_args(p)
+  _add_ppl_args(p, ppl_lib.WindowPlan(), cli)
+  p.add_argument("--json", action="store_true", help=cli.JSON_HELP)
+  p.set_defaults(fn=lambda args: cmd_ppl(args, cli))
 
   k = esub.add_parser("passkey", help="pass-key retrieval over context lengths x depths")
-  add_model_args(k)
-  add_method_args(k)
-  _add_passkey_args(k, passkey_lib.PasskeyGrid())
-  k.add_argument("--seed", type=int, default=0, help="seed choosing the pass keys")
-  k.add_argument("--plot", default=None, metavar="PNG", help="write the accuracy heat map here")
-  k.add_argument("--json", action="store_true")
-  k.set_defaults(fn=lambda args: cmd_passkey(args, method_from_args))
+  cli.add_model_args(k)
+  cli.add_method_args(k)
+  _add_passkey_args(k, passkey_lib.PasskeyGrid(), cli)
+  k.add_argument("--seed", type=cli.seed, default=0, help="seed choosing the pass keys (default: 0)")
+  k.add_argument("--plot", default=None, metavar="PNG", help="write the accuracy heat map here (default: none)")
+  k.add_argument("--json", action="store_true", help=cli.JSON_HELP)
+  k.set_defaults(fn=lambda args: cmd_passkey(args, cli))
 
   c = sub.add_parser("compare", help="several methods side by side: memory, perplexity, retrieval, speed")
-  add_model_args(c)
+  cli.add_model_args(c)
   c.add_argument("--methods", nargs="+", default=list(compare_lib.DEFAULT_METHODS), metavar="SPEC",
                  help="configurations as NAME or NAME:OPTION=VALUE,... (default: dense, KIVI-4, KIVI-2 and the "
                       "four 2-bit fake-quant layouts)")
-  c.add_argument("--baseline", default="dense", help="label of the row Δppl is measured from")
-  _add_ppl_args(c, compare_lib.DEFAULT_PPL)
-  _add_passkey_args(c, compare_lib.DEFAULT_PASSKEY, prefix="passkey-")
+  c.add_argument("--baseline", default="dense", help="label of the row Δppl is measured from (default: dense)")
+  _add_ppl_args(c, compare_lib.DEFAULT_PPL, cli)
+  _add_passkey_args(c, compare_lib.DEFAULT_PASSKEY, cli, prefix="passkey-")
   c.add_argument("--no-passkey", action="store_true", help="skip pass-key retrieval")
   c.add_argument("--output", default="compare", metavar="PREFIX",
-                 help="write PREFIX.json, PREFIX.md and PREFIX.png ('' writes nothing)")
-  c.add_argument("--json", action="store_true")
-  c.set_defaults(fn=cmd_compare)
+                 help="write PREFIX.json, PREFIX.md and PREFIX.png ('' writes nothing; default: compare)")
+  c.add_argument("--json", action="store_true", help=cli.JSON_HELP)
+  c.set_defaults(fn=lambda args: cmd_compare(args, cli))

@@ -52,9 +52,16 @@ class PasskeyGrid:
   max_batch_tokens: int = 8192  # fewer prompts per batch at long lengths (prefill attention is O(T^2) memory)
   chat: bool = False  # wrap the prompt in the model's chat template
 
-  def validate(self, cfg: Optional[ModelConfig] = None) -> None:
+  def validate(self, cfg: Optional[ModelConfig] = None, tokenizer=None) -> None:
+    """Raise ValueError (one line) for a grid that cannot run; every length is checked before any runs.
+
+    With ``cfg`` the lengths are checked against the model's context, with ``tokenizer`` each length against
+    the tokens its instruction, key sentence and question take (built, as the run builds it, for every key).
+    """
     if not self.lengths or not self.depths:
       raise ValueError("pass-key grid needs at least one length and one depth")
+    if any(n < 1 for n in self.lengths):
+      raise ValueError(f"pass-key lengths must be >= 1, got {list(self.lengths)}")
     if any(not 0.0 <= d <= 1.0 for d in self.depths):
       raise ValueError(f"pass-key depths must lie in [0, 1], got {list(self.depths)}")
     if self.trials < 1 or self.batch_size < 1:
@@ -62,6 +69,10 @@ class PasskeyGrid:
     if cfg is not None and max(self.lengths) + MAX_NEW_TOKENS > cfg.max_position:
       raise ValueError(f"pass-key length {max(self.lengths)} plus {MAX_NEW_TOKENS} answer tokens exceeds the "
                        f"model's context of {cfg.max_position} tokens")
+    if tokenizer is not None:
+      for length, keys in zip(self.lengths, self.keys()):
+        for key in sorted(set(keys.flat)):
+          build_prompt(tokenizer, length, 0.0, key, chat=self.chat)  # a short length raises, naming itself
 
   def keys(self) -> np.ndarray:
     """[len(lengths), len(depths), trials] keys, fixed by ``seed``."""
@@ -141,7 +152,7 @@ class PasskeyResult:
 def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMethod = Dense(),
                 grid: PasskeyGrid = PasskeyGrid(), progress: Optional[bool] = None) -> PasskeyResult:
   """Accuracy of greedy pass-key retrieval per (length, depth) cell under ``method``."""
-  grid.validate(cfg)
+  grid.validate(cfg, tokenizer)
   t_start = time.perf_counter()
   keys = grid.keys()
   correct = np.zeros(keys.shape, bool)
