@@ -344,6 +344,7 @@ BAD_INPUT = [
     (["generate", FRANCE, "--temperature", "1", "--top-p", "2"], ["top_p"]),
     (["generate", "bad \udcff byte"], ["prompt is not valid UTF-8", "xff"]),
     (["compare", "--output", "/nonexistent/cmp"], ["/nonexistent/cmp.json", "no directory /nonexistent"]),
+    (["compare", "--methods", "dense", "kivi:bits=3"], ["bits=3"]),
     (["eval", "passkey", "--plot", "/nonexistent/p.png"], ["/nonexistent/p.png"]),
     (["nonsense"], ["invalid choice"]),
 ]

@@ -125,6 +125,8 @@ def cmd_passkey(args, cli):
 
 def cmd_compare(args, cli):
   specs = compare_lib.parse_methods(args.methods)  # bad specs fail before the model loads
+  for spec in specs:
+    spec.method()  # and so do settings a method refuses whatever the model (kivi bits=3)
   plan = _plan(args)
   grid = None if args.no_passkey else _grid(args, prefix="passkey_")
   if args.output:
