@@ -8,9 +8,8 @@ every method through the cache (``StepContext.impl``); nothing else looks at the
 import jax
 import jax.numpy as jnp
 
-from flax import struct
-
 from jkv_kernels import dequant_attention
+from jkv_kernels.dequant_attention import QuantizedStore  # noqa: F401  (re-exported for the methods)
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
 from jkv_kernels.quantization import dequantize, unpack
 
@@ -75,22 +74,6 @@ def prompt_attention(q, k, v, positions, *, flash: bool):
 
 
 # ------------------------------------------------------------------------------------------------- decode
-
-@struct.dataclass
-class QuantizedStore:
-  """One layer-stacked KIVI-layout quantized segment (``jkv_kernels.dequant_attention`` has the layout)."""
-
-  k_codes: jax.Array  # [L, B, H, D, C/Pk] uint32, packed along tokens
-  k_scale: jax.Array  # [L, B, H, D, C/G]
-  k_zero: jax.Array  # [L, B, H, D, C/G]
-  v_codes: jax.Array  # [L, B, H, C, D/Pv] uint32, packed along channels
-  v_scale: jax.Array  # [L, B, H, C, D/G]
-  v_zero: jax.Array  # [L, B, H, C, D/G]
-  length: jax.Array  # [B] int32: tokens [0, length) are valid for every row
-  k_bits: int = struct.field(pytree_node=False)
-  v_bits: int = struct.field(pytree_node=False)
-  group_size: int = struct.field(pytree_node=False)
-
 
 def _block_size(length: int, largest: int = 512) -> int:
   """The largest power of two <= ``largest`` that divides ``length``."""
@@ -208,23 +191,21 @@ def decode_attention(q, layer, *, store=None, segments=(), impl: str, num_keys=N
   Args:
     q: [B, H, T, g, D].
     layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
-    store: a ``QuantizedStore`` (KIVI layout, stacked) or None.
+    store: a ``QuantizedStore`` (KIVI layout, stacked; ``jkv_kernels.dequant_attention``) or None.
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
       mask [B, T, S] or [B, H, T, S] bool.
-    impl: "pallas" or "interpret" (the fused kernel) or "xla" (block-by-block online softmax in XLA).
-    num_keys: optional traced bound on the keys of the first segment that can be valid (skips the rest).
+    impl: "pallas" or "interpret" (the fused kernel, which reads the stacked arrays in place) or "xla"
+      (a block-by-block online softmax in XLA: nothing larger than a block is materialized).
+    num_keys: optional traced bound on the keys of the first segment that can be valid (the XLA loop stops
+      there; the kernel finds its bounds from the masks).
     return_lse: also return the log-sum-exp [B, H, T, g] f32 of every row (MASK_VALUE for a row with no key).
 
   Returns:
     o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), and lse with ``return_lse``.
   """
-  if impl != "xla" and store is not None:
-    o = dequant_attention.decode_attention(
-        q, store.k_codes[layer], store.k_scale[layer], store.k_zero[layer], store.v_codes[layer],
-        store.v_scale[layer], store.v_zero[layer], store.length, segments, k_bits=store.k_bits,
-        v_bits=store.v_bits, group_size=store.group_size, interpret=impl == "interpret")
-    assert not return_lse
-    return o
+  if impl != "xla":
+    return dequant_attention.decode_attention(q, layer, store, tuple(segments), return_lse=return_lse,
+                                              interpret=impl == "interpret")
   partials = [] if store is None else [_store_partials(q, layer, store)]
   partials += [_segment_partials(q, layer, k, v, mask, num_keys if i == 0 else None)
                for i, (k, v, mask) in enumerate(segments)]

@@ -141,6 +141,10 @@ def add_model_args(parser):
                            "directory written by `jkv convert` (default: default)")
   parser.add_argument("--dtype", default="float32", choices=DTYPES,
                       help="dtype of the parameters and activations (default: float32)")
+  parser.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "xla", "interpret"],
+                      help="decode attention: the fused Pallas kernels (GPUs of compute capability >= 8.0), plain "
+                           "XLA, or the kernels in interpret mode (slow; for testing) (default: auto, the kernels "
+                           "where they run)")
 
 
 def _progress(msg):
@@ -194,7 +198,8 @@ def cmd_generate(args):
     decoder = tok.stream_decoder(skip_special_tokens=True)
     try:
       for t in gen.stream(model.params, model.config, ids[0], method=method, max_new_tokens=args.max_new_tokens,
-                          sampler=sampler, seed=args.seed, eos_ids=tok.eos_ids):
+                          sampler=sampler, seed=args.seed, eos_ids=tok.eos_ids,
+                          attention_impl=args.attention_impl):
         print(decoder.push(t), end="", flush=True)
       print(decoder.finish(), end="")
     finally:
@@ -202,7 +207,8 @@ def cmd_generate(args):
     return 0
   _progress(f"generating with {method.name} ...")
   res = gen.generate(model.params, model.config, ids, method=method, max_new_tokens=args.max_new_tokens,
-                     sampler=sampler, seed=args.seed, capacity=args.capacity, eos_ids=tok.eos_ids)
+                     sampler=sampler, seed=args.seed, capacity=args.capacity, eos_ids=tok.eos_ids,
+                     attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens)
   texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
   if args.json:
     single = len(texts) == 1
@@ -231,27 +237,40 @@ def cmd_convert(args):
 def cmd_info(args):
   import numpy as np
 
-  from jkv import cache as cache_lib
-  from jkv.cache import CacheSpec
+  from jkv import memory
+  from jkv.cache import CacheSpec, dense_kv_bytes
   from jkv.load import load_model
 
   method = method_from_args(args)
   model = load_model(args.model, args.dtype)
+  cfg = model.config
   n = args.tokens
-  spec = CacheSpec.for_model(model.config, 1, -(-n // method.capacity_multiple()) * method.capacity_multiple())
-  method.validate(spec)
-  kv = method.kv_bytes(spec, np.array([n]))
-  dense = cache_lib.dense_kv_bytes(spec, np.array([n]))
-  info = dict(config=dataclasses.asdict(model.config), method=method.name, method_config=dataclasses.asdict(method),
-              tokens=n, kv_bytes=kv, dense_kv_bytes=dense, kv_bytes_per_token=kv / n,
-              dense_kv_bytes_per_token=dense / n, compression=dense / kv)
+  multiple = method.capacity_multiple()
+  spec = CacheSpec.for_model(cfg, 1, -(-n // multiple) * multiple)
+  method.check(spec)
+  held = method.held_bytes(spec, None, np.array([n]))
+  dense = dense_kv_bytes(spec, np.array([n]))
+  # The largest batch of --tokens-token sequences (the prompt and what is generated) on this device, or on one of
+  # --device-gib GiB: every sequence's cache is allocated at capacity, beside the weights and one prefill.
+  mem = memory.device_memory()
+  device_bytes = int(args.device_gib * 2**30) if args.device_gib else (mem["limit"] if mem else None)
+  batch = None if device_bytes is None else memory.largest_batch(
+      cfg, method, spec.capacity, n, device_bytes=device_bytes, weight_bytes=memory.tree_bytes(model.params))
+  info = dict(config=dataclasses.asdict(cfg), method=method.name, method_config=dataclasses.asdict(method),
+              tokens=n, kv_bytes=held.device, kv_host_bytes=held.host, dense_kv_bytes=dense,
+              kv_bytes_per_token=held.device / n, dense_kv_bytes_per_token=dense / n,
+              compression=dense / max(held.device, 1), device_bytes=device_bytes, largest_batch=batch)
   if args.json:
     print(json.dumps(info))
   else:
     for k, v in info["config"].items():
       print(f"{k:>16}: {v}")
     print(f"{'method':>16}: {method}")
-    print(f"{'kv bytes/token':>16}: {kv / n:,.1f} at {n} tokens (dense {dense / n:,.1f}; {dense / kv:.2f}x)")
+    print(f"{'kv bytes/token':>16}: {held.device / n:,.1f} at {n} tokens (dense {dense / n:,.1f}; "
+          f"{dense / max(held.device, 1):.2f}x)" + (f"; host {held.host / n:,.1f}" if held.host else ""))
+    print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB"
+                                         if batch is not None else "unknown (this device reports no memory "
+                                                                   "size; give --device-gib)"))
   return 0
 
 
@@ -281,6 +300,9 @@ def build_parser():
   g.add_argument("--seed", type=seed, default=0, help="random seed of the sampling, 0 to 2**63 - 1 (default: 0)")
   g.add_argument("--capacity", type=positive_int, default=None,
                  help="cache capacity in tokens (default: fitted to the prompts and --max-new-tokens)")
+  g.add_argument("--prefill-tokens", type=positive_int, default=None,
+                 help="prompt tokens one prefill call may process: a batch is prefilled in sub-batches within "
+                      "it (default: what the device's free memory holds)")
   g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
   g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
   g.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -298,7 +320,10 @@ def build_parser():
   add_model_args(i)
   add_method_args(i)
   i.add_argument("--tokens", type=positive_int, default=4096,
-                 help="sequence length the bytes are counted at (default: 4096)")
+                 help="sequence length (prompt + generated tokens) the bytes and the largest batch are counted at "
+                      "(default: 4096)")
+  i.add_argument("--device-gib", type=finite_float, default=None,
+                 help="device memory in GiB for the largest batch (default: what this device reports)")
   i.add_argument("--json", action="store_true", help=JSON_HELP)
   i.set_defaults(fn=cmd_info)
 

@@ -50,9 +50,19 @@ def apply_rope(x, positions, inv_freq):
   return x * cos + rotated * sin
 
 
+def _precision(x):
+  """fp32 models compute in fp32: on a GPU XLA's default would run their matmuls in TF32 (10-bit mantissas)."""
+  return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+def _einsum32(subscripts, x, w):
+  """An einsum accumulated and returned in fp32."""
+  return jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32, precision=_precision(x))
+
+
 def _matmul(subscripts, x, w):
   """An einsum accumulated in fp32 (what careful bf16 inference does), returned in the activation dtype."""
-  return jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  return _einsum32(subscripts, x, w).astype(x.dtype)
 
 
 def _qkv(layer, h, positions, cfg):
@@ -73,13 +83,13 @@ def _mlp(layer, x, cfg):
   h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
   gate = _matmul("bte,ef->btf", h, layer.w_gate)
   up = _matmul("bte,ef->btf", h, layer.w_up)
-  return x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down, preferred_element_type=jnp.float32)
+  return x + _einsum32("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down)
 
 
 def _attn_out(layer, x, attn, cfg):
   B, H, T, g, D = attn.shape
   attn = attn.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D)
-  return x + jnp.einsum("bthd,hde->bte", attn, layer.o, preferred_element_type=jnp.float32)
+  return x + _einsum32("bthd,hde->bte", attn, layer.o)
 
 
 def _embed(params, tokens, cfg):
@@ -90,8 +100,8 @@ def _logits(params, x, cfg):
   """fp32 logits, never rounded to bf16: bf16 values near 20 are 0.125 apart, enough to flip a greedy near-tie."""
   x = rms_norm(x, params.final_norm, cfg.norm_eps)
   if params.lm_head is None:
-    return jnp.einsum("bte,ve->btv", x, params.embedding, preferred_element_type=jnp.float32)
-  return jnp.einsum("bte,ev->btv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return _einsum32("bte,ve->btv", x, params.embedding)
+  return _einsum32("bte,ev->btv", x, params.lm_head)
 
 
 def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False,

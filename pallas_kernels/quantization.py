@@ -72,13 +72,17 @@ def _nearest_code(d, s, qmax: int):
   return jnp.clip(_correct_code(c0, d, s), 0.0, float(qmax))
 
 
-def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16):
+def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
   """Quantizes each row of the last axis as one group.
 
   Args:
     x: [..., G] values; every slice along the last axis is one group.
     bits: code width.
     meta_dtype: dtype in which scale and zero are stored.
+    xla: this runs under XLA (the reference, or a kernel in interpret mode), not inside a compiled Triton kernel.
+      XLA on a GPU may drop an f32 -> f16 -> f32 round trip (it allows excess precision), which would compute
+      the codes from an unrounded scale and zero; an optimization barrier between the two converts keeps the
+      stored values. Triton has no such rewrite (and no lowering for the barrier).
 
   Returns:
     codes [..., G] uint32, scale [...] and zero [...] in ``meta_dtype``.
@@ -90,8 +94,9 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16):
   scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
   zero = lo.astype(meta_dtype)
   # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
-  s = scale.astype(jnp.float32)[..., None]
-  z = zero.astype(jnp.float32)[..., None]
+  stored = jax.lax.optimization_barrier((scale, zero)) if xla else (scale, zero)
+  s = stored[0].astype(jnp.float32)[..., None]
+  z = stored[1].astype(jnp.float32)[..., None]
   codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
   return codes.astype(jnp.uint32), scale, zero
 

@@ -31,13 +31,14 @@ def _quantize_pack_kernel(
     bits: int,
     group_size: int,
     along_tokens: bool,
+    interpret: bool,
 ):
   x = x_ref[...].astype(jnp.float32)
   if along_tokens:
     x = x.T  # [D, block_t]: groups and words now run along the last axis
   rows, length = x.shape
   codes, scale, zero = quantize_groups(x.reshape(rows, length // group_size, group_size), bits=bits,
-                                       meta_dtype=scale_ref.dtype)
+                                       meta_dtype=scale_ref.dtype, xla=interpret)
   codes_ref[...] = pack_last_axis(codes.reshape(rows, length), bits=bits)
   scale_ref[...] = scale
   zero_ref[...] = zero
@@ -68,7 +69,8 @@ def _quantize_pack_pallas(
     out_blocks = [(block_t, head_dim // per_word), (block_t, head_dim // group_size)]
     out_index = lambda n, i: (n, i, 0)
   (codes_shape, meta_shape), (codes_block, meta_block) = out_shapes, out_blocks
-  kernel = functools.partial(_quantize_pack_kernel, bits=bits, group_size=group_size, along_tokens=along_tokens)
+  kernel = functools.partial(_quantize_pack_kernel, bits=bits, group_size=group_size, along_tokens=along_tokens,
+                             interpret=interpret)
   return pl.pallas_call(
       kernel,
       grid=(batch, tokens // block_t),

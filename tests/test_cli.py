@@ -173,6 +173,23 @@ def test_info_dense_default(capsys):
   assert info["compression"] == 1.0
 
 
+def test_info_largest_batch_on_a_given_device(capsys):
+  """On 1 GiB with the default model's fp32 weights: dense sequences of 4096 tokens take 4096 * 92160 bytes
+  each; the batch is what fits beside the weights, a reserve and one prefill (jkv.memory), and KIVI-2's far
+  smaller cache fits several times as many."""
+  from jkv import memory
+  dense = json_of(capsys, "info", "--json", "--tokens", "4096", "--device-gib", "8")
+  kivi = json_of(capsys, "info", "--json", "--tokens", "4096", "--device-gib", "8", "--method", "kivi", "--bits", "2")
+  assert dense["device_bytes"] == 8 * 2**30
+  weights = 134_515_008 * 4  # SmolLM2-135M's parameter count, in fp32
+  # Prefill activations per prompt token (jkv.memory.prefill_bytes_per_token): embed 576, 9 x 64 query and
+  # 2 x 3 x 64 key/value features, ffw 1536, all fp32.
+  prefill = 4 * (2 * 576 + 2 * 576 + 384 + 3 * 1536) + 4 * (2 * 576 + 384)
+  budget = 8 * 2**30 - weights - memory.RESERVE_BYTES - 4096 * prefill
+  assert dense["largest_batch"] == budget // (4096 * DENSE_BYTES_PER_TOKEN + 4)
+  assert kivi["largest_batch"] > 4 * dense["largest_batch"]
+
+
 # ------------------------------------------------------------------------------------------------- convert
 
 

@@ -70,7 +70,9 @@ def test_hf_dir(ours, reference, tmp_path):
   from_dir = Tokenizer.from_hf_dir(str(tmp_path))
   assert from_dir.encode(TEXT) == ours.encode(TEXT)
   assert from_dir.apply_chat_template(MESSAGES) == ours.apply_chat_template(MESSAGES)
-  assert (from_dir.bos_id, from_dir.eos_ids) == (ours.bos_id, ours.eos_ids)
+  # The special ids are what transformers itself wrote (its GGUF loader's choice of end token differs between
+  # versions: 5.17 saves id 1, 5.23 id 2).
+  assert from_dir.bos_id == reference.bos_token_id and reference.eos_token_id in from_dir.eos_ids
   assert Tokenizer.from_hf_dir(str(tmp_path / "missing")) is None
 
 

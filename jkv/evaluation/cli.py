@@ -89,7 +89,8 @@ def cmd_ppl(args, cli):
   text, source = _text(args)
   model = _load(args)
   ids = model.tokenizer.encode(text, add_bos=False)
-  res = ppl_lib.perplexity(model.params, model.config, ids, method=method, plan=plan)
+  res = ppl_lib.perplexity(model.params, model.config, ids, method=method, plan=plan,
+                           attention_impl=args.attention_impl)
   out = dict(method=_label(args, method), method_config=dataclasses.asdict(method), text=source,
              plan=dataclasses.asdict(plan), **res.as_dict())
   if args.json:
@@ -108,7 +109,8 @@ def cmd_passkey(args, cli):
   if args.plot:
     cli.check_output(args.plot)
   model = _load(args)
-  res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid)
+  res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid,
+                                attention_impl=args.attention_impl)
   if args.plot:
     passkey_lib.plot_heatmap(res, args.plot, title=f"pass-key retrieval: {args.model}, "
                                                    f"{_label(args, method)}")
@@ -138,7 +140,8 @@ def cmd_compare(args, cli):
   if grid is not None:
     grid.validate(model.config, model.tokenizer)  # every length, before the first method runs
   ids = model.tokenizer.encode(text, add_bos=False)
-  rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline)
+  rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline,
+                             attention_impl=args.attention_impl)
   meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
               ppl=dataclasses.asdict(plan), passkey=None if grid is None else dataclasses.asdict(grid),
               baseline=args.baseline, environment=compare_lib.environment(), seconds=time.perf_counter() - t0)

@@ -107,7 +107,7 @@ def parse_methods(texts: Sequence[str]) -> list:
 
 def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl: ppl_lib.WindowPlan = DEFAULT_PPL,
             passkey: Optional[passkey_lib.PasskeyGrid] = DEFAULT_PASSKEY, baseline: Optional[str] = "dense",
-            progress: Optional[bool] = None) -> list:
+            progress: Optional[bool] = None, attention_impl: str = "auto") -> list:
   """One row per spec (in order): KV bytes, compression, perplexity, pass-key accuracy, decode tokens/s.
 
   ``delta_ppl`` is relative to the row whose label is ``baseline`` (None when it is not among the specs).
@@ -130,11 +130,12 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
     if progress is not False:
       print(f"[{i + 1}/{len(specs)}] {spec.label}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    p = ppl_lib.perplexity(model.params, cfg, token_ids, method=method, plan=ppl, progress=progress)
+    p = ppl_lib.perplexity(model.params, cfg, token_ids, method=method, plan=ppl, progress=progress,
+                           attention_impl=attention_impl)
     pk = None
     if passkey is not None:
       pk = passkey_lib.run_passkey(model.params, cfg, model.tokenizer, method=method, grid=passkey,
-                                   progress=progress)
+                                   progress=progress, attention_impl=attention_impl)
     rows.append(dict(
         method=spec.label, name=spec.name, settings=dataclasses.asdict(method),
         kv_bytes=p.kv_bytes, kv_host_bytes=p.kv_host_bytes, dense_kv_bytes=p.dense_kv_bytes, kv_tokens=p.kv_tokens,

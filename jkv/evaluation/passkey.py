@@ -150,7 +150,8 @@ class PasskeyResult:
 
 
 def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMethod = Dense(),
-                grid: PasskeyGrid = PasskeyGrid(), progress: Optional[bool] = None) -> PasskeyResult:
+                grid: PasskeyGrid = PasskeyGrid(), progress: Optional[bool] = None,
+                attention_impl: str = "auto") -> PasskeyResult:
   """Accuracy of greedy pass-key retrieval per (length, depth) cell under ``method``."""
   grid.validate(cfg, tokenizer)
   t_start = time.perf_counter()
@@ -167,7 +168,7 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
       prompts = [build_prompt(tokenizer, length, grid.depths[di], keys[li, di, t], chat=grid.chat)
                  for di, t in batch]
       res = gen.generate(params, cfg, [p.ids for p in prompts], method=method, max_new_tokens=MAX_NEW_TOKENS,
-                         chunk=MAX_NEW_TOKENS, eos_ids=())
+                         chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl)
       tokens += len(batch) * (MAX_NEW_TOKENS - 1)
       decode_s += res.stats["decode_s"]
       for (di, t), p, out in zip(batch, prompts, res.tokens):
