@@ -5,17 +5,23 @@ L in {4096, 16384, 32768, 65536}:
 
     device_copy          a large device-to-device copy: the bandwidth ceiling (bytes read + written)
     kivi2_fused          jkv_kernels.dequant_attention.decode_attention, 2-bit keys and values, G = 32,
-    kivi4_fused          4-bit; quant_len = L - 128 plus a 128-token full-precision residual segment
+    kivi4_fused          4-bit; a QuantizedStore holding L - 128 tokens plus a 128-token full-precision
+                         residual segment
     dequant_then_attend  decode_attention_reference under jit (the XLA path), same inputs as kivi2_fused
+    jkv_dense            the same kernel with no store: the bf16 cache of length L as one segment, all valid,
+                         at the dense tunables DENSE_CONFIG (not autotuned here)
     cudnn_dense          jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     xla_dense            the same with implementation="xla"
 
+The kernel reads a cache stacked over layers at a traced layer index; here every stacked array has one layer (a
+leading axis of size 1) and the layer index is 0, so the bytes read are those of one layer's cache.
+
 Before timing, the fused kernel is checked against the reference on the device (the script fails if they
-disagree), and a small autotune over block_k / k_splits / num_warps at B = 8, L = 32768 picks the configuration
-the kivi rows then use. Each time is the median over repetitions of back-to-back calls that rotate through
-several input sets (so that the 50 MB L2 does not flatter small sizes), after a warm-up; compile time is reported
-apart. Results go to benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into
-benchmarks/README.md.
+disagree; the kernel with no store too, at DENSE_CONFIG), and a small autotune over block_k / k_splits /
+num_warps at B = 8, L = 32768 picks the configuration the kivi rows then use. Each time is the median over
+repetitions of back-to-back calls that rotate through several input sets (so that the 50 MB L2 does not flatter
+small sizes), after a warm-up; compile time is reported apart. Results go to
+benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into benchmarks/README.md.
 
     python benchmarks/kernel_decode.py                      # on the GPU
     python benchmarks/kernel_decode.py --smoke --out /tmp/x.json   # tiny, interpret mode, any machine
@@ -38,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv_kernels import quantization
-from jkv_kernels.dequant_attention import decode_attention, decode_attention_reference
+from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
 
 HERE = pathlib.Path(__file__).resolve().parent
 README = HERE / "README.md"
@@ -46,6 +52,9 @@ TABLE_BEGIN, TABLE_END = "<!-- kernel_decode:begin -->", "<!-- kernel_decode:end
 L2_BYTES = 50 * 2**20  # H100 L2; input sets rotate through at least twice this
 RESIDUAL = 128
 GROUP_SIZE = 32
+# jkv_dense's tunables: the best of kernel_check_gpu.py's dense autotune on an H100 (B=8, S=8192), recorded in
+# results/kernel_check_gpu_nvidia_h100_80gb_hbm3.json.
+DENSE_CONFIG = {"block_s": 64, "s_splits": 8, "num_warps": 4, "num_stages": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +99,10 @@ SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_by
 
 
 def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool = False):
-  """Arguments of decode_attention for a cache of capacity L: quant_len = L - 128 and a 128-token residual.
+  """Arguments (q, layer, store, segments) of decode_attention for a cache of capacity L.
+
+  The store holds length = L - 128 tokens, then one 128-token bf16 residual segment (mask [B, 1, 128] all valid);
+  every cache array is stacked over one layer ([1, B, Hkv, ...]) and layer = 0.
 
   For timing, codes are random words (every word is valid at any width) and scales random, which is as fast as
   it gets to build. For the correctness check, real keys and values are quantized and packed.
@@ -113,10 +125,13 @@ def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool
     k_scale, k_zero, v_scale, v_zero = (
         meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(b, h, d, length // GROUP_SIZE)] * 2
                                    + [(b, h, length, d // GROUP_SIZE)] * 2))
-  quant_len = jnp.full((b,), length - RESIDUAL, jnp.int32)
-  res_k, res_v = jax.random.normal(kr, (2, b, h, RESIDUAL, d), shape.dtype)
+  stacked = lambda a: a[None]  # one layer: [1, B, Hkv, ...]
+  store = QuantizedStore(*map(stacked, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)),
+                         length=jnp.full((b,), length - RESIDUAL, jnp.int32), k_bits=bits, v_bits=bits,
+                         group_size=GROUP_SIZE)
+  res_k, res_v = jax.random.normal(kr, (2, 1, b, h, RESIDUAL, d), shape.dtype)
   mask = jnp.ones((b, 1, RESIDUAL), jnp.bool_)
-  return (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, quant_len, ((res_k, res_v, mask),))
+  return (q, jnp.int32(0), store, ((res_k, res_v, mask),))
 
 
 def kivi_bytes(shape: Shape, bits: int) -> int:
@@ -124,6 +139,16 @@ def kivi_bytes(shape: Shape, bits: int) -> int:
   tokens = shape.seq_len - RESIDUAL
   per_head = tokens * shape.head_dim * (2 * bits / 8 + 2 * 2 * 2 / GROUP_SIZE) + 2 * RESIDUAL * shape.head_dim * 2
   return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
+
+
+def jkv_dense_inputs(shape: Shape, seed: int):
+  """Arguments (q, layer, None, segments) of decode_attention: the bf16 cache of length L as one stacked segment
+  (k, v [1, B, Hkv, L, D], mask [B, 1, L] all valid), layer = 0."""
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
+  kv_shape = (1, shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim)
+  k, v = jax.random.normal(kk, kv_shape, shape.dtype), jax.random.normal(kv, kv_shape, shape.dtype)
+  return q, jnp.int32(0), None, ((k, v, jnp.ones((shape.batch, 1, shape.seq_len), jnp.bool_)),)
 
 
 def dense_inputs(shape: Shape, seed: int):
@@ -191,24 +216,30 @@ def record(impl, batch, seq_len, median_us, bytes_read, device, *, config=None, 
 # The three parts of a run
 
 
-def fused(bits: int, config: dict, interpret: bool):
-  return jax.jit(lambda *args: decode_attention(*args, k_bits=bits, v_bits=bits, group_size=GROUP_SIZE,
-                                                interpret=interpret, **config))
+def fused(config: dict, interpret: bool):
+  """decode_attention under jit, called as fn(q, layer, store, segments); widths and G come with the store."""
+  return jax.jit(lambda q, layer, store, segments: decode_attention(q, layer, store, segments,
+                                                                    interpret=interpret, **config))
 
 
-def check_fused_against_reference(settings: Settings, config: dict):
-  """Fails loudly when the compiled kernel and the XLA reference disagree on real quantized data."""
+def check_fused_against_reference(settings: Settings, config: dict, *, dense: bool = False):
+  """Fails loudly when the compiled kernel and the XLA reference disagree on real quantized data.
+
+  With ``dense``, also the kernel with no store (jkv_dense's inputs) at DENSE_CONFIG.
+  """
   batch, seq_len = settings.check_shape
   shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
-  for bits in (2, 4):
-    inputs = kivi_inputs(shape, bits, seed=bits, quantized_from_data=True)
-    out = np.asarray(fused(bits, config, settings.interpret)(*inputs), np.float32)
-    ref = np.asarray(decode_attention_reference(*inputs, k_bits=bits, v_bits=bits, group_size=GROUP_SIZE),
-                     np.float32)
+  cases = [(f"{bits}-bit fused", config, kivi_inputs(shape, bits, seed=bits, quantized_from_data=True))
+           for bits in (2, 4)]
+  if dense:
+    cases.append(("dense (no store)", DENSE_CONFIG, jkv_dense_inputs(shape, seed=0)))
+  for name, case_config, inputs in cases:
+    out = np.asarray(fused(case_config, settings.interpret)(*inputs), np.float32)
+    ref = np.asarray(decode_attention_reference(*inputs), np.float32)
     error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     if not np.all(np.isfinite(out)) or error > 2e-2:
-      raise SystemExit(f"fused {bits}-bit kernel {config} disagrees with the reference: relative error {error:.3g}")
-    print(f"check: {bits}-bit fused {config or 'defaults'} vs reference: relative error {error:.2e}")
+      raise SystemExit(f"{name} kernel {case_config} disagrees with the reference: relative error {error:.3g}")
+    print(f"check: {name} {case_config or 'defaults'} vs reference: relative error {error:.2e}")
 
 
 def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
@@ -220,7 +251,7 @@ def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
   for block_k, k_splits, num_warps, num_stages in settings.autotune_grid:
     config = {"block_k": block_k, "k_splits": k_splits, "num_warps": num_warps, "num_stages": num_stages}
     try:
-      median_us, compile_s = time_calls(fused(2, config, settings.interpret), input_sets, settings)
+      median_us, compile_s = time_calls(fused(config, settings.interpret), input_sets, settings)
     except Exception as error:  # a config the compiler rejects (e.g. out of shared memory) is skipped, not fatal
       print(f"autotune: {config} failed: {type(error).__name__}: {str(error)[:200]}")
       continue
@@ -236,11 +267,12 @@ def attention_impls(device, settings: Settings, tuned: dict) -> dict:
   kivi = lambda bits: (lambda shape, seed: kivi_inputs(shape, bits, seed), lambda shape: kivi_bytes(shape, bits))
   dense = lambda implementation: jax.jit(
       lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
-  reference = jax.jit(lambda *args: decode_attention_reference(*args, k_bits=2, v_bits=2, group_size=GROUP_SIZE))
+  reference = jax.jit(lambda q, layer, store, segments: decode_attention_reference(q, layer, store, segments))
   impls = {
-      "kivi2_fused": (*kivi(2), fused(2, tuned, settings.interpret), tuned),
-      "kivi4_fused": (*kivi(4), fused(4, tuned, settings.interpret), tuned),
+      "kivi2_fused": (*kivi(2), fused(tuned, settings.interpret), tuned),
+      "kivi4_fused": (*kivi(4), fused(tuned, settings.interpret), tuned),
       "dequant_then_attend": (*kivi(2), reference, {}),
+      "jkv_dense": (jkv_dense_inputs, dense_bytes, fused(DENSE_CONFIG, settings.interpret), DENSE_CONFIG),
       "cudnn_dense": (dense_inputs, dense_bytes, dense("cudnn"), {}),
       "xla_dense": (dense_inputs, dense_bytes, dense("xla"), {}),
   }
@@ -293,7 +325,10 @@ def markdown_table(records: list[dict]) -> str:
   if tuned:
     best = min(tuned, key=lambda r: r["median_us"])
     lines.append(f"Fused kernel config (autotuned at B={best['batch']}, L={best['seq_len']}): {best['config']}.")
-  impls = [i for i in ("kivi2_fused", "kivi4_fused", "dequant_then_attend", "cudnn_dense", "xla_dense")
+  dense = [r for r in records if r["impl"] == "jkv_dense"]
+  if dense:
+    lines.append(f"jkv_dense config (the dense autotune of kernel_check_gpu.py on an H100): {dense[0]['config']}.")
+  impls = [i for i in ("kivi2_fused", "kivi4_fused", "dequant_then_attend", "jkv_dense", "cudnn_dense", "xla_dense")
            if any(r["impl"] == i for r in records)]
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["impl"] in impls})
@@ -350,7 +385,7 @@ def main():
   if device.platform != "gpu" and not settings.interpret:
     raise SystemExit("the full benchmark needs a GPU; use --smoke elsewhere")
 
-  check_fused_against_reference(settings, {})
+  check_fused_against_reference(settings, {}, dense=True)
   records = [copy_bandwidth(device, settings)]
   tuned = {}
   if not args.no_autotune:
