@@ -209,15 +209,6 @@ class KVCache:
     lengths = np.asarray(self.lengths if lengths is None else lengths)
     return self.method.held_bytes(self.spec, self.state, lengths)
 
-  def rows(self, start, size: int) -> "KVCache":
-    """Sequences [start, start + size) as a cache of batch ``size`` (``start`` may be traced)."""
-    def take(x, info):
-      axis = info.axes.index("batch")
-      return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-    state = jax.tree.map(take, self.state, self.abstract(), is_leaf=is_array_info)
-    return KVCache(method=self.method, spec=self.spec.with_batch(size), impl=self.impl, state=state,
-                   lengths=jax.lax.dynamic_slice_in_dim(self.lengths, start, size))
-
   def put_rows(self, start, part: "KVCache") -> "KVCache":
     """This cache with sequences [start, start + part.batch) replaced by ``part`` (in place under donation)."""
     def put(x, y, info):
