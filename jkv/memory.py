@@ -9,7 +9,6 @@ sub-batches of at most ``prefill_token_budget`` prompt tokens (``jkv.generate``)
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from jkv.cache import CacheMethod, CacheSpec, abstract_bytes
 from jkv.config import ModelConfig
