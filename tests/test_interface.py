@@ -217,3 +217,36 @@ def test_largest_batch_fits_and_one_more_does_not():
   assert batches["dense"] == (device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096) // (
       4608 * 131072 + 4)
   assert batches["kivi"] > 4 * batches["dense"]
+
+
+# ------------------------------------------------------------------------------------------------- xla path
+
+@pytest.mark.parametrize("with_store", [False, True])
+def test_xla_decode_attention_equals_the_reference(with_store):
+  """The blockwise XLA path (store dequantized a block at a time, stacked segments read a block at a time) against
+  the kernel module's plain reference, outputs and lse, reading layer 1 of 3 with the other layers NaN."""
+  from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
+  from jkv_kernels.quantization import pack, quantize
+  rng = np.random.default_rng(4)
+  L, B, H, T, g, D, C, S, G = 3, 2, 2, 2, 3, 64, 256, 40, 32
+  poison = lambda x: x.at[jnp.asarray([0, 2])].set(jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  q = jnp.asarray(rng.normal(size=(B, H, T, g, D)), jnp.float32)
+  store = None
+  if with_store:
+    k = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
+    kc, ks, kz = quantize(jnp.swapaxes(k, 3, 4), bits=2, axis=4, group_size=G)
+    vc, vs, vz = quantize(v, bits=4, axis=4, group_size=G)
+    store = QuantizedStore(pack(kc, bits=2, axis=4), poison(ks), poison(kz), pack(vc, bits=4, axis=4), poison(vs),
+                           poison(vz), jnp.asarray([100, 37], jnp.int32), k_bits=2, v_bits=4, group_size=G)
+  k_all = poison(jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32))
+  v_all = poison(jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32))
+  stacked_mask = jnp.asarray(rng.random((B, T, C)) < 0.3)
+  k_step = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
+  v_step = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
+  step_mask = jnp.asarray(rng.random((B, H, T, S)) < 0.5)
+  segments = ((k_all, v_all, stacked_mask), (k_step, v_step, step_mask))
+  o, lse = decode_attention(q, jnp.int32(1), store=store, segments=segments, impl="xla", return_lse=True)
+  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), store, segments, return_lse=True)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
