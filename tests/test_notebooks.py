@@ -42,10 +42,13 @@ def test_the_ones_run_here_are_all_but_the_gpu_benchmark():
 @pytest.mark.parametrize("name", EXECUTED_ON_CPU)
 def test_notebook_runs_on_cpu(name, tmp_path, monkeypatch):
   monkeypatch.setenv("JKV_NOTEBOOK_SMOKE", "1")
-  monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Colab: plots become outputs
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   # The kernel must find this interpreter's `jkv` console script (`!jkv compare`) whatever PATH the run has.
   monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
   nb = _load(name)
   client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
   client.execute()  # raises CellExecutionError naming the cell on any error
+  outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  assert any("image/png" in o.get("data", {}) for o in outputs), f"{name} showed no plot"
