@@ -22,7 +22,7 @@ _EXPORTS = {
     "known_methods": "jkv.methods",  # the registered method names
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["Generation", "Model", "Stats", "convert", "device_info", "known_methods", "make_method"]
 
 
 def __getattr__(name):
