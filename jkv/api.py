@@ -32,7 +32,8 @@ class Stats:
   """What one ``Model.generate`` call held and how long it took.
 
   Bytes are counted for the tokens the batch holds at the end (prompts plus generated tokens); the ratio of
-  ``dense_kv_bytes`` to ``kv_bytes`` is the compression. Times are seconds of run time, compilation apart.
+  ``dense_kv_bytes`` to the device bytes is the compression, as in ``jkv compare``. Times are seconds of run
+  time, compilation apart.
   """
 
   method: str  # the cache method's registered name
@@ -49,12 +50,12 @@ class Stats:
 
   @property
   def kv_bytes(self) -> int:
-    """Device and host bytes together."""
-    return self.kv_device_bytes + self.kv_host_bytes
+    """Device bytes: what ``jkv.generate`` and ``jkv compare`` call ``kv_bytes`` (host bytes are counted apart)."""
+    return self.kv_device_bytes
 
   @property
   def compression(self) -> float:
-    """``dense_kv_bytes / kv_bytes``: how many times smaller than the dense cache (1.0 for dense)."""
+    """``dense_kv_bytes / kv_bytes``: how many times less device memory than the dense cache (1.0 for dense)."""
     return self.dense_kv_bytes / max(self.kv_bytes, 1)
 
   def as_dict(self) -> dict:
