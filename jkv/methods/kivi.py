@@ -215,12 +215,14 @@ class Kivi(CacheMethod):
     last = lengths[:, None] - 1
     win = jnp.clip(last - (last - jnp.arange(W)[None]) % W, 0)  # [B, W] position held by each value-ring slot
     Pk = 32 // self.kb
-    k_codes = state.k_codes[layer]  # [B, H, D, C/Pk]: the window's words are gathered, never the whole layer
-    words = jnp.take_along_axis(k_codes, (win // Pk)[:, None, None, :], axis=-1)
+    rows = jnp.arange(win.shape[0])[:, None]
+    # One gather from the stacked arrays [L, B, H, D, n] -> [B, W, H, D] -> [B, H, D, W]: only the window's words
+    # and groups are read (indexing the layer first would slice the whole layer out of the stack).
+    window = lambda x, idx: jnp.moveaxis(x[layer, rows, :, :, idx], 1, -1)
+    words = window(state.k_codes, win // Pk)
     codes = (words >> ((win % Pk) * self.kb).astype(jnp.uint32)[:, None, None, :]) & jnp.uint32(2**self.kb - 1)
-    group = win[:, None, None, :] // G
-    scale = jnp.take_along_axis(state.k_scale[layer], group, axis=-1).astype(jnp.float32)
-    zero = jnp.take_along_axis(state.k_zero[layer], group, axis=-1).astype(jnp.float32)
+    scale = window(state.k_scale, win // G).astype(jnp.float32)
+    zero = window(state.k_zero, win // G).astype(jnp.float32)
     k_deq = jnp.swapaxes(codes.astype(jnp.float32) * scale + zero, -1, -2)  # [B, H, W, D]
     k_exact = jnp.take_along_axis(state.k_ring[layer], (win % R)[:, None, :, None], axis=2)
     k_win = jnp.where((win < b_k[:, None])[:, None, :, None], k_deq, k_exact.astype(jnp.float32))
