@@ -6,6 +6,10 @@ Asymmetric min-max quantization over groups of ``group_size`` consecutive elemen
     c = clip(round_half_even((x - z) / s), 0, 2**bits - 1)                  (with the *stored* s and z)
     x' = c * s + z
 
+At 1 bit the grid is SpeCache's (spec specache.md §2.1, its Eq. 3): z = (3 min + max) / 4, s = (max - min) / 2, so
+the two levels are the quarter points of the range, and c = 1 iff x - z >= s / 2 (the midpoint goes up); plain
+min-max at 1 bit would map every value to the group's min or max.
+
 Codes are computed from the stored (rounded) s and z, so quantize and dequantize agree; a constant group (s = 0)
 divides by 1 instead and reconstructs exactly. Codes are packed into uint32 words, ``32 // bits`` per word along
 one axis, element j of a word at bits [bits*j, bits*j + bits), j = 0 least significant (spec §2.8).
@@ -91,13 +95,24 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
   x = x.astype(jnp.float32)
   lo = jnp.min(x, axis=-1)
   hi = jnp.max(x, axis=-1)
-  scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
-  zero = lo.astype(meta_dtype)
+  if bits == 1:
+    # SpeCache's 1-bit quantizer (its Eq. 3): the two levels are the quarter points (3 min + max) / 4 and
+    # (min + 3 max) / 4, not min and max (which inflate every magnitude). Scaling by 1/4 and 1/2 is exact, so
+    # no backend can round these differently.
+    scale = ((hi - lo) * jnp.float32(0.5)).astype(meta_dtype)
+    zero = (lo + (hi - lo) * jnp.float32(0.25)).astype(meta_dtype)
+  else:
+    scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
+    zero = lo.astype(meta_dtype)
   # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
   stored = jax.lax.optimization_barrier((scale, zero)) if xla else (scale, zero)
   s = stored[0].astype(jnp.float32)[..., None]
   z = stored[1].astype(jnp.float32)[..., None]
-  codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
+  if bits == 1:
+    # The nearer of the two stored levels, the midpoint going up (spec: round half up); 0.5 * s is exact.
+    codes = jnp.where(x - z >= 0.5 * s, 1.0, 0.0)
+  else:
+    codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
   return codes.astype(jnp.uint32), scale, zero
 
 
@@ -116,7 +131,7 @@ def quantize(x, *, bits: int, axis: int, group_size: int, meta_dtype=jnp.float16
 
   Args:
     x: array of any float dtype; ``x.shape[axis]`` must be divisible by ``group_size``.
-    bits: one of 1, 2, 4, 8.
+    bits: one of 1, 2, 4, 8 (1: SpeCache's quarter-point levels, module docstring).
     axis: the grouping axis (keys: tokens, values: channels).
     group_size: elements per group along ``axis``.
     meta_dtype: storage dtype of scale and zero.

@@ -89,7 +89,7 @@ def test_idempotent(case):
     assert np.all(np.abs(a - b) <= np.spacing(np.abs(a).astype(np.float16)).astype(np.float32))
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 1 bit has quarter-point levels: test_one_bit_quarter_points
 def test_exact_grid(bits):
   """Q5: x = z + k * s with integer k (exactly representable s, z) gives codes k and x' == x."""
   rng = np.random.default_rng(bits)
@@ -214,7 +214,7 @@ def _exact_codes(x, scale, zero, bits):
 
 
 @pytest.mark.parametrize("meta_dtype", [jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 1 bit: test_one_bit_codes_are_the_nearer_stored_level
 def test_codes_are_the_exact_nearest_code(bits, meta_dtype):
   """Codes are a function of the stored s and z alone (no division whose rounding a compiler chooses): random
   groups, and groups whose elements sit exactly on a decision threshold (c + 1/2) s or one fp32 ulp to either side
@@ -254,3 +254,72 @@ def test_code_correction_fixes_any_estimate_within_one():
   for offset in (-1.0, 0.0, 1.0):
     got = _correct_code(jnp.asarray(want + offset, jnp.float32), jnp.asarray(d), jnp.float32(s))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ------------------------------------------------------------------------------------------------- 1 bit (SpeCache)
+
+def test_one_bit_quarter_points():
+  """SpeCache spec §8.2: at 1 bit the levels are (3 mn + mx) / 4 and (mn + 3 mx) / 4, the code is
+  x >= (mn + mx) / 2 and the midpoint itself maps to 1. Values are multiples of 1/4 in [-8, 8] with each group's
+  min and max multiples of 2, so the quarter points and the midpoint are exact in fp16 and the identities hold
+  bit for bit."""
+  rng = np.random.default_rng(11)
+  x = rng.integers(-32, 33, size=(6, 64)).astype(np.float32) / 4
+  groups = x.reshape(6, 2, 32)
+  groups[..., 0] = rng.integers(-4, -1, size=(6, 2)) * 2.0  # min
+  groups[..., 1] = rng.integers(1, 5, size=(6, 2)) * 2.0  # max
+  groups[:, 0, 2] = (groups[:, 0, 0] + groups[:, 0, 1]) / 2  # the midpoint of the first group
+  groups = np.clip(groups, groups[..., :1], groups[..., 1:2])
+  x = groups.reshape(6, 64)
+  codes, scale, zero = quantize(jnp.asarray(x), bits=1, axis=1, group_size=32)
+  mn, mx = groups.min(-1, keepdims=True), groups.max(-1, keepdims=True)
+  np.testing.assert_array_equal(np.asarray(codes).reshape(groups.shape), groups >= (mn + mx) / 2)
+  assert np.all(np.asarray(codes).reshape(groups.shape)[:, 0, 2] == 1)
+  x_hat = np.asarray(dequantize(codes, scale, zero, axis=1, group_size=32, dtype=jnp.float32)).reshape(groups.shape)
+  levels = np.where(groups >= (mn + mx) / 2, (mn + 3 * mx) / 4, (3 * mn + mx) / 4)
+  np.testing.assert_array_equal(x_hat, levels)
+
+
+def test_one_bit_mse_is_a_quarter_of_plain_min_max():
+  """Spec §8.2: on U(0, 1) groups the quarter-point quantizer's MSE is about range^2 / 48, where plain 1-bit
+  min-max (every value to the group's min or max, computed here in numpy) gives about range^2 / 12."""
+  x = np.random.default_rng(0).uniform(size=(256, 64)).astype(np.float32)
+  codes, scale, zero = quantize(jnp.asarray(x), bits=1, axis=1, group_size=64, meta_dtype=jnp.float32)
+  x_hat = np.asarray(dequantize(codes, scale, zero, axis=1, group_size=64, dtype=jnp.float32))
+  mn, mx = x.min(1, keepdims=True), x.max(1, keepdims=True)
+  plain = np.where(x - mn >= (mx - mn) / 2, mx, mn)
+  mse, mse_plain = np.mean((x - x_hat) ** 2), np.mean((x - plain) ** 2)
+  assert mse == pytest.approx(1 / 48, rel=0.1) and mse_plain == pytest.approx(1 / 12, rel=0.1)
+
+
+@pytest.mark.parametrize("meta_dtype", [jnp.float16, jnp.bfloat16])
+def test_one_bit_codes_are_the_nearer_stored_level(meta_dtype):
+  """With the stored (rounded) s and z, the code picks the nearer of z and z + s, ties up; a constant group is
+  finite and exact. Checked in float64 against each element's distance to both stored levels."""
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(64, 32)).astype(np.float32) * rng.uniform(0.01, 100.0, size=(64, 1)).astype(np.float32)
+  x[0] = 3.0  # a constant group
+  codes, scale, zero = quantize(jnp.asarray(x), bits=1, axis=1, group_size=32, meta_dtype=meta_dtype)
+  s = np.asarray(scale, np.float32).astype(np.float64)
+  z = np.asarray(zero, np.float32).astype(np.float64)
+  d = (x - np.asarray(zero, np.float32)).astype(np.float64)  # x - z rounded once in fp32, as the quantizer does
+  np.testing.assert_array_equal(np.asarray(codes), d >= s / 2)
+  x_hat = np.asarray(dequantize(codes, scale, zero, axis=1, group_size=32, dtype=jnp.float32))
+  assert np.all(np.isfinite(x_hat)) and np.all(x_hat[0] == 3.0)
+  near = np.minimum(np.abs(x - z), np.abs(x - (z + s)))
+  np.testing.assert_allclose(np.abs(x - x_hat), near, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_one_bit_quantize_pack_kernel_equals_reference(axis):
+  """The fused quantize-and-pack kernel (interpret mode) writes the same 1-bit codes and metadata as the
+  reference, in both KIVI layouts, and they unpack to ``quantize``'s codes."""
+  from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 3, 128, 64)), jnp.float32)
+  got = quantize_pack(x, bits=1, group_size=32, axis=axis, interpret=True)
+  want = quantize_pack_reference(x, bits=1, group_size=32, axis=axis)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  codes = quantize(x, bits=1, axis=axis, group_size=32)[0]
+  expect = jnp.swapaxes(codes, -1, -2) if axis == -2 else codes  # keys are stored channel-major
+  np.testing.assert_array_equal(np.asarray(unpack(got[0], bits=1, axis=-1)), np.asarray(expect))
