@@ -30,6 +30,17 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     mass per token) come from that same pass.
 ``advance(lengths, rows) -> lengths``
     Tokens held after a step of ``rows`` rows (default: all stored).
+``speculative_rows`` (default 0; SpeCache: 1)
+    Rows a decode step carries after the real one. Generate then feeds [real, speculative] tokens at positions
+    [n, n + 1]; the speculative token is the greedy output of the previous step's speculative row (a guess,
+    never checked) and ``advance`` counts only the real row. Methods with 0 get one row per step, as before.
+``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
+    Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
+    token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
+    the method prepares its first step (SpeCache's first top-k). Its greedy output is the first speculative token.
+``decode_stats(state) -> dict``
+    Statistics the method gathered while decoding (SpeCache's speculation hit rate), read once after decoding
+    and reported in generate's stats; default none.
 ``held_bytes(spec, state, lengths) -> HeldBytes``
     Bytes really held for these sequence lengths, device and host apart, from the state (pool occupancy,
     counters); ``state=None`` gives the bound at those lengths (every pool full), which ``jkv info`` reports.
@@ -150,8 +161,19 @@ class CacheMethod(abc.ABC):
   def step(self, state, layer, q, k, v, ctx: StepContext):
     """Store what the method keeps of the new rows and attend; returns (out [B, H, T, g, D], state)."""
 
+  speculative_rows: ClassVar[int] = 0
+
   def advance(self, lengths, rows: int):
     return lengths + rows
+
+  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    """Attend one unstored row before the first step; returns (out [B, H, 1, g, D], state). Only methods with
+    ``speculative_rows`` > 0 are asked."""
+    raise NotImplementedError(f"cache method {self.name!r} carries no speculative rows and has no pre-decode pass")
+
+  def decode_stats(self, state) -> dict:
+    """Statistics gathered while decoding, as Python numbers (module docstring)."""
+    return {}
 
   @abc.abstractmethod
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:

@@ -115,22 +115,57 @@ def _first_tokens(logits, key, *, sampler):
   return sampler.next_tokens(logits, key), ~jnp.all(jnp.isfinite(logits), axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _pre_decode(params, cache, first, *, cfg):
+  """The method's pre-decode pass (``CacheMethod.pre_decode``) on the first generated tokens first [B]: returns
+  the first speculative tokens [B, 1] (its greedy output) and the cache, whose lengths do not move."""
+  logits, cache = forward(params, first[:, None], cache.lengths[:, None], cache, cfg=cfg, pre_decode=True)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+def speculative_start(params, cfg, cache, first):
+  """The speculative tokens [B, S] the first decode step carries (S = the method's ``speculative_rows``; an
+  empty [B, 0] for methods without any) and the cache."""
+  if cache.method.speculative_rows == 0:
+    return jnp.zeros((first.shape[0], 0), jnp.int32), cache
+  if cache.method.speculative_rows != 1:
+    raise ValueError(f"cache method {cache.method.name!r} asks for {cache.method.speculative_rows} speculative rows; "
+                     "generate runs 0 or 1")
+  return _pre_decode(params, cache, first, cfg=cfg)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",))
-def _decode_chunk(params, cache, tokens, done, bad, key, eos_ids, pad_id, *, cfg, sampler, steps):
+def _decode_chunk(params, cache, tokens, spec, done, bad, spec_counts, key, eos_ids, pad_id, *, cfg, sampler,
+                  steps):
   """``steps`` decode steps in one scan. tokens [B]: the last sampled token of each sequence; ``bad`` [B]
-  collects sequences that met non-finite logits."""
+  collects sequences that met non-finite logits.
+
+  With a method that carries a speculative row (``speculative_rows`` = 1), spec [B, 1] is the speculative token
+  each step feeds after the real one, at the next position; the step's second row gives the next one (greedy),
+  and spec_counts [B, 2] int32 adds up the steps whose speculative token equalled the real token it guessed, and
+  the steps counted. Without one, spec is [B, 0], spec_counts stays 0 and the step is the one-row step.
+  """
+  speculative = cache.method.speculative_rows > 0
 
   def step(carry, _):
-    cache, tokens, done, bad, key = carry
+    cache, tokens, spec, done, bad, spec_counts, key = carry
     key, sub = jax.random.split(key)
-    logits, cache = forward(params, tokens[:, None], cache.lengths[:, None], cache, cfg=cfg)
+    if speculative:
+      rows = jnp.concatenate([tokens[:, None], spec], axis=1)
+      logits, cache = forward(params, rows, cache.lengths[:, None] + jnp.arange(rows.shape[1]), cache, cfg=cfg)
+    else:
+      logits, cache = forward(params, tokens[:, None], cache.lengths[:, None], cache, cfg=cfg)
     bad = bad | (~done & ~jnp.all(jnp.isfinite(logits[:, 0]), axis=-1))
     nxt = jnp.where(done, pad_id, sampler.next_tokens(logits[:, 0], sub))
+    if speculative:
+      spec_counts = spec_counts + jnp.stack([~done & (spec[:, 0] == nxt), ~done], axis=1).astype(jnp.int32)
+      spec = jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
     done = done | jnp.isin(nxt, eos_ids)
-    return (cache, nxt, done, bad, key), nxt
+    return (cache, nxt, spec, done, bad, spec_counts, key), nxt
 
-  (cache, tokens, done, bad, key), out = jax.lax.scan(step, (cache, tokens, done, bad, key), None, length=steps)
-  return cache, tokens, done, bad, key, out.T
+  carry = (cache, tokens, spec, done, bad, spec_counts, key)
+  (cache, tokens, spec, done, bad, spec_counts, key), out = jax.lax.scan(step, carry, None, length=steps)
+  return cache, tokens, spec, done, bad, spec_counts, key, out.T
 
 
 _WARM: set = set()
@@ -218,7 +253,11 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
   Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
   tokens, the allocated bytes, prefill/decode times with compilation counted apart, and the device's peak
-  memory where jax reports it. Non-finite logits raise a one-line ValueError naming the sequences.
+  memory where jax reports it. A method that carries a speculative row (``CacheMethod.speculative_rows``) gets its
+  pre-decode pass before the first step. ``method_stats`` holds what the method gathered while decoding
+  (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a speculative method,
+  ``speculative_token_match`` (how often the speculative token was the real next token). Non-finite logits raise
+  a one-line ValueError naming the sequences.
   """
   prompts = check_prompts(prompts, cfg.vocab_size)
   if max_new_tokens < 1:
@@ -243,14 +282,19 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   no = jnp.zeros((B,), bool)
 
   key, sub = jax.random.split(key)
-  decode_args = lambda cache, last, done, bad, key: (params, cache, last, done, bad, key, eos_arr, jnp.int32(pad_id))
+  S = method.speculative_rows
+  decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
+                                                                   eos_arr, jnp.int32(pad_id))
+  no_spec, zero_counts = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32)
   with CompileCounter() as compiles:
     t_compile = time.perf_counter()
     # Compile (or find compiled) before timing, so the timings below are run time alone.
     _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
           dict(cfg=cfg))
     _warm(_first_tokens, (jnp.zeros((B, cfg.vocab_size), jnp.float32), sub), dict(sampler=sampler))
-    _warm(_decode_chunk, decode_args(cache, jnp.asarray(tokens[:, 0]), no, no, key),
+    if S:
+      _warm(_pre_decode, (params, cache, jnp.asarray(tokens[:, 0])), dict(cfg=cfg))
+    _warm(_decode_chunk, decode_args(cache, jnp.asarray(tokens[:, 0]), no_spec, no, no, zero_counts, key),
           dict(cfg=cfg, sampler=sampler, steps=chunk))
     compile_s = time.perf_counter() - t_compile
 
@@ -264,10 +308,11 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     out = [np.asarray(first)[:, None]]
     t1 = time.perf_counter()
     produced = 1
-    last = first
+    last, counts = first, zero_counts
+    guess, cache = speculative_start(params, cfg, cache, first)
     while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
-      cache, last, done, bad, key, chunk_out = _decode_chunk(*decode_args(cache, last, done, bad, key), cfg=cfg,
-                                                             sampler=sampler, steps=chunk)
+      cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
+          *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
       out.append(np.asarray(chunk_out))
       produced += chunk
     jax.block_until_ready(cache)
@@ -305,6 +350,12 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       compiles=compiles.count,
       peak_device_bytes=None if mem is None else mem["peak"],
   )
+  stats["method_stats"] = method.decode_stats(cache.state)
+  if S:
+    counts = np.asarray(counts).sum(axis=0)
+    # How often the speculative token was the real next token (the method never checks its guess; this shows how
+    # good the guesses were).
+    stats["method_stats"]["speculative_token_match"] = float(counts[0] / counts[1]) if counts[1] else None
   return GenerateResult(tokens=result_tokens, stats=stats)
 
 
@@ -322,8 +373,9 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
   key, sub = jax.random.split(jax.random.key(seed))
   logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
   last, bad = _first_tokens(logits, sub, sampler=sampler)
-  done = jnp.zeros((1,), bool)
+  done, counts = jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32)
   eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+  spec = None
   for i in range(max_new_tokens):
     if bool(bad[0]):
       raise ValueError("the model produced non-finite logits: its weights or activations overflow "
@@ -333,5 +385,8 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
       return
     yield tok
     if i + 1 < max_new_tokens:
-      cache, last, done, bad, key, _ = _decode_chunk(params, cache, last, done, bad, key, eos_arr, jnp.int32(0),
-                                                     cfg=cfg, sampler=sampler, steps=1)
+      if spec is None:
+        spec, cache = speculative_start(params, cfg, cache, last)
+      cache, last, spec, done, bad, counts, key, _ = _decode_chunk(
+          params, cache, last, spec, done, bad, counts, key, eos_arr, jnp.int32(0), cfg=cfg, sampler=sampler,
+          steps=1)

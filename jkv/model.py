@@ -105,7 +105,7 @@ def _logits(params, x, cfg):
 
 
 def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False,
-            logit_rows=None):
+            pre_decode: bool = False, logit_rows=None):
   """One model step over the cache.
 
   Args:
@@ -116,6 +116,8 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     cache: the KV cache; at prefill it must be empty.
     cfg: model config (static).
     prefill: store the prompt (attention is exact among its tokens) rather than step the cache.
+    pre_decode: the method's pre-decode pass (``CacheMethod.pre_decode``): one row attends over the cache and is
+      not stored; the lengths do not move.
     logit_rows: optional [B, K] int32 token indices: compute logits for those rows only (a long prompt's
       [B, T, vocab] logits can outgrow the whole cache).
 
@@ -130,7 +132,7 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     lengths = ctx.lengths
   else:
     ctx = StepContext(lengths=cache.lengths, positions=positions, impl=cache.impl)
-    lengths = method.advance(cache.lengths, tokens.shape[1])
+    lengths = cache.lengths if pre_decode else method.advance(cache.lengths, tokens.shape[1])
 
   def body(carry, xs):
     x, state = carry
@@ -142,6 +144,9 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
         attn = prompt_attention(q, k, v, positions, flash=cache.impl == "pallas")
       with jax.named_scope("cache_update"):
         state = method.prefill(state, i, q, k, v, ctx)
+    elif pre_decode:
+      with jax.named_scope("pre_decode"):
+        attn, state = method.pre_decode(state, i, q, k, v, ctx)
     else:
       with jax.named_scope("cache_step"):
         attn, state = method.step(state, i, q, k, v, ctx)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jkv import generate as gen
 from jkv.cache import CacheMethod
 from jkv.config import ModelConfig
+from jkv.evaluation.perplexity import mean_stats
 from jkv.methods.dense import Dense
 from jkv.params import Params
 
@@ -144,6 +145,7 @@ class PasskeyResult:
   answers: list  # per prompt: dict(length, depth, key, answer, correct)
   decode_tokens_per_s: float
   seconds: float
+  method_stats: dict = dataclasses.field(default_factory=dict)  # generate's ``method_stats``, mean over batches
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -157,7 +159,7 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
   t_start = time.perf_counter()
   keys = grid.keys()
   correct = np.zeros(keys.shape, bool)
-  answers, tokens, decode_s = [], 0, 0.0
+  answers, tokens, decode_s, stats = [], 0, 0.0, []
   bar = tqdm(total=keys.size, desc=f"passkey {method.name}", unit="prompt", leave=False,
              disable=progress is False)
   for li, length in enumerate(grid.lengths):
@@ -171,6 +173,7 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
                          chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl)
       tokens += len(batch) * (MAX_NEW_TOKENS - 1)
       decode_s += res.stats["decode_s"]
+      stats.append(res.stats["method_stats"])
       for (di, t), p, out in zip(batch, prompts, res.tokens):
         text = tokenizer.decode(out, skip_special_tokens=True)
         ok = parse_key(text) == p.key
@@ -181,7 +184,8 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
   acc = correct.mean(axis=2)
   return PasskeyResult(lengths=list(grid.lengths), depths=list(grid.depths), accuracy=acc.tolist(),
                        mean_accuracy=float(acc.mean()), answers=answers,
-                       decode_tokens_per_s=tokens / max(decode_s, 1e-9), seconds=time.perf_counter() - t_start)
+                       decode_tokens_per_s=tokens / max(decode_s, 1e-9), seconds=time.perf_counter() - t_start,
+                       method_stats=mean_stats(stats))
 
 
 def plot_heatmap(result: PasskeyResult, path: str, title: str = "") -> None:

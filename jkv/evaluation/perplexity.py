@@ -78,6 +78,7 @@ class PerplexityResult:
   decode_tokens_per_s: float  # batch rows x decode steps per second, compilation excluded
   compile_s: float
   seconds: float  # wall time, compilation included
+  method_stats: dict = dataclasses.field(default_factory=dict)  # ``decode_stats`` averaged over the batches
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -94,15 +95,34 @@ def _prefill(params, tokens, cache, *, cfg):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _score(params, cache, inputs, targets, *, cfg):
-  """Teacher-forced decoding: step t feeds inputs[:, t] and returns the fp32 NLL of targets[:, t]. [B, S] -> [B, S]."""
+  """Teacher-forced decoding: step t feeds inputs[:, t] and returns the fp32 NLL of targets[:, t]. [B, S] -> [B, S].
 
-  def step(cache, xs):
-    tok, target = xs  # [B], [B]
-    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, cfg=cfg)
+  A method with a speculative row (``CacheMethod.speculative_rows``) first gets its pre-decode pass on inputs[:, 0];
+  each step then feeds the speculative token after the real one (the greedy output of the previous step's
+  speculative row, as in generate), and only the real row is scored.
+  """
+  if cache.method.speculative_rows == 0:
+    def step(cache, xs):
+      tok, target = xs  # [B], [B]
+      logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, cfg=cfg)
+      logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+      return cache, -jnp.take_along_axis(logp, target[:, None], axis=1)[:, 0]
+
+    cache, nll = jax.lax.scan(step, cache, (inputs.T, targets.T))
+    return cache, nll.T
+
+  spec, cache = gen.speculative_start(params, cfg, cache, inputs[:, 0])
+
+  def spec_step(carry, xs):
+    cache, spec = carry
+    tok, target = xs
+    rows = jnp.concatenate([tok[:, None], spec], axis=1)
+    logits, cache = forward(params, rows, cache.lengths[:, None] + jnp.arange(rows.shape[1]), cache, cfg=cfg)
     logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
-    return cache, -jnp.take_along_axis(logp, target[:, None], axis=1)[:, 0]
+    spec = jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
+    return (cache, spec), -jnp.take_along_axis(logp, target[:, None], axis=1)[:, 0]
 
-  cache, nll = jax.lax.scan(step, cache, (inputs.T, targets.T))
+  (cache, _), nll = jax.lax.scan(spec_step, (cache, spec), (inputs.T, targets.T))
   return cache, nll.T
 
 
@@ -110,8 +130,9 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
                context: int, attention_impl: str = "auto") -> tuple[np.ndarray, dict]:
   """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch.
 
-  Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations) and
-  ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window).
+  Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations),
+  ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window), and
+  ``method_stats``, what the method gathered while decoding (``CacheMethod.decode_stats``).
   """
   windows = np.asarray(windows, np.int32)
   B, W = windows.shape
@@ -130,9 +151,10 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
     nll = np.asarray(nll)
     decode_s = time.perf_counter() - t0
   held = cache.held_bytes()
+  method_stats = method.decode_stats(cache.state)
   del cache
   return nll, dict(decode_s=decode_s, decode_compile_s=compiles.seconds - before, compile_s=compiles.seconds,
-                   held=held)
+                   held=held, method_stats=method_stats)
 
 
 def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, method: CacheMethod = Dense(),
@@ -146,7 +168,7 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
   starts = plan.starts(len(ids))
   windows = np.stack([ids[s:s + plan.window] for s in starts])
   B = min(plan.batch_size, plan.num_windows)
-  nlls, decode_s, rows, compile_s, first_batch, held = [], 0.0, 0, 0.0, None, []
+  nlls, decode_s, rows, compile_s, first_batch, held, stats = [], 0.0, 0, 0.0, None, [], []
   bar = tqdm(total=plan.num_windows * plan.scored, desc=f"ppl {method.name}", unit="tok", leave=False,
              disable=progress is False)
   for i in range(0, plan.num_windows, B):
@@ -157,6 +179,7 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
     nll, t = window_nll(params, cfg, batch, method=method, context=plan.context, attention_impl=attention_impl)
     nlls.append(nll[:real])
     held.append((t["held"], B))
+    stats.append(t["method_stats"])
     compile_s += t["compile_s"]
     if first_batch is None:
       first_batch = t
@@ -177,4 +200,14 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
       window_nll=[float(x) for x in nll.mean(axis=1)], starts=[int(s) for s in starts],
       kv_bytes=per_sequence("device"), kv_host_bytes=per_sequence("host"), dense_kv_bytes=dense_kv_bytes(spec, np.array([n])),
       kv_tokens=n, decode_tokens_per_s=rows / decode_s, compile_s=compile_s,
-      seconds=time.perf_counter() - t_start)
+      seconds=time.perf_counter() - t_start,
+      method_stats=mean_stats(stats))
+
+
+def mean_stats(stats: list) -> dict:
+  """Each method statistic's mean over the batches that have it (None where none has)."""
+  out = {}
+  for key in stats[0]:
+    values = [s[key] for s in stats if s[key] is not None]
+    out[key] = float(np.mean(values)) if values else None
+  return out
