@@ -10,7 +10,7 @@ Three parts, about 3-5 minutes on an H100:
 3. timing: one decode step's attention at B=8, 32 query / 8 KV heads, D=128, bf16, one query row, S in
    {4096, 8192, 32768}:
        device_copy        a 1 GiB device-to-device copy (read + written): the bandwidth ceiling
-       jkv_dense          decode_attention(q, layer=1, None, ((k, v, mask),)) on a stacked [2, B, Hkv, S, D] cache
+       jkv_dense          decode_attention(q, layer=1, (), ((k, v, mask),)) on a stacked [2, B, Hkv, S, D] cache
                           (the layer read in place), config from the autotune below
        jkv_dense_scan     the same inside lax.scan over 4 layers of a [4, B, Hkv, S, D] cache (the decode step's
                           layer loop; time per layer): would show a per-layer copy if XLA made one
@@ -104,9 +104,10 @@ def kivi_inputs(settings: Settings, seq_len: int, seed: int):
   k_codes, k_scale, k_zero = quantize(jax.random.normal(kk, (2, b, h, d, seq_len), jnp.float32), -1)
   v_codes, v_scale, v_zero = quantize(jax.random.normal(kv, (2, b, h, seq_len, d), jnp.float32), -1)
   store = QuantizedStore(pack(k_codes), k_scale, k_zero, pack(v_codes), v_scale, v_zero,
-                         jnp.full((b,), seq_len - WINDOW, jnp.int32), k_bits=bits, v_bits=bits, group_size=GROUP_SIZE)
+                         jnp.full((b,), seq_len - WINDOW, jnp.int32), k_bits=bits, v_bits=bits, k_group=GROUP_SIZE,
+                         v_group=GROUP_SIZE)
   window = jax.random.normal(kw, (2, b, h, WINDOW, d), jnp.bfloat16)
-  return q, store, ((window[0], window[1], jnp.ones((b, 1, WINDOW), jnp.bool_)),)
+  return q, (store,), ((window[0], window[1], jnp.ones((b, 1, WINDOW), jnp.bool_)),)
 
 
 def dense_bytes(settings: Settings, seq_len: int) -> int:
@@ -158,7 +159,7 @@ def copy_rate(settings: Settings) -> dict:
 
 
 def dense_fn(config: dict, interpret: bool):
-  return jax.jit(lambda q, layer, segments: decode_attention(q, layer, None, segments, interpret=interpret,
+  return jax.jit(lambda q, layer, segments: decode_attention(q, layer, (), segments, interpret=interpret,
                                                              **config))
 
 
@@ -167,7 +168,7 @@ def dense_scan_fn(config: dict, interpret: bool, num_layers: int):
   def step(q, segments):
     def body(carry, layer):
       segments, x = carry
-      return (segments, decode_attention(x, layer, None, segments, interpret=interpret, **config)), None
+      return (segments, decode_attention(x, layer, (), segments, interpret=interpret, **config)), None
     (_, x), _ = jax.lax.scan(body, (segments, q), jnp.arange(num_layers, dtype=jnp.int32))
     return x
   return jax.jit(step)
@@ -225,9 +226,9 @@ def check(settings: Settings, dense_config: dict) -> list[dict]:
   # A ragged valid length: the last key of each row is masked differently, so the bounds matter.
   lengths = jnp.asarray(np.linspace(1, seq_len, settings.batch).astype(np.int32))
   segments = ((segments[0][0], segments[0][1], jnp.arange(seq_len)[None, None, :] < lengths[:, None, None]),)
-  ref = decode_attention_reference(q, 1, None, segments, return_lse=True)
+  ref = decode_attention_reference(q, 1, (), segments, return_lse=True)
   for name, config in (("dense_tuned", dense_config), ("dense_default", {})):
-    out = decode_attention(q, jnp.int32(1), None, segments, return_lse=True, interpret=settings.interpret, **config)
+    out = decode_attention(q, jnp.int32(1), (), segments, return_lse=True, interpret=settings.interpret, **config)
     results.append(_check_record(name, seq_len, config, _errors(out, ref)))
   q, store, window = kivi_inputs(settings, seq_len, seed=1)
   out = decode_attention(q, jnp.int32(1), store, window, return_lse=True, interpret=settings.interpret)

@@ -99,7 +99,7 @@ SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_by
 
 
 def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool = False):
-  """Arguments (q, layer, store, segments) of decode_attention for a cache of capacity L.
+  """Arguments (q, layer, stores, segments) of decode_attention for a cache of capacity L.
 
   The store holds length = L - 128 tokens, then one 128-token bf16 residual segment (mask [B, 1, 128] all valid);
   every cache array is stacked over one layer ([1, B, Hkv, ...]) and layer = 0.
@@ -128,10 +128,10 @@ def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool
   stacked = lambda a: a[None]  # one layer: [1, B, Hkv, ...]
   store = QuantizedStore(*map(stacked, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)),
                          length=jnp.full((b,), length - RESIDUAL, jnp.int32), k_bits=bits, v_bits=bits,
-                         group_size=GROUP_SIZE)
+                         k_group=GROUP_SIZE, v_group=GROUP_SIZE)
   res_k, res_v = jax.random.normal(kr, (2, 1, b, h, RESIDUAL, d), shape.dtype)
   mask = jnp.ones((b, 1, RESIDUAL), jnp.bool_)
-  return (q, jnp.int32(0), store, ((res_k, res_v, mask),))
+  return (q, jnp.int32(0), (store,), ((res_k, res_v, mask),))
 
 
 def kivi_bytes(shape: Shape, bits: int) -> int:
@@ -142,13 +142,13 @@ def kivi_bytes(shape: Shape, bits: int) -> int:
 
 
 def jkv_dense_inputs(shape: Shape, seed: int):
-  """Arguments (q, layer, None, segments) of decode_attention: the bf16 cache of length L as one stacked segment
+  """Arguments (q, layer, (), segments) of decode_attention: the bf16 cache of length L as one stacked segment
   (k, v [1, B, Hkv, L, D], mask [B, 1, L] all valid), layer = 0."""
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
   kv_shape = (1, shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim)
   k, v = jax.random.normal(kk, kv_shape, shape.dtype), jax.random.normal(kv, kv_shape, shape.dtype)
-  return q, jnp.int32(0), None, ((k, v, jnp.ones((shape.batch, 1, shape.seq_len), jnp.bool_)),)
+  return q, jnp.int32(0), (), ((k, v, jnp.ones((shape.batch, 1, shape.seq_len), jnp.bool_)),)
 
 
 def dense_inputs(shape: Shape, seed: int):
@@ -217,8 +217,8 @@ def record(impl, batch, seq_len, median_us, bytes_read, device, *, config=None, 
 
 
 def fused(config: dict, interpret: bool):
-  """decode_attention under jit, called as fn(q, layer, store, segments); widths and G come with the store."""
-  return jax.jit(lambda q, layer, store, segments: decode_attention(q, layer, store, segments,
+  """decode_attention under jit, called as fn(q, layer, stores, segments); widths and G come with the stores."""
+  return jax.jit(lambda q, layer, stores, segments: decode_attention(q, layer, stores, segments,
                                                                     interpret=interpret, **config))
 
 
@@ -267,7 +267,7 @@ def attention_impls(device, settings: Settings, tuned: dict) -> dict:
   kivi = lambda bits: (lambda shape, seed: kivi_inputs(shape, bits, seed), lambda shape: kivi_bytes(shape, bits))
   dense = lambda implementation: jax.jit(
       lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
-  reference = jax.jit(lambda q, layer, store, segments: decode_attention_reference(q, layer, store, segments))
+  reference = jax.jit(lambda q, layer, stores, segments: decode_attention_reference(q, layer, stores, segments))
   impls = {
       "kivi2_fused": (*kivi(2), fused(tuned, settings.interpret), tuned),
       "kivi4_fused": (*kivi(4), fused(tuned, settings.interpret), tuned),

@@ -5,11 +5,14 @@ every method through the cache (``StepContext.impl``); nothing else looks at the
 """
 
 
+import dataclasses
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 
 from jkv_kernels import dequant_attention
-from jkv_kernels.dequant_attention import QuantizedStore  # noqa: F401  (re-exported for the methods)
+from jkv_kernels.dequant_attention import QuantizedStore  # re-exported for the methods
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
 from jkv_kernels.quantization import dequantize, unpack
 
@@ -118,9 +121,27 @@ def blockwise_partials(q, load, valid, num_keys, n_blocks: int, block: int, *, s
   return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
-def _segment_partials(q, layer, k, v, mask, num_keys):
-  """Partials over one full-precision segment: k, v [L, B, H, S, D] read at ``layer`` one block at a time, or
-  [B, H, S, D]; mask [B, T, S] or [B, H, T, S]."""
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """One source of keys for the XLA path, read ``block`` tokens at a time.
+
+  load: start -> (k, v), each [B, H, block, D] float32; valid: start -> [B, H or 1, T, block] bool;
+  bound: optional traced bound on the keys that can be valid (blocks past it are never visited).
+  """
+  load: Callable
+  valid: Callable
+  length: int
+  block: int
+  bound: Optional[jax.Array] = None
+
+  @property
+  def n_blocks(self) -> int:
+    return self.length // self.block
+
+
+def _segment_source(layer, k, v, mask, bound) -> _Source:
+  """One full-precision segment: k, v [L, B, H, S, D] read at ``layer``, or [B, H, S, D]; mask [B, T, S] or
+  [B, H, T, S]."""
   S = k.shape[-2]
   block = _block_size(S)
   mask = mask if mask.ndim == 4 else mask[:, None]
@@ -132,7 +153,7 @@ def _segment_partials(q, layer, k, v, mask, num_keys):
             _layer_block(v, layer, 2, start, block).astype(jnp.float32))
 
   valid = lambda start: jax.lax.dynamic_slice_in_dim(mask, start, block, axis=3)
-  return blockwise_partials(q, load, valid, num_keys, S // block, block)
+  return _Source(load, valid, S, block, bound)
 
 
 def _layer_block(x, layer, axis: int, start, size: int):
@@ -146,25 +167,50 @@ def _layer_block(x, layer, axis: int, start, size: int):
   return jax.lax.dynamic_slice(x, index, sizes)[0]
 
 
-def _store_partials(q, layer, store):
-  """Partials over a KIVI-layout quantized store, dequantized a block at a time from the stacked arrays."""
-  C = store.v_codes.shape[-2]
-  G, pk = store.group_size, 32 // store.k_bits
-  block = max(G, _block_size(C))
+def _store_source(layer, store: QuantizedStore) -> _Source:
+  """A quantized store, dequantized a block at a time from the stacked arrays (blocks cover whole key groups)."""
+  C = store.capacity
+  Gk, pk = store.k_group, 32 // store.k_bits
+  block = Gk * max(1, _block_size(C // Gk, largest=max(1, 512 // Gk)))
 
   def load(start):
-    groups = lambda x: _layer_block(x, layer, 3, start // G, block // G)
+    groups = lambda x: _layer_block(x, layer, 3, start // Gk, block // Gk)
     kc = unpack(_layer_block(store.k_codes, layer, 3, start // pk, block // pk), bits=store.k_bits, axis=3)
-    k = dequantize(kc, groups(store.k_scale), groups(store.k_zero), axis=3, group_size=G, dtype=jnp.float32)
+    k = dequantize(kc, groups(store.k_scale), groups(store.k_zero), axis=3, group_size=Gk, dtype=jnp.float32)
     rows = lambda x: _layer_block(x, layer, 2, start, block)
     vc = unpack(rows(store.v_codes), bits=store.v_bits, axis=3)
-    v = dequantize(vc, rows(store.v_scale), rows(store.v_zero), axis=3, group_size=G, dtype=jnp.float32)
+    v = dequantize(vc, rows(store.v_scale), rows(store.v_zero), axis=3, group_size=store.v_group,
+                   dtype=jnp.float32)
+    if store.v_channel_scale is not None:
+      v = v * store.v_channel_scale[layer].astype(jnp.float32)[:, :, None, :]
     return jnp.swapaxes(k, 2, 3), v
 
-  def valid(start):
-    return ((start + jnp.arange(block))[None] < store.length[:, None])[:, None, None, :]
+  valid = lambda start: store.slot_mask(layer, start, block)[:, :, None, :]
+  return _Source(load, valid, C, block, jnp.max(store.length))
 
-  return blockwise_partials(q, load, valid, jnp.max(store.length), C // block, block)
+
+def _partials(q, source: _Source):
+  return blockwise_partials(q, source.load, source.valid, source.bound, source.n_blocks, source.block)
+
+
+def _token_mass(q, source: _Source, lse, rows):
+  """[B, H, R, S]: the probability each key of ``source`` receives from query rows ``rows``, summed over the g
+  query heads of its KV head. A second pass over the source (the fused kernel gets it from its one pass)."""
+  B, H, T, g, D = q.shape
+  qf = q[:, :, rows].astype(jnp.float32) * D**-0.5  # [B, H, R, g, D]
+  lse_rows = lse[:, :, rows]  # [B, H, R, g]
+
+  def body(i, mass):
+    start = i * source.block
+    kb, _ = source.load(start)
+    ok = source.valid(start)
+    ok = jnp.broadcast_to(ok, (B, H, T, source.block))[:, :, rows][:, :, :, None, :]
+    s = jnp.einsum("bhtgd,bhsd->bhtgs", qf, kb, precision=jax.lax.Precision.HIGHEST)
+    p = jnp.where(ok, jnp.exp(s - lse_rows[..., None]), 0.0)
+    return jax.lax.dynamic_update_slice_in_dim(mass, jnp.sum(p, axis=3), start, axis=3)
+
+  mass = jnp.zeros((B, H, len(rows), source.length), jnp.float32)
+  return jax.lax.fori_loop(0, source.n_blocks, body, mass)
 
 
 def merge_partials(partials):
@@ -185,13 +231,15 @@ def merge_partials(partials):
   return o, jnp.where(empty, MASK_VALUE, m_all + jnp.log(jnp.where(empty, 1.0, l_all)))
 
 
-def decode_attention(q, layer, *, store=None, segments=(), impl: str, num_keys=None, return_lse: bool = False):
-  """Attention of q [B, H, T, g, D] over an optional quantized store and full-precision segments, one softmax.
+def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=None, return_lse: bool = False,
+                     token_mass_rows: tuple = ()):
+  """Attention of q [B, H, T, g, D] over quantized stores and full-precision segments, one softmax.
 
   Args:
     q: [B, H, T, g, D].
     layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
-    store: a ``QuantizedStore`` (KIVI layout, stacked; ``jkv_kernels.dequant_attention``) or None.
+    stores: ``QuantizedStore``s (KIVI layout, stacked, each with its own widths, groupings, holes and value
+      channel scale; ``jkv_kernels.dequant_attention``).
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
       mask [B, T, S] or [B, H, T, S] bool.
     impl: "pallas" or "interpret" (the fused kernel, which reads the stacked arrays in place) or "xla"
@@ -199,16 +247,23 @@ def decode_attention(q, layer, *, store=None, segments=(), impl: str, num_keys=N
     num_keys: optional traced bound on the keys of the first segment that can be valid (the XLA loop stops
       there; the kernel finds its bounds from the masks).
     return_lse: also return the log-sum-exp [B, H, T, g] f32 of every row (MASK_VALUE for a row with no key).
+    token_mass_rows: static query rows t: also return the probability each key receives from row t, summed over
+      the g query heads of its KV head (ZipCache's probes, SpeCache's speculative top-k).
 
   Returns:
-    o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), and lse with ``return_lse``.
+    o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), then lse with ``return_lse``, then with
+    ``token_mass_rows`` mass = ((per store [B, H, R, C]), (per segment [B, H, R, S])), R = len(token_mass_rows).
   """
+  stores, segments, rows = tuple(stores), tuple(segments), tuple(token_mass_rows)
   if impl != "xla":
-    return dequant_attention.decode_attention(q, layer, store, tuple(segments), return_lse=return_lse,
-                                              interpret=impl == "interpret")
-  partials = [] if store is None else [_store_partials(q, layer, store)]
-  partials += [_segment_partials(q, layer, k, v, mask, num_keys if i == 0 else None)
-               for i, (k, v, mask) in enumerate(segments)]
-  o, lse = merge_partials(partials)
-  o = o.astype(q.dtype)
-  return (o, lse) if return_lse else o
+    return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
+                                              token_mass_rows=rows, interpret=impl == "interpret")
+  store_sources = [_store_source(layer, store) for store in stores]
+  segment_sources = [_segment_source(layer, k, v, mask, num_keys if i == 0 else None)
+                     for i, (k, v, mask) in enumerate(segments)]
+  o, lse = merge_partials([_partials(q, source) for source in store_sources + segment_sources])
+  out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
+  if rows:
+    out += ((tuple(_token_mass(q, s, lse, rows) for s in store_sources),
+             tuple(_token_mass(q, s, lse, rows) for s in segment_sources)),)
+  return out if len(out) > 1 else out[0]

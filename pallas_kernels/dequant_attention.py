@@ -1,20 +1,23 @@
 """Fused decode attention over the stacked multi-layer cache, read in place (Pallas, Triton lowering).
 
-One softmax runs over every source of keys for the current layer (KIVI spec §2.6-2.7): an optional quantized
-store in the KIVI layout and any number of full-precision segments. Every cache array carries a leading layer
-axis L and is passed whole; the kernel reads layer ``layer`` (a traced int32 scalar) by pointer offset, so no
-layer slice is ever materialized by XLA. With no store, the same kernel is the dense decode kernel.
+One softmax runs over every source of keys for the current layer (KIVI spec §2.6-2.7): any number of quantized
+stores in the KIVI layout (each with its own widths and groupings, holes and value channel scales) and any number
+of full-precision segments. Every cache array carries a leading layer axis L and is passed whole; the kernel reads
+layer ``layer`` (a traced int32 scalar) by pointer offset, so no layer slice is ever materialized by XLA. With no
+store, the same kernel is the dense decode kernel.
 
-Layouts (C = capacity, G = group_size, Pk = 32 // k_bits, Pv = 32 // v_bits; T query positions, g query heads
-per KV head, so q has T*g rows per KV head):
+Layouts (C = capacity, Gk = k_group, Gv = v_group, Pk = 32 // k_bits, Pv = 32 // v_bits; T query positions, g
+query heads per KV head, so q has T*g rows per KV head):
 
     q        [B, Hkv, T, g, D]
-    store    QuantizedStore (or None):
-      k_codes [L, B, Hkv, D, C/Pk] uint32   keys per channel: groups of G tokens, codes packed along tokens
-      k_scale, k_zero [L, B, Hkv, D, C/G]
-      v_codes [L, B, Hkv, C, D/Pv] uint32   values per token: groups of G channels, codes packed along channels
-      v_scale, v_zero [L, B, Hkv, C, D/G]
-      length  [B] int32                     tokens [0, length[b]) are valid for every query row
+    stores   (QuantizedStore, ...):
+      k_codes [L, B, Hkv, D, C/Pk] uint32   keys per channel: groups of Gk tokens, codes packed along tokens
+      k_scale, k_zero [L, B, Hkv, D, C/Gk]
+      v_codes [L, B, Hkv, C, D/Pv] uint32   values per token: groups of Gv channels, codes packed along channels
+      v_scale, v_zero [L, B, Hkv, C, D/Gv]
+      length  [B] int32                     slots [0, length[b]) may be valid for every query row
+      valid   None, [L, B, Hkv, C] or [B, Hkv, C] bool: holes (False) inside [0, length)
+      v_channel_scale None or [L, B, Hkv, D]: each value channel multiplied after dequantization
     segments ((k, v, mask), ...)            full-precision tokens: KIVI's exact window, outlier pools, prefetched
                                             rows, or the whole dense cache. S may differ per segment.
       k, v  [L, B, Hkv, S, D] (stacked: read at ``layer``) or [B, Hkv, S, D] (a per-step segment)
@@ -79,25 +82,60 @@ def _next_power_of_2(n: int) -> int:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "length"],
-    meta_fields=["k_bits", "v_bits", "group_size"])
+    data_fields=["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "length", "valid",
+                 "v_channel_scale"],
+    meta_fields=["k_bits", "v_bits", "k_group", "v_group"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedStore:
-  """The KIVI-layout quantized part of the cache, every array stacked over layers (a pytree; widths static)."""
+  """One quantized part of the cache in the KIVI layout, every array stacked over layers (a pytree; widths and
+  groupings static). Keys are grouped per channel over ``k_group`` tokens, values per token over ``v_group``
+  channels; a method may pass several stores (ZipCache's high- and low-bit pools), each with its own widths.
+
+  ``valid`` marks holes: slot c of KV head h is attended iff c < length[b] and valid[..., b, h, c] (OTT's
+  outlier placeholders, SpeCache's rows attended from their fetched 16-bit copy, ZipCache's group tails).
+  ``v_channel_scale`` multiplies every dequantized value channel (ZipCache's channel-separable token-wise values:
+  v = (code * scale + zero) * v_channel_scale[d]).
+  """
   k_codes: jax.Array  # [L, B, Hkv, D, C/Pk] uint32, packed along tokens
-  k_scale: jax.Array  # [L, B, Hkv, D, C/G]
-  k_zero: jax.Array   # [L, B, Hkv, D, C/G]
+  k_scale: jax.Array  # [L, B, Hkv, D, C/k_group]
+  k_zero: jax.Array   # [L, B, Hkv, D, C/k_group]
   v_codes: jax.Array  # [L, B, Hkv, C, D/Pv] uint32, packed along channels
-  v_scale: jax.Array  # [L, B, Hkv, C, D/G]
-  v_zero: jax.Array   # [L, B, Hkv, C, D/G]
-  length: jax.Array   # [B] int32: tokens [0, length) are valid for every query row
+  v_scale: jax.Array  # [L, B, Hkv, C, D/v_group]
+  v_zero: jax.Array   # [L, B, Hkv, C, D/v_group]
+  length: jax.Array   # [B] int32: slots [0, length) may be valid
   k_bits: int
   v_bits: int
-  group_size: int
+  k_group: int        # tokens per key (scale, zero)
+  v_group: int        # channels per value (scale, zero)
+  valid: Optional[jax.Array] = None            # [L, B, Hkv, C] (stacked) or [B, Hkv, C] bool
+  v_channel_scale: Optional[jax.Array] = None  # [L, B, Hkv, D] float
 
   @property
   def capacity(self) -> int:
     return self.v_codes.shape[3]
+
+  def read_layer(self, layer, dtype=jnp.float32):
+    """Layer ``layer`` dequantized by plain indexing: keys, values [B, Hkv, C, D] and the mask [B, Hkv, C] of the
+    slots attended (length and holes). The reference's and the XLA path's one dequantization."""
+    at = lambda a: a[layer]
+    k = dequantize(unpack(at(self.k_codes), bits=self.k_bits, axis=3), at(self.k_scale), at(self.k_zero),
+                   axis=3, group_size=self.k_group, dtype=jnp.float32)
+    v = dequantize(unpack(at(self.v_codes), bits=self.v_bits, axis=3), at(self.v_scale), at(self.v_zero),
+                   axis=3, group_size=self.v_group, dtype=jnp.float32)
+    if self.v_channel_scale is not None:
+      v = v * at(self.v_channel_scale).astype(jnp.float32)[:, :, None, :]
+    return jnp.swapaxes(k, 2, 3).astype(dtype), v.astype(dtype), self.slot_mask(layer)
+
+  def slot_mask(self, layer, start=0, size=None):
+    """[B, Hkv, size] bool: slots [start, start + size) attended at ``layer`` (below ``length`` and not holes)."""
+    size = self.capacity if size is None else size
+    kv_heads = self.v_codes.shape[2]
+    mask = (start + jnp.arange(size))[None, None, :] < self.length[:, None, None]
+    mask = jnp.broadcast_to(mask, (self.length.shape[0], kv_heads, size))
+    if self.valid is not None:
+      valid = self.valid[layer] if self.valid.ndim == 4 else self.valid
+      mask = mask & jax.lax.dynamic_slice_in_dim(valid, start, size, axis=2)
+    return mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +333,7 @@ def _decode_attention_partials(
     in_specs += [whole_layers(a, *a.shape[3:]) for a in  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
                  (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero)]
     arrays += [store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero]
-    name += (f"_store_{store.k_bits}x{store.v_bits}bit_G{store.group_size}_bk{store_source.block}"
+    name += (f"_store_{store.k_bits}x{store.v_bits}bit_G{store.k_group}_bk{store_source.block}"
              f"_ks{store_source.splits}")
   for (k, v, mask), source in zip(segments, segment_sources):
     # The token axis of a block is rounded up to whole blocks: loads past S are masked (``ragged``).
@@ -329,7 +367,7 @@ def _decode_attention_partials(
       _decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale,
       store=store_source if store is not None else None,
       k_bits=store.k_bits if store is not None else 0, v_bits=store.v_bits if store is not None else 0,
-      group_size=store.group_size if store is not None else 0, segments=tuple(segment_sources),
+      group_size=store.k_group if store is not None else 0, segments=tuple(segment_sources),
       mass_rows=mass_rows)
   return pl.pallas_call(
       kernel,
@@ -356,49 +394,65 @@ def _split_plan(length: int, block: int, splits: int, first: int, **kw) -> _Sour
   return _Source(first=first, splits=splits, block=block, blocks_per_split=blocks_per_split, length=length, **kw)
 
 
-def _check_inputs(q, layer, store, segments, *, allowed_bits, mass_rows):
+def _check_store(index, store, q, allowed_bits):
+  batch, kv_heads, _, _, head_dim = q.shape
+  name = f"stores[{index}]"
+  check_bits(store.k_bits, allowed_bits)
+  check_bits(store.v_bits, allowed_bits)
+  if store.v_codes.ndim != 5:
+    raise ValueError(f"{name}.v_codes must be [L, B, Hkv, C, D/Pv], got shape {store.v_codes.shape}")
+  num_layers, capacity = store.v_codes.shape[0], store.v_codes.shape[3]
+  pk, pv, kg, vg = 32 // store.k_bits, 32 // store.v_bits, store.k_group, store.v_group
+  if kg < 1 or capacity % kg or kg % pk:
+    raise ValueError(f"{name}: k_group {kg} must divide the capacity {capacity} and be a multiple of the {pk} key "
+                     f"codes per word")
+  if vg < 1 or head_dim % vg or vg % pv:
+    raise ValueError(f"{name}: v_group {vg} must divide head_dim {head_dim} and be a multiple of the {pv} value "
+                     f"codes per word")
+  lead = (num_layers, batch, kv_heads)
+  expected = {
+      "k_codes": (store.k_codes, (*lead, head_dim, capacity // pk)),
+      "k_scale": (store.k_scale, (*lead, head_dim, capacity // kg)),
+      "k_zero": (store.k_zero, (*lead, head_dim, capacity // kg)),
+      "v_codes": (store.v_codes, (*lead, capacity, head_dim // pv)),
+      "v_scale": (store.v_scale, (*lead, capacity, head_dim // vg)),
+      "v_zero": (store.v_zero, (*lead, capacity, head_dim // vg)),
+      "length": (store.length, (batch,)),
+  }
+  if store.v_channel_scale is not None:
+    expected["v_channel_scale"] = (store.v_channel_scale, (*lead, head_dim))
+  for field, (array, shape) in expected.items():
+    if array.shape != shape:
+      raise ValueError(f"{name}.{field} has shape {array.shape}, expected {shape} for q {q.shape}, v_codes "
+                       f"{store.v_codes.shape}, k_bits={store.k_bits}, v_bits={store.v_bits}, k_group={kg}, "
+                       f"v_group={vg}")
+  for field in ("k_codes", "v_codes"):
+    if expected[field][0].dtype != jnp.uint32:
+      raise ValueError(f"{name}.{field} must be uint32, got {expected[field][0].dtype}")
+  if store.length.dtype != jnp.int32:
+    raise ValueError(f"{name}.length must be int32, got {store.length.dtype}")
+  if store.valid is not None and (store.valid.dtype != jnp.bool_ or store.valid.shape not in (
+      (*lead, capacity), (batch, kv_heads, capacity))):
+    raise ValueError(f"{name}.valid {store.valid.shape} {store.valid.dtype} must be bool [L, B, Hkv, C] = "
+                     f"{[*lead, capacity]} or [B, Hkv, C]")
+
+
+def _check_inputs(q, layer, stores, segments, *, allowed_bits, mass_rows):
   """Raises ValueError naming the shapes that disagree with the layouts in the module docstring."""
   if q.ndim != 5:
     raise ValueError(f"q must be [B, Hkv, T, g, D], got shape {q.shape}")
   batch, kv_heads, t_rows, _, head_dim = q.shape
   if layer is not None and (jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
     raise ValueError(f"layer must be an integer scalar, got {jnp.shape(layer)} {jnp.result_type(layer)}")
-  if store is None and not segments:
+  if not isinstance(stores, (tuple, list)) or not all(isinstance(s, QuantizedStore) for s in stores):
+    raise ValueError("stores must be a tuple of QuantizedStore")
+  if not stores and not segments:
     raise ValueError("decode_attention needs a store or at least one segment")
   for t in mass_rows:
     if not 0 <= t < t_rows:
       raise ValueError(f"token_mass_rows {mass_rows} must be query positions in [0, {t_rows})")
-  if store is not None:
-    check_bits(store.k_bits, allowed_bits)
-    check_bits(store.v_bits, allowed_bits)
-    group_size = store.group_size
-    if store.v_codes.ndim != 5:
-      raise ValueError(f"v_codes must be [L, B, Hkv, C, D/Pv], got shape {store.v_codes.shape}")
-    num_layers, capacity = store.v_codes.shape[0], store.v_codes.shape[3]
-    if head_dim % group_size or capacity % group_size:
-      raise ValueError(f"group_size {group_size} must divide head_dim {head_dim} and capacity {capacity}")
-    pk, pv = 32 // store.k_bits, 32 // store.v_bits
-    if group_size % pk or group_size % pv:
-      raise ValueError(f"group_size {group_size} must be a multiple of the codes per word ({pk} keys, {pv} values)")
-    lead = (num_layers, batch, kv_heads)
-    expected = {
-        "k_codes": (store.k_codes, (*lead, head_dim, capacity // pk)),
-        "k_scale": (store.k_scale, (*lead, head_dim, capacity // group_size)),
-        "k_zero": (store.k_zero, (*lead, head_dim, capacity // group_size)),
-        "v_codes": (store.v_codes, (*lead, capacity, head_dim // pv)),
-        "v_scale": (store.v_scale, (*lead, capacity, head_dim // group_size)),
-        "v_zero": (store.v_zero, (*lead, capacity, head_dim // group_size)),
-        "length": (store.length, (batch,)),
-    }
-    for name, (array, shape) in expected.items():
-      if array.shape != shape:
-        raise ValueError(f"store.{name} has shape {array.shape}, expected {shape} for q {q.shape}, v_codes "
-                         f"{store.v_codes.shape}, k_bits={store.k_bits}, v_bits={store.v_bits}, {group_size=}")
-    for name in ("k_codes", "v_codes"):
-      if expected[name][0].dtype != jnp.uint32:
-        raise ValueError(f"store.{name} must be uint32, got {expected[name][0].dtype}")
-    if store.length.dtype != jnp.int32:
-      raise ValueError(f"store.length must be int32, got {store.length.dtype}")
+  for index, store in enumerate(stores):
+    _check_store(index, store, q, allowed_bits)
   for index, segment in enumerate(segments):
     if len(segment) != 3:
       raise ValueError(f"segment {index} must be (k, v, mask), got {len(segment)} arrays")
@@ -413,8 +467,22 @@ def _check_inputs(q, layer, store, segments, *, allowed_bits, mass_rows):
                        f"[{batch}, {t_rows}, {seg_len}] or [B, Hkv, T, S]")
 
 
-def _num_layers(store, segments):
-  stacked = [store.k_codes.shape[0]] if store is not None else []
+def _check_kernel_supports(stores):
+  """The Pallas kernel's current reach (the reference and the XLA path take every store)."""
+  if len(stores) > 1:
+    raise ValueError(f"the Pallas kernel reads at most one quantized store, got {len(stores)}; use impl='xla'")
+  for store in stores:
+    unsupported = [name for name, present in (
+        ("holes (valid)", store.valid is not None), ("v_channel_scale", store.v_channel_scale is not None),
+        (f"k_group {store.k_group} != v_group {store.v_group}", store.k_group != store.v_group),
+        (f"{min(store.k_bits, store.v_bits)}-bit codes", min(store.k_bits, store.v_bits) not in KERNEL_BITS))
+                   if present]
+    if unsupported:
+      raise ValueError(f"the Pallas kernel does not support {', '.join(unsupported)} yet; use impl='xla'")
+
+
+def _num_layers(stores, segments):
+  stacked = [store.k_codes.shape[0] for store in stores]
   stacked += [k.shape[0] for k, _, _ in segments if k.ndim == 5]
   if len(set(stacked)) > 1:
     raise ValueError(f"stacked arrays disagree on the number of layers: {stacked}")
@@ -446,7 +514,7 @@ def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
 def decode_attention(
     q,              # [B, Hkv, T, g, D]
     layer,          # int32 scalar (traced); None when nothing is stacked
-    store: Optional[QuantizedStore] = None,
+    stores: tuple[QuantizedStore, ...] = (),
     segments=(),    # ((k [L, B, Hkv, S, D] or [B, Hkv, S, D], v (same), mask [B, T, S] or [B, Hkv, T, S] bool), ...)
     *,
     sm_scale: Optional[float] = None,
@@ -462,13 +530,13 @@ def decode_attention(
 ):
   """Softmax attention of T query rows per sequence over layer ``layer`` of a stacked cache, in one pass.
 
-  Layouts are in the module docstring. ``layer`` is clamped to [0, L). The store is optional (dense decoding
+  Layouts are in the module docstring. ``layer`` is clamped to [0, L). Stores are optional (dense decoding
   passes segments only); so are segments.
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key); with ``return_lse`` also lse [B, Hkv, T, g]
     float32 (MASK_VALUE for a row with no valid key); with ``token_mass_rows`` (a static tuple of query
-    positions t) also the token mass ``(store_mass [B, Hkv, R, C] or None, (segment_mass [B, Hkv, R, S], ...))``,
+    positions t) also the token mass ``((store_mass [B, Hkv, R, C], ...), (segment_mass [B, Hkv, R, S], ...))``,
     R = len(token_mass_rows): the probability each key receives from row t, summed over the g query heads
     (0 for keys no row may see). In that order: ``o``, ``(o, lse)``, ``(o, mass)`` or ``(o, lse, mass)``.
 
@@ -483,7 +551,10 @@ def decode_attention(
     interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
   mass_rows = tuple(token_mass_rows)
-  _check_inputs(q, layer, store, segments, allowed_bits=KERNEL_BITS, mass_rows=mass_rows)
+  stores = tuple(stores)
+  _check_inputs(q, layer, stores, segments, allowed_bits=BITS, mass_rows=mass_rows)
+  _check_kernel_supports(stores)
+  store = stores[0] if stores else None
   batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
   # The Triton lowering needs power-of-two tiles, and dots need both dims >= 16.
   if head_dim != _next_power_of_2(head_dim) or head_dim < 16:
@@ -491,12 +562,12 @@ def decode_attention(
   if block_s != _next_power_of_2(block_s) or block_s < 16:
     raise ValueError(f"block_s {block_s} must be a power of two >= 16")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-  num_layers = _num_layers(store, segments)
+  num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
 
   bounds, store_source, first = [], None, 0
   if store is not None:
-    group_size, capacity = store.group_size, store.capacity
+    group_size, capacity = store.k_group, store.capacity
     if group_size != _next_power_of_2(group_size) or group_size < 16:
       raise ValueError(f"group_size {group_size} must be a power of two >= 16 for the Pallas kernel")
     block_k = min(block_k, capacity & -capacity)  # the largest power of two dividing the capacity
@@ -541,11 +612,9 @@ def decode_attention(
 
   mass = None
   if mass_rows:
-    store_mass = None
-    if store is not None:
-      valid = jnp.arange(store.capacity)[None, None, None, :] < store.length[:, None, None, None]  # [B, 1, 1, C]
-      store_mass = _token_mass(logits.pop(0), lse, jnp.broadcast_to(valid, (batch, 1, t_rows, store.capacity)),
-                               q_per_kv, mass_rows, from_logits=True)
+    store_mass = tuple(
+        _token_mass(logits.pop(0), lse, jnp.broadcast_to(s.slot_mask(layer[0])[:, :, None], (
+            batch, kv_heads, t_rows, s.capacity)), q_per_kv, mass_rows, from_logits=True) for s in stores)
     segment_mass = tuple(
         _token_mass(seg_logits, lse, mask if mask.ndim == 4 else mask[:, None], q_per_kv, mass_rows, True)
         for seg_logits, (_, _, mask) in zip(logits, segments))
@@ -555,31 +624,27 @@ def decode_attention(
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "token_mass_rows"])
 def decode_attention_reference(
-    q, layer, store: Optional[QuantizedStore] = None, segments=(), *, sm_scale: Optional[float] = None,
+    q, layer, stores: tuple[QuantizedStore, ...] = (), segments=(), *, sm_scale: Optional[float] = None,
     return_lse: bool = False, token_mass_rows: tuple[int, ...] = (),
 ):
   """``decode_attention`` in plain jnp and fp32 (same arguments, no tunables; same results).
 
-  Reads layer ``layer`` of the stacked arrays by plain indexing (XLA may copy it), dequantizes the store, appends
-  the segments and runs one masked softmax. Also the XLA path for GPUs without Pallas support (compute capability
-  < 8.0). Accepts 1-bit codes too.
+  Reads layer ``layer`` of the stacked arrays by plain indexing (XLA may copy it), dequantizes every store
+  (``QuantizedStore.read_layer``), appends the segments and runs one masked softmax. Takes every store the API
+  describes (any widths, groupings, holes, channel scales).
   """
   mass_rows = tuple(token_mass_rows)
-  _check_inputs(q, layer, store, segments, allowed_bits=BITS, mass_rows=mass_rows)
+  stores = tuple(stores)
+  _check_inputs(q, layer, stores, segments, allowed_bits=BITS, mass_rows=mass_rows)
   batch, kv_heads, t_rows, q_per_kv, _ = q.shape
-  num_layers = _num_layers(store, segments)
+  num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1)
   ks, vs, masks = [], [], []
-  if store is not None:
-    at = lambda a: a[layer]
-    k = dequantize(unpack(at(store.k_codes), bits=store.k_bits, axis=3), at(store.k_scale), at(store.k_zero),
-                   axis=3, group_size=store.group_size, dtype=jnp.float32)
-    v = dequantize(unpack(at(store.v_codes), bits=store.v_bits, axis=3), at(store.v_scale), at(store.v_zero),
-                   axis=3, group_size=store.group_size, dtype=jnp.float32)
-    ks.append(jnp.swapaxes(k, 2, 3))
+  for store in stores:
+    k, v, slots = store.read_layer(layer)
+    ks.append(k)
     vs.append(v)
-    valid = jnp.arange(store.capacity)[None, None, None, :] < store.length[:, None, None, None]
-    masks.append(jnp.broadcast_to(valid, (batch, kv_heads, t_rows, store.capacity)))
+    masks.append(jnp.broadcast_to(slots[:, :, None], (batch, kv_heads, t_rows, store.capacity)))
   for k, v, mask in segments:
     if k.ndim == 5:
       k, v = k[layer], v[layer]
@@ -587,9 +652,11 @@ def decode_attention_reference(
     vs.append(v.astype(jnp.float32))
     masks.append(jnp.broadcast_to(mask if mask.ndim == 4 else mask[:, None], (batch, kv_heads, *mask.shape[-2:])))
   mask = jnp.concatenate(masks, axis=-1)  # [B, Hkv, T, S_all]
-  # Slots that no query row of the head attends may hold garbage (even NaN); keep it out of p·V.
-  v = jnp.where(jnp.any(mask, axis=2)[..., None], jnp.concatenate(vs, axis=2), 0.0)
-  p, lse = gqa_attention_probs(q, jnp.concatenate(ks, axis=2), mask, sm_scale=sm_scale)
+  # Slots that no query row of the head attends may hold garbage (even NaN); keep it out of q·K and p·V.
+  seen = jnp.any(mask, axis=2)[..., None]
+  k = jnp.where(seen, jnp.concatenate(ks, axis=2), 0.0)
+  v = jnp.where(seen, jnp.concatenate(vs, axis=2), 0.0)
+  p, lse = gqa_attention_probs(q, k, mask, sm_scale=sm_scale)
   o = jnp.einsum("bhtgs,bhsd->bhtgd", p, v, precision=lax.Precision.HIGHEST).astype(q.dtype)
 
   mass = None
@@ -599,5 +666,5 @@ def decode_attention_reference(
       length = piece_mask.shape[-1]
       pieces.append(_token_mass(p[..., offset:offset + length], lse, piece_mask, q_per_kv, mass_rows, False))
       offset += length
-    mass = (pieces.pop(0) if store is not None else None, tuple(pieces))
+    mass = (tuple(pieces[:len(stores)]), tuple(pieces[len(stores):]))
   return _results(o, lse, mass, return_lse=return_lse, mass_rows=mass_rows)

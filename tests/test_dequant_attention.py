@@ -122,7 +122,7 @@ def _make_store(rng, case: Case, layer: int, kv_heads: int):
   k_scale = jnp.where(other | key_groups, jnp.nan, k_scale).astype(k_scale.dtype)
   v_scale = jnp.where(other | value_rows, jnp.nan, v_scale).astype(v_scale.dtype)
   return QuantizedStore(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.asarray(case.lengths, jnp.int32),
-                        k_bits=case.bits, v_bits=v_bits, group_size=case.group_size)
+                        k_bits=case.bits, v_bits=v_bits, k_group=case.group_size, v_group=case.group_size)
 
 
 def _make_segment(rng, case: Case, seg: Seg, layer: int, kv_heads: int):
@@ -146,13 +146,13 @@ def _make_segment(rng, case: Case, seg: Seg, layer: int, kv_heads: int):
 
 
 def make_inputs(case: Case, layer: int, seed: int = 0):
-  """(q, store or None, segments) with every layer but ``layer`` poisoned."""
+  """(q, stores, segments) with every layer but ``layer`` poisoned (stores: one store, or none for dense)."""
   rng = np.random.default_rng(seed)
   kv_heads = 2
   q = jnp.asarray(rng.normal(size=(case.batch, kv_heads, case.t_rows, case.q_per_kv, case.head_dim)), case.dtype)
-  store = _make_store(rng, case, layer, kv_heads) if case.bits else None
+  stores = (_make_store(rng, case, layer, kv_heads),) if case.bits else ()
   segments = tuple(_make_segment(rng, case, seg, layer, kv_heads) for seg in case.segments)
-  return q, store, segments
+  return q, stores, segments
 
 
 def _relative_errors(out, ref):
@@ -170,8 +170,8 @@ def _assert_close(out, ref, dtype, what):
 class TestDecodeAttentionInterpret:
   INTERPRET = True
 
-  def _run(self, q, layer, store, segments, case: Case, **kwargs):
-    return decode_attention(q, layer, store, segments, block_k=case.block_k, k_splits=case.k_splits,
+  def _run(self, q, layer, stores, segments, case: Case, **kwargs):
+    return decode_attention(q, layer, stores, segments, block_k=case.block_k, k_splits=case.k_splits,
                             block_s=case.block_s, s_splits=case.s_splits, interpret=self.INTERPRET, **kwargs)
 
   @pytest.mark.parametrize("case", CASES, ids=str)
@@ -179,9 +179,9 @@ class TestDecodeAttentionInterpret:
     """o and lse (and the token mass where asked for) at every layer index; the layer is traced: one compile."""
     stats = dict(return_lse=True, token_mass_rows=case.mass_rows)
     for layer in range(case.num_layers):
-      q, store, segments = make_inputs(case, layer, seed=layer)
-      out = self._run(q, jnp.int32(layer), store, segments, case, **stats)
-      ref = decode_attention_reference(q, jnp.int32(layer), store, segments, **stats)
+      q, stores, segments = make_inputs(case, layer, seed=layer)
+      out = self._run(q, jnp.int32(layer), stores, segments, case, **stats)
+      ref = decode_attention_reference(q, jnp.int32(layer), stores, segments, **stats)
       (o, lse, *mass), (ref_o, ref_lse, *ref_mass) = out, ref
       assert o.shape == q.shape and o.dtype == case.dtype and lse.shape == q.shape[:-1]
       assert np.all(np.isfinite(np.asarray(ref_o, np.float32)))
@@ -189,11 +189,8 @@ class TestDecodeAttentionInterpret:
       np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=TOLERANCE[case.dtype][2], err_msg=f"lse {layer}")
       if case.mass_rows:
         (store_mass, segment_mass), (ref_store_mass, ref_segment_mass) = mass[0], ref_mass[0]
-        pairs = list(zip(segment_mass, ref_segment_mass))
-        if store is not None:
-          pairs.append((store_mass, ref_store_mass))
-        else:
-          assert store_mass is None and ref_store_mass is None
+        assert len(store_mass) == len(ref_store_mass) == len(stores)
+        pairs = list(zip(segment_mass, ref_segment_mass)) + list(zip(store_mass, ref_store_mass))
         for got, want in pairs:
           assert got.shape == want.shape == (*q.shape[:2], len(case.mass_rows), want.shape[-1])
           _assert_close(got, want, case.dtype, f"token mass at layer {layer}")
@@ -206,10 +203,10 @@ class TestDecodeAttentionInterpret:
     """k_bits != v_bits; rows with no valid key anywhere (store length 0, segment masked) return exactly 0, with
     lse = MASK_VALUE; a dense-only call where a whole batch row is masked does the same."""
     case = Case(4, 1, 64, 4, 2, (0, 77), (Seg(16, stacked=False),), v_bits=2, block_k=64)
-    q, store, ((seg_k, seg_v, mask),) = make_inputs(case, 0)
+    q, stores, ((seg_k, seg_v, mask),) = make_inputs(case, 0)
     mask = mask.at[0, 1].set(False)  # batch row 0, query position 1: nothing to attend
     seg_k = seg_k.at[0].set(jnp.where(mask[0].any(0)[None, :, None], seg_k[0], jnp.nan))
-    args = (q, jnp.int32(0), store, ((seg_k, seg_v, mask),))
+    args = (q, jnp.int32(0), stores, ((seg_k, seg_v, mask),))
     o, lse = decode_attention(*args, return_lse=True, block_k=64, k_splits=2, interpret=self.INTERPRET)
     ref_o, ref_lse = decode_attention_reference(*args, return_lse=True)
     np.testing.assert_array_equal(np.asarray(o[0, :, 1]), 0.0)
@@ -219,7 +216,7 @@ class TestDecodeAttentionInterpret:
 
     dense = Case(None, 3, 64, 2, 1, segments=(Seg(64, valid=(0, 5)),))
     q, _, segments = make_inputs(dense, 2)
-    o, lse = decode_attention(q, jnp.int32(2), None, segments, return_lse=True, interpret=self.INTERPRET)
+    o, lse = decode_attention(q, jnp.int32(2), (), segments, return_lse=True, interpret=self.INTERPRET)
     np.testing.assert_array_equal(np.asarray(o[0]), 0.0)
     np.testing.assert_array_equal(np.asarray(lse[0]), np.float32(MASK_VALUE))
     assert np.all(np.asarray(lse[1]) > -1e3)
@@ -236,20 +233,21 @@ def _abstract_inputs(*, bits, dtype, num_layers, batch, kv_heads, t_rows, q_per_
   masks), plus one per-step segment of 129 tokens (ragged)."""
   spec = jax.ShapeDtypeStruct
   lead = (num_layers, batch, kv_heads)
-  store = None
+  stores = ()
   if bits:
     per_word = 32 // bits
     k_meta = spec((*lead, head_dim, capacity // group_size), jnp.float16)
     v_meta = spec((*lead, capacity, head_dim // group_size), jnp.float16)
-    store = QuantizedStore(spec((*lead, head_dim, capacity // per_word), jnp.uint32), k_meta, k_meta,
-                           spec((*lead, capacity, head_dim // per_word), jnp.uint32), v_meta, v_meta,
-                           spec((batch,), jnp.int32), k_bits=bits, v_bits=bits, group_size=group_size)
+    stores = (QuantizedStore(spec((*lead, head_dim, capacity // per_word), jnp.uint32), k_meta, k_meta,
+                             spec((*lead, capacity, head_dim // per_word), jnp.uint32), v_meta, v_meta,
+                             spec((batch,), jnp.int32), k_bits=bits, v_bits=bits, k_group=group_size,
+                             v_group=group_size),)
   segments = tuple((spec((*lead, s, head_dim), dtype), spec((*lead, s, head_dim), dtype),
                     spec((batch, kv_heads, t_rows, s), jnp.bool_)) for s in segment_lens)
   segments += ((spec((batch, kv_heads, 129, head_dim), dtype), spec((batch, kv_heads, 129, head_dim), dtype),
                 spec((batch, t_rows, 129), jnp.bool_)),)
   q = spec((batch, kv_heads, t_rows, q_per_kv, head_dim), dtype)
-  return q, spec((), jnp.int32), store, segments
+  return q, spec((), jnp.int32), stores, segments
 
 
 def _assert_passed_whole(text, lead):
@@ -318,19 +316,20 @@ def test_scan_over_layers_reads_the_carry_in_place():
   with the layer index. The lowered CUDA program never slices, gathers or copies the stacked arrays: they reach
   the Triton call as the loop's carried buffers."""
   num_layers, batch, kv_heads, capacity, head_dim = 4, 2, 8, 2048, 128
-  q, _, store, segments = _abstract_inputs(bits=2, dtype=jnp.bfloat16, num_layers=num_layers, batch=batch,
+  q, _, stores, segments = _abstract_inputs(bits=2, dtype=jnp.bfloat16, num_layers=num_layers, batch=batch,
                                            kv_heads=kv_heads, t_rows=1, q_per_kv=4, head_dim=head_dim,
                                            capacity=capacity, segment_lens=(capacity,))
 
-  def step(q, store, segments):
+  def step(q, stores, segments):
     def layer_body(carry, layer):
-      store, segments, x = carry
-      o = decode_attention(x, layer, store, segments)
-      return (store, segments, o), None
-    (store, segments, x), _ = jax.lax.scan(layer_body, (store, segments, q), jnp.arange(num_layers, dtype=jnp.int32))
+      stores, segments, x = carry
+      o = decode_attention(x, layer, stores, segments)
+      return (stores, segments, o), None
+    (stores, segments, x), _ = jax.lax.scan(layer_body, (stores, segments, q),
+                                            jnp.arange(num_layers, dtype=jnp.int32))
     return x
 
-  text = jax.jit(step).trace(q, store, segments).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(step).trace(q, stores, segments).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.while" in text and "triton" in text
   _assert_passed_whole(text, (num_layers, batch, kv_heads))
 
@@ -339,8 +338,8 @@ def test_reference_matches_brute_force():
   """The reference against float64 numpy at layer 1 of 2: unpack bit by bit, dequantize, loop over heads and
   rows; a stacked segment with a per-head mask and a per-step segment."""
   case = Case(2, 2, 64, 3, 2, (45, 96), (Seg(7, per_head=True), Seg(5, stacked=False)), capacity=96)
-  q, store, segments = make_inputs(case, layer=1)
-  ref, lse = decode_attention_reference(q, jnp.int32(1), store, segments, return_lse=True)
+  q, (store,), segments = make_inputs(case, layer=1)
+  ref, lse = decode_attention_reference(q, jnp.int32(1), (store,), segments, return_lse=True)
   ref, lse = np.asarray(ref, np.float64), np.asarray(lse, np.float64)
   q = np.asarray(q, np.float64)
   k_scale, k_zero, v_scale, v_zero = (np.asarray(a[1], np.float64) for a in (store.k_scale, store.k_zero,
@@ -375,30 +374,35 @@ def test_reference_token_mass_and_one_bit():
   """The reference's token mass is the softmax column sums of the chosen rows over the g heads; 1-bit codes
   (SpeCache's width) are accepted by the reference, refused by the kernel."""
   case = Case(1, 1, 64, 4, 3, (64, 10), (Seg(9, stacked=False),), capacity=64)
-  q, store, segments = make_inputs(case, 0)
-  o, lse, (store_mass, (seg_mass,)) = decode_attention_reference(q, 0, store, segments, return_lse=True,
-                                                                 token_mass_rows=(2, 0))
+  q, stores, segments = make_inputs(case, 0)
+  o, lse, ((store_mass,), (seg_mass,)) = decode_attention_reference(q, 0, stores, segments, return_lse=True,
+                                                                    token_mass_rows=(2, 0))
   assert store_mass.shape == (2, 2, 2, 64) and seg_mass.shape == (2, 2, 2, 9)
   np.testing.assert_allclose(np.asarray(store_mass).sum(-1) + np.asarray(seg_mass).sum(-1), 4.0, rtol=1e-5)
   assert np.all(np.asarray(store_mass)[1, :, :, 10:] == 0)  # past length
   seg_visible = np.asarray(segments[0][2])[:, [2, 0]]  # [B, R, S]
   assert np.all(np.asarray(seg_mass)[~np.broadcast_to(seg_visible[:, None], seg_mass.shape)] == 0)
-  with pytest.raises(ValueError, match=r"bits must be one of \(2, 4, 8\)"):
-    decode_attention(q, 0, store, segments, interpret=True)
+  with pytest.raises(ValueError, match="the Pallas kernel does not support 1-bit codes yet"):
+    decode_attention(q, 0, stores, segments, interpret=True)
 
 
 def test_bad_arguments_raise():
   case = Case(2, 3, 64, 4, 1, (10, 20), (Seg(8),))
-  q, store, segments = make_inputs(case, 0)
+  q, (store,), segments = make_inputs(case, 0)
   (k, v, mask), = segments
-  call = lambda q=q, store=store, segments=segments, **kw: decode_attention(q, jnp.int32(0), store, segments,
-                                                                            interpret=True, **kw)
-  with pytest.raises(ValueError, match=r"store.k_codes has shape \(3, 2, 2, 64, 8\), expected \(3, 2, 2, 64, 16\)"):
-    call(store=dataclasses.replace(store, k_codes=store.k_codes[..., :8]))
-  with pytest.raises(ValueError, match="store.v_scale has shape"):
-    call(store=dataclasses.replace(store, v_scale=store.v_scale[:, :, :, :128]))
-  with pytest.raises(ValueError, match="store.length must be int32"):
-    call(store=dataclasses.replace(store, length=store.length.astype(jnp.float32)))
+  call = lambda q=q, stores=(store,), segments=segments, **kw: decode_attention(q, jnp.int32(0), stores, segments,
+                                                                                interpret=True, **kw)
+  with pytest.raises(ValueError, match=r"stores\[0\].k_codes has shape \(3, 2, 2, 64, 8\), expected "
+                                       r"\(3, 2, 2, 64, 16\)"):
+    call(stores=(dataclasses.replace(store, k_codes=store.k_codes[..., :8]),))
+  with pytest.raises(ValueError, match=r"stores\[0\].v_scale has shape"):
+    call(stores=(dataclasses.replace(store, v_scale=store.v_scale[:, :, :, :128]),))
+  with pytest.raises(ValueError, match=r"stores\[0\].length must be int32"):
+    call(stores=(dataclasses.replace(store, length=store.length.astype(jnp.float32)),))
+  with pytest.raises(ValueError, match="k_group 48 must divide the capacity"):
+    call(stores=(dataclasses.replace(store, k_group=48),))
+  with pytest.raises(ValueError, match=r"stores\[0\].valid"):
+    call(stores=(dataclasses.replace(store, valid=jnp.ones((2, 2, 7), bool)),))
   with pytest.raises(ValueError, match="segment 0: mask"):
     call(segments=((k, v, mask[:, :, :4]),))
   with pytest.raises(ValueError, match="segment 0: k"):
@@ -406,8 +410,8 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="disagree on the number of layers"):
     call(segments=((k[:2], v[:2], mask),))
   with pytest.raises(ValueError, match="needs a store or at least one segment"):
-    call(store=None, segments=())
+    call(stores=(), segments=())
   with pytest.raises(ValueError, match="token_mass_rows"):
     call(token_mass_rows=(1,))
   with pytest.raises(ValueError, match="layer must be an integer scalar"):
-    decode_attention(q, jnp.zeros(2, jnp.int32), store, segments, interpret=True)
+    decode_attention(q, jnp.zeros(2, jnp.int32), (store,), segments, interpret=True)

@@ -221,24 +221,39 @@ def test_largest_batch_fits_and_one_more_does_not():
 
 # ------------------------------------------------------------------------------------------------- xla path
 
-@pytest.mark.parametrize("with_store", [False, True])
-def test_xla_decode_attention_equals_the_reference(with_store):
-  """The blockwise XLA path (store dequantized a block at a time, stacked segments read a block at a time) against
-  the kernel module's plain reference, outputs and lse, reading layer 1 of 3 with the other layers NaN."""
-  from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
+def _random_store(rng, L, B, H, C, D, *, k_bits, v_bits, k_group, v_group, lengths, holes=None,
+                  channel_scale=False):
+  """A stacked store quantized with the project's quantizer from random K/V, layers 0 and 2 poisoned (NaN)."""
+  from jkv_kernels.dequant_attention import QuantizedStore
   from jkv_kernels.quantization import pack, quantize
-  rng = np.random.default_rng(4)
-  L, B, H, T, g, D, C, S, G = 3, 2, 2, 2, 3, 64, 256, 40, 32
-  poison = lambda x: x.at[jnp.asarray([0, 2])].set(jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  poison = lambda x: x.at[jnp.asarray([0, 2])].set(jnp.nan)
+  k = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
+  kc, ks, kz = quantize(jnp.swapaxes(k, 3, 4), bits=k_bits, axis=4, group_size=k_group)
+  vc, vs, vz = quantize(v, bits=v_bits, axis=4, group_size=v_group)
+  scale = poison(jnp.asarray(rng.uniform(0.5, 3.0, size=(L, B, H, D)), jnp.float32)) if channel_scale else None
+  return QuantizedStore(pack(kc, bits=k_bits, axis=4), poison(ks), poison(kz), pack(vc, bits=v_bits, axis=4),
+                        poison(vs), poison(vz), jnp.asarray(lengths, jnp.int32), k_bits=k_bits, v_bits=v_bits,
+                        k_group=k_group, v_group=v_group, valid=holes, v_channel_scale=scale)
+
+
+@pytest.mark.parametrize("n_stores", [0, 1, 2])
+def test_xla_decode_attention_equals_the_reference(n_stores):
+  """The blockwise XLA path (stores dequantized a block at a time, stacked segments read a block at a time) against
+  the kernel module's plain reference: outputs, lse and the token mass of two rows, reading layer 1 of 3 with the
+  other layers NaN. Two stores: a KIVI-like one with stacked holes, and a 4/1-bit one with key groups of 64, value
+  groups of 32, per-step holes and a value channel scale (the layouts ZipCache, OTT and SpeCache use)."""
+  from jkv_kernels.dequant_attention import decode_attention_reference
+  rng = np.random.default_rng(4 + n_stores)
+  L, B, H, T, g, D, C, S = 3, 2, 2, 2, 3, 64, 256, 40
+  poison = lambda x: x.at[jnp.asarray([0, 2])].set(jnp.nan)
   q = jnp.asarray(rng.normal(size=(B, H, T, g, D)), jnp.float32)
-  store = None
-  if with_store:
-    k = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32)
-    kc, ks, kz = quantize(jnp.swapaxes(k, 3, 4), bits=2, axis=4, group_size=G)
-    vc, vs, vz = quantize(v, bits=4, axis=4, group_size=G)
-    store = QuantizedStore(pack(kc, bits=2, axis=4), poison(ks), poison(kz), pack(vc, bits=4, axis=4), poison(vs),
-                           poison(vz), jnp.asarray([100, 37], jnp.int32), k_bits=2, v_bits=4, group_size=G)
+  stores = (
+      _random_store(rng, L, B, H, C, D, k_bits=2, v_bits=4, k_group=32, v_group=32, lengths=[100, 37],
+                    holes=jnp.asarray(rng.random((L, B, H, C)) < 0.8)),
+      _random_store(rng, L, B, H, 128, D, k_bits=4, v_bits=1, k_group=64, v_group=32, lengths=[128, 5],
+                    holes=jnp.asarray(rng.random((B, H, 128)) < 0.5), channel_scale=True),
+  )[:n_stores]
   k_all = poison(jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32))
   v_all = poison(jnp.asarray(rng.normal(size=(L, B, H, C, D)), jnp.float32))
   stacked_mask = jnp.asarray(rng.random((B, T, C)) < 0.3)
@@ -246,7 +261,39 @@ def test_xla_decode_attention_equals_the_reference(with_store):
   v_step = jnp.asarray(rng.normal(size=(B, H, S, D)), jnp.float32)
   step_mask = jnp.asarray(rng.random((B, H, T, S)) < 0.5)
   segments = ((k_all, v_all, stacked_mask), (k_step, v_step, step_mask))
-  o, lse = decode_attention(q, jnp.int32(1), store=store, segments=segments, impl="xla", return_lse=True)
-  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), store, segments, return_lse=True)
+  o, lse, mass = decode_attention(q, jnp.int32(1), stores=stores, segments=segments, impl="xla", return_lse=True,
+                                  token_mass_rows=(1, 0))
+  o_ref, lse_ref, mass_ref = decode_attention_reference(q, jnp.int32(1), stores, segments, return_lse=True,
+                                                        token_mass_rows=(1, 0))
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+  assert [len(m) for m in mass] == [n_stores, 2]
+  for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  # every chosen row's mass sums to g (one probability per query head) over all sources
+  np.testing.assert_allclose(sum(np.asarray(m).sum(-1) for m in jax.tree.leaves(mass)), g, rtol=1e-5)
+
+
+def test_reference_store_holes_and_channel_scale_by_brute_force():
+  """The reference's reading of a store with holes and a value channel scale, against attention over the
+  explicitly dequantized K/V of the slots that are not holes (numpy, float64)."""
+  from jkv_kernels.dequant_attention import decode_attention_reference
+  from jkv_kernels.quantization import dequantize, unpack
+  rng = np.random.default_rng(11)
+  L, B, H, T, g, D, C = 3, 2, 2, 1, 2, 32, 64
+  holes = jnp.asarray(rng.random((L, B, H, C)) < 0.7)
+  store = _random_store(rng, L, B, H, C, D, k_bits=2, v_bits=2, k_group=16, v_group=32, lengths=[64, 20],
+                        holes=holes, channel_scale=True)
+  q = jnp.asarray(rng.normal(size=(B, H, T, g, D)), jnp.float32)
+  o = np.asarray(decode_attention_reference(q, jnp.int32(1), (store,)), np.float64)
+  k = np.asarray(dequantize(unpack(store.k_codes[1], bits=2, axis=3), store.k_scale[1], store.k_zero[1], axis=3,
+                            group_size=16, dtype=jnp.float32), np.float64).swapaxes(2, 3)
+  v = np.asarray(dequantize(unpack(store.v_codes[1], bits=2, axis=3), store.v_scale[1], store.v_zero[1], axis=3,
+                            group_size=32, dtype=jnp.float32), np.float64)
+  v = v * np.asarray(store.v_channel_scale[1], np.float64)[:, :, None, :]
+  for b in range(B):
+    for h in range(H):
+      keep = [c for c in range(int(store.length[b])) if holes[1, b, h, c]]
+      logits = np.asarray(q[b, h, 0], np.float64) @ k[b, h, keep].T / np.sqrt(D)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      np.testing.assert_allclose(o[b, h, 0], (p / p.sum(-1, keepdims=True)) @ v[b, h, keep], rtol=1e-5, atol=1e-5)

@@ -231,8 +231,8 @@ class Kivi(CacheMethod):
         win[:, None, :] <= q_positions[:, :, None])
     store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
                            v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
-                           k_bits=self.kb, v_bits=self.vb, group_size=G)
-    return decode_attention(q, layer, store=store, segments=((k_win.astype(q.dtype), v_win, mask),), impl=impl)
+                           k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G)
+    return decode_attention(q, layer, stores=(store,), segments=((k_win.astype(q.dtype), v_win, mask),), impl=impl)
 
   # ---------------------------------------------------------------------------------------------- memory
 
