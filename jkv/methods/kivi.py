@@ -12,6 +12,9 @@ With λ = 1 (the reference code's order, the default) a step attends and then co
 tokens keys before bK = R⌊(N-1)/R⌋ and values before bV = max(0, N-1-R) are read dequantized; λ = 0 is the
 paper's Algorithm 1 (quantize, then attend). Those two boundaries are the whole semantics (spec §2.6), which is
 why the state needs no counters beyond the sequence length.
+
+``bits=1`` uses SpeCache's 1-bit quantizer (quarter-point levels, ``jkv_kernels.quantization``) for keys and
+values together: the spec's KIVI-1bit baseline (shared/specs/specache.md §2.1).
 """
 
 import dataclasses
@@ -29,7 +32,7 @@ from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
-KIVI_BITS = (2, 4, 8)
+KIVI_BITS = (1, 2, 4, 8)
 
 
 @struct.dataclass
@@ -50,7 +53,8 @@ class Kivi(CacheMethod):
   """KIVI settings. ``bits`` sets both widths unless ``k_bits``/``v_bits`` override one."""
 
   name = "kivi"
-  bits: int = dataclasses.field(default=2, metadata={"help": "code width of keys and values"})
+  bits: int = dataclasses.field(default=2, metadata={
+      "help": "code width of keys and values (1: SpeCache's quarter-point 1-bit quantizer)"})
   k_bits: Optional[int] = dataclasses.field(default=None, metadata={"help": "key code width (overrides --bits)"})
   v_bits: Optional[int] = dataclasses.field(default=None, metadata={"help": "value code width (overrides --bits)"})
   group_size: int = dataclasses.field(default=32, metadata={
@@ -66,6 +70,10 @@ class Kivi(CacheMethod):
     for label, b in (("bits", self.bits), ("k_bits", self.kb), ("v_bits", self.vb)):
       if b not in KIVI_BITS:
         raise ValueError(f"kivi {label}={b} is not supported; choose one of {', '.join(map(str, KIVI_BITS))}")
+    if 1 in (self.kb, self.vb) and self.kb != self.vb:
+      label = "k_bits" if self.kb == 1 else "v_bits"
+      raise ValueError(f"kivi {label}=1 is not supported beside {max(self.kb, self.vb)}-bit codes: 1 bit (SpeCache's "
+                       "quarter-point quantizer) is for keys and values together, bits=1")
     if self.meta_dtype not in DTYPES:
       raise ValueError(f"kivi meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
     if G < 1 or R < 1:
@@ -167,11 +175,11 @@ class Kivi(CacheMethod):
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     for t in range(k.shape[2]):  # T is 1..4 at decode: a short static loop
-      state = self._append_one(state, layer, k[:, :, t], v[:, :, t], ctx.lengths + t, ctx.impl)
+      state = self.append_one(state, layer, k[:, :, t], v[:, :, t], ctx.lengths + t, ctx.impl)
     return self._attend(state, layer, q, ctx.positions, self.advance(ctx.lengths, k.shape[2]), ctx.impl), state
 
-  def _append_one(self, state, layer, k, v, pos, impl):
-    """k, v [B, H, D] at positions pos [B]."""
+  def append_one(self, state, layer, k, v, pos, impl):
+    """Store one token per sequence: k, v [B, H, D] at positions pos [B]."""
     R, W = self.residual, self.residual + self.lam
     vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
     state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
@@ -210,6 +218,22 @@ class Kivi(CacheMethod):
     """One softmax over the quantized store and the exact window (spec §2.6). The store is read for positions
     before bV, where both keys and values are quantized; the window [bV, N) (at most R + λ tokens) is one
     full-precision segment, its keys before bK dequantized here from their codes."""
+    win, k_win, v_win, in_window = self.window(state, layer, lengths)
+    mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])
+    store = self.store(state, self.value_boundary(lengths))
+    return decode_attention(q, layer, stores=(store,), segments=((k_win.astype(q.dtype), v_win, mask),), impl=impl)
+
+  def store(self, state, b_v, valid=None) -> QuantizedStore:
+    """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache)."""
+    G = self.group_size
+    return QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
+                          v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
+                          k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, valid=valid)
+
+  def window(self, state, layer, lengths):
+    """The exact window at a step holding ``lengths`` [B] tokens, one entry per value-ring slot: the position
+    each slot holds [B, W] int32, its key [B, H, W, D] float32 (dequantized before bK, exact from bK on), its
+    value [B, H, W, D] and whether the slot belongs to the window [B, W] bool (filled, and at or past bV)."""
     R, W, G = self.residual, self.residual + self.lam, self.group_size
     b_k, b_v = self.key_boundary(lengths), self.value_boundary(lengths)
     last = lengths[:, None] - 1
@@ -227,12 +251,8 @@ class Kivi(CacheMethod):
     k_exact = jnp.take_along_axis(state.k_ring[layer], (win % R)[:, None, :, None], axis=2)
     k_win = jnp.where((win < b_k[:, None])[:, None, :, None], k_deq, k_exact.astype(jnp.float32))
     v_win = jnp.take_along_axis(state.v_ring[layer], (win % W)[:, None, :, None], axis=2)
-    mask = ((win >= b_v[:, None]) & (jnp.arange(W)[None] < lengths[:, None]))[:, None, :] & (
-        win[:, None, :] <= q_positions[:, :, None])
-    store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
-                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
-                           k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G)
-    return decode_attention(q, layer, stores=(store,), segments=((k_win.astype(q.dtype), v_win, mask),), impl=impl)
+    in_window = (win >= b_v[:, None]) & (jnp.arange(W)[None] < lengths[:, None])
+    return win, k_win, v_win, in_window
 
   # ---------------------------------------------------------------------------------------------- memory
 
