@@ -1,0 +1,386 @@
+"""``zipcache``: mixed-precision KV quantization by normalized attention saliency (ZipCache, NeurIPS 2024).
+
+Spec: shared/specs/zipcache.md. Per (sequence, KV head), the ``salient_ratio`` share of tokens that probe queries
+find most salient is stored at ``high_bits``, the rest at ``low_bits``; new tokens stay in full precision in a
+window of ``interval`` slots and are scored and compressed when it fills. Saliency: saliency.py.
+
+Layout, and why:
+
+- Two pools per (sequence, KV head), each in the KIVI layout and read as one ``QuantizedStore``: high (salient)
+  and low. The fused decode kernel reads both stores and the full-precision window (a segment) in one pass.
+- Each prefill and each compressed window appends its rows to each pool from a key-group boundary; the tail of its
+  last group is a hole. No group mixes two events, so old codes and parameters are never touched and
+  recompression never re-quantizes the cache (the issue rules out spec A9 (a)). Which rows are holes follows
+  from two counters (the prefill's real rows, and every window's fixed count), so no mask is stored.
+- Keys per channel in groups of ``key_group`` rows of one pool, not the paper's one (min, step) per channel per
+  pool: that form needs all of a pool's tokens at once, so every window would re-quantize the pool. Costs
+  2 * meta bytes per channel per ``key_group`` rows, counted in ``held_bytes`` with the holes.
+- Values token-wise over one head's D channels (v_group = D), not over all H*D channels of a token (spec A2): the
+  salient set is per (sequence, KV head) (spec A3), so a pool row holds one head's token.
+- CST (spec §3.2): values are divided by c = sqrt(max |V|) per (sequence, head, channel) (spec A6: per
+  sequence), computed over the prompt at prefill and reused by every window; dequantized as
+  (code * scale + zero) * c. A later value above c stays exactly representable: the token-wise min and max
+  adapt to V / c whatever its range; only the balancing of channels is then less even.
+- Saliency at prefill from probe queries (5% recent + 5% random by default) scored against the prompt's keys; the
+  prompt's own attention is the model's, exact. At decode, probes are the last n_rec steps of each window plus
+  random steps (spec Alg. 3, A8); their attention on the window's tokens comes from the same attention pass
+  (``token_mass_rows``) and accumulates until the window is full. Random probes come from
+  ``fold_in(fold_in(key(probe_seed), layer), position)``, so generation stays a pure function of its inputs and a
+  sequence draws the same probes in any batch.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jkv.attention import QuantizedStore, decode_attention
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.config import DTYPES
+from jkv.methods.registry import register
+from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
+                                  prefill_probes, probe_counts, probe_mass, saliency_scores, split_by_score)
+from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
+
+ZIPCACHE_BITS = (2, 4, 8)
+POOL_MULTIPLE = 64  # pool capacities are multiples of this (and of key_group): whole blocks for the kernel
+CHANNEL_SCALE_FLOOR = 1e-6  # c = sqrt(max(max |V|, floor)): an all-zero channel gets a finite scale (spec A14)
+LEAD = ("layers", "batch", "kv_heads")
+
+
+def round_up(n, multiple: int):
+  return -(-n // multiple) * multiple
+
+
+@struct.dataclass
+class Pool:
+  """Rows of one bit width: keys per channel in groups of key_group rows, CST values per row."""
+  k_codes: jax.Array  # [L, B, H, D, C/Pk] uint32, packed along rows
+  k_scale: jax.Array  # [L, B, H, D, C/key_group] meta dtype
+  k_zero: jax.Array  # [L, B, H, D, C/key_group] meta dtype
+  v_codes: jax.Array  # [L, B, H, C, D/Pv] uint32, codes of V / c packed along channels
+  v_scale: jax.Array  # [L, B, H, C, 1] meta dtype
+  v_zero: jax.Array  # [L, B, H, C, 1] meta dtype
+  prompt_rows: jax.Array  # [L, B] int32 real rows the prefill wrote (holes follow up to a group boundary)
+  fill: jax.Array  # [L, B] int32 rows written, holes included (a multiple of key_group)
+
+
+@struct.dataclass
+class ZipCacheState:
+  high: Pool  # the salient tokens, high_bits
+  low: Pool  # the others, low_bits
+  v_channel_scale: jax.Array  # [L, B, H, D] meta dtype: CST's c, from the prompt
+  k_window: jax.Array  # [L, B, H, N, D] model dtype: new tokens, slot = decode step within the window
+  v_window: jax.Array  # [L, B, H, N, D] model dtype
+  window_len: jax.Array  # [L, B] int32 tokens in the window
+  window_mass: jax.Array  # [L, B, H, N] f32 attention the window's probes gave each window token
+  window_seen: jax.Array  # [L, B, N] int32 probes that saw each window token
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ZipCache(CacheMethod):
+  """ZipCache settings (spec §5 defaults: 4/2 bits, r = 0.6, 5% + 5% probes, N = 100)."""
+
+  name = "zipcache"
+  high_bits: int = dataclasses.field(default=4, metadata={"help": "code width of salient tokens"})
+  low_bits: int = dataclasses.field(default=2, metadata={"help": "code width of the other tokens"})
+  salient_ratio: float = dataclasses.field(default=0.6, metadata={
+      "help": "r: share of each prompt's and each window's tokens stored at --high-bits, per KV head"})
+  interval: int = dataclasses.field(default=100, metadata={
+      "help": "N: new tokens stay in full precision; every N decode steps they are scored and compressed"})
+  saliency: str = dataclasses.field(default="normalized", metadata={
+      "help": "'normalized' (ZipCache: attention received / queries that see the token) or 'accumulated' "
+              "(H2O, MiKV: attention received)"})
+  normalize_by: str = dataclasses.field(default="probes", metadata={
+      "help": "divisor of a normalized score: 'probes' that see the token (the paper) or all 'queries' that "
+              "see it (the reference code)"})
+  recent_probes: float = dataclasses.field(default=0.05, metadata={
+      "help": "share of the newest queries used as probes (at least one)"})
+  random_probes: float = dataclasses.field(default=0.05, metadata={
+      "help": "share of the other queries drawn at random as probes"})
+  probe_seed: int = dataclasses.field(default=0, metadata={
+      "help": "seed of the random probes (folded with the layer and the position)"})
+  key_group: int = dataclasses.field(default=32, metadata={
+      "help": "rows of one pool per key scale and zero-point, per channel"})
+  meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+
+  def __post_init__(self):
+    for label, b in (("high_bits", self.high_bits), ("low_bits", self.low_bits)):
+      if b not in ZIPCACHE_BITS:
+        raise ValueError(f"zipcache {label}={b} is not supported; choose one of "
+                         f"{', '.join(map(str, ZIPCACHE_BITS))}")
+    if self.low_bits > self.high_bits:
+      raise ValueError(f"zipcache low_bits={self.low_bits} exceeds high_bits={self.high_bits}")
+    if not 0.0 <= self.salient_ratio <= 1.0:
+      raise ValueError(f"zipcache salient_ratio={self.salient_ratio} must lie in [0, 1]")
+    if self.interval < 1:
+      raise ValueError(f"zipcache interval={self.interval} must be >= 1")
+    if self.saliency not in SALIENCY:
+      raise ValueError(f"zipcache saliency={self.saliency!r}; choose one of {', '.join(SALIENCY)}")
+    if self.normalize_by not in NORMALIZE_BY:
+      raise ValueError(f"zipcache normalize_by={self.normalize_by!r}; choose one of {', '.join(NORMALIZE_BY)}")
+    for label, f in (("recent_probes", self.recent_probes), ("random_probes", self.random_probes)):
+      if not 0.0 <= f <= 1.0:
+        raise ValueError(f"zipcache {label}={f} must lie in [0, 1]")
+    if self.key_group < 1 or self.key_group % (32 // self.low_bits) or self.key_group % (32 // self.high_bits):
+      raise ValueError(f"zipcache key_group={self.key_group} must be a multiple of {32 // self.low_bits} "
+                       f"({self.low_bits}-bit codes pack {32 // self.low_bits} per word)")
+    if self.meta_dtype not in DTYPES:
+      raise ValueError(f"zipcache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
+
+  def check(self, spec: CacheSpec) -> None:
+    per_word = 32 // self.low_bits
+    if spec.head_dim % per_word:
+      raise ValueError(f"zipcache needs a head dim that is a multiple of {per_word} ({self.low_bits}-bit value "
+                       f"codes pack along channels), got {spec.head_dim}")
+
+  @property
+  def meta(self):
+    return DTYPES[self.meta_dtype]
+
+  @property
+  def window_high(self) -> int:
+    """Tokens of each compressed window stored at high bits: ceil(r N) (spec A11: r applies per window)."""
+    return int(ceil_fraction(exact_fraction(self.salient_ratio), self.interval))
+
+  def _rows(self, n):
+    return round_up(n, self.key_group)
+
+  def _salient(self, n):
+    """ceil(r n), exactly (spec A7)."""
+    return ceil_fraction(exact_fraction(self.salient_ratio), n)
+
+  @functools.lru_cache(maxsize=64)
+  def pool_capacities(self, capacity: int) -> tuple[int, int]:
+    """Rows of the high and low pools that no sequence of ``capacity`` tokens outgrows: the most over every
+    prompt length p (its rows, then one window's rows per N tokens after it)."""
+    p = np.arange(capacity + 1)
+    windows = (capacity - p) // self.interval
+    n_high = self._salient(p)
+    high = self._rows(n_high) + windows * self._rows(self.window_high)
+    low = self._rows(p - n_high) + windows * self._rows(self.interval - self.window_high)
+    multiple = math.lcm(self.key_group, POOL_MULTIPLE)
+    return tuple(round_up(max(int(x.max()), 1), multiple) for x in (high, low))
+
+  # ---------------------------------------------------------------------------------------------- state
+
+  def _pool_abstract(self, spec: CacheSpec, rows: int, bits: int) -> Pool:
+    L, B, H, D = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim
+    by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, LEAD + ("head_dim", "token_groups"))
+    by_row = lambda n, dtype: ArrayInfo((L, B, H, rows, n), dtype, LEAD + ("tokens", "channel_groups"))
+    counter = ArrayInfo((L, B), jnp.int32, ("layers", "batch"))
+    return Pool(k_codes=by_channel(rows * bits // 32, jnp.uint32), k_scale=by_channel(rows // self.key_group, self.meta),
+                k_zero=by_channel(rows // self.key_group, self.meta), v_codes=by_row(D * bits // 32, jnp.uint32),
+                v_scale=by_row(1, self.meta), v_zero=by_row(1, self.meta), prompt_rows=counter, fill=counter)
+
+  def abstract(self, spec: CacheSpec) -> ZipCacheState:
+    L, B, H, D, N = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim, self.interval
+    high, low = self.pool_capacities(spec.capacity)
+    window = ArrayInfo((L, B, H, N, D), spec.dtype, LEAD + ("window", "head_dim"))
+    return ZipCacheState(
+        high=self._pool_abstract(spec, high, self.high_bits), low=self._pool_abstract(spec, low, self.low_bits),
+        v_channel_scale=ArrayInfo((L, B, H, D), self.meta, LEAD + ("head_dim",)),
+        k_window=window, v_window=window,
+        window_len=ArrayInfo((L, B), jnp.int32, ("layers", "batch")),
+        window_mass=ArrayInfo((L, B, H, N), jnp.float32, LEAD + ("window",)),
+        window_seen=ArrayInfo((L, B, N), jnp.int32, ("layers", "batch", "window")))
+
+  def _layer_key(self, layer):
+    return jax.random.fold_in(jax.random.key(self.probe_seed), layer)
+
+  # ---------------------------------------------------------------------------------------------- pools
+
+  def _quantize_pack(self, x, bits, group, axis, impl):
+    """The Pallas quantize-and-pack kernel where kernels run, its jnp reference under XLA (same codes)."""
+    if impl != "xla":
+      return quantize_pack(x, bits=bits, group_size=group, axis=axis, meta_dtype=self.meta,
+                           interpret=impl == "interpret")
+    return quantize_pack_reference(x, bits=bits, group_size=group, axis=axis, meta_dtype=self.meta)
+
+  def _append(self, pool: Pool, layer, k, v, src, channel_scale, start, bits, impl, due=None) -> Pool:
+    """Quantize tokens ``src`` [B, H, R] of k, v [B, H, S, D] into pool rows [start, start + R) (start [B], a
+    multiple of key_group); with ``due`` [B], only those sequences' rows change."""
+    take = lambda x: jnp.take_along_axis(x, src[..., None], axis=2).astype(jnp.float32)
+    kc, ks, kz = self._quantize_pack(take(k), bits, self.key_group, -2, impl)  # [B, H, D, R/Pk], [B, H, D, R/G]
+    values = take(v) / channel_scale.astype(jnp.float32)[:, :, None, :]
+    vc, vs, vz = self._quantize_pack(values, bits, values.shape[-1], -1, impl)  # [B, H, R, D/Pv], [B, H, R, 1]
+
+    def put(buf, new, offset, axis):
+      if due is not None:
+        old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
+        new = jnp.where(due.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+      return write_at(buf, layer, new, offset, axis=axis)
+
+    return pool.replace(
+        k_codes=put(pool.k_codes, kc, start // (32 // bits), 3), k_scale=put(pool.k_scale, ks, start // self.key_group, 3),
+        k_zero=put(pool.k_zero, kz, start // self.key_group, 3), v_codes=put(pool.v_codes, vc, start, 2),
+        v_scale=put(pool.v_scale, vs, start, 2), v_zero=put(pool.v_zero, vz, start, 2))
+
+  def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale) -> QuantizedStore:
+    """The pool as the attention reads it: rows below ``fill``, holes masked. Real rows: the prefill's first
+    ``prompt_rows``, then ``window_real`` at the start of every window's block of rows."""
+    B, H, C = pool.v_codes.shape[1:4]
+    row = jnp.arange(C)[None]
+    n0 = pool.prompt_rows[layer][:, None]
+    f0 = self._rows(n0)
+    block = self._rows(window_real)
+    valid = row < n0
+    if block:
+      valid = jnp.where(row < f0, valid, (row - f0) % block < window_real)
+    return QuantizedStore(
+        k_codes=pool.k_codes, k_scale=pool.k_scale, k_zero=pool.k_zero, v_codes=pool.v_codes,
+        v_scale=pool.v_scale, v_zero=pool.v_zero, length=pool.fill[layer], k_bits=bits, v_bits=bits,
+        k_group=self.key_group, v_group=pool.v_codes.shape[4] * (32 // bits),
+        valid=jnp.broadcast_to(valid[:, None], (B, H, C)), v_channel_scale=channel_scale)
+
+  def _stores(self, state: ZipCacheState, layer):
+    return (self._store(state.high, layer, self.high_bits, self.window_high, state.v_channel_scale),
+            self._store(state.low, layer, self.low_bits, self.interval - self.window_high, state.v_channel_scale))
+
+  # ---------------------------------------------------------------------------------------------- prefill
+
+  def prefill(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext) -> ZipCacheState:
+    """Score the prompt with its probes, split each (sequence, KV head) into salient and other tokens and
+    quantize both sets into fresh pool rows; the window starts empty."""
+    if q is None:
+      raise ValueError("zipcache prefill needs the prompt's queries (its probes score the tokens)")
+    B, H, T, D = k.shape
+    n = ctx.lengths
+    rows, ok = prefill_probes(self._layer_key(layer), n, T, self.recent_probes, self.random_probes)
+    mass, seen = probe_mass(q, k, rows, ok)
+    score = saliency_scores(mass, seen, n, saliency=self.saliency, normalize_by=self.normalize_by)
+    n_high_table = self._salient(np.arange(T + 1))
+    n_high = jnp.asarray(n_high_table, jnp.int32)[n]
+    rows_high, rows_low = self._rows(int(n_high_table.max())), self._rows(T - int(n_high_table[T]))
+    high_src, low_src = split_by_score(score, n_high, n, rows_high, rows_low)
+    real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
+    v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
+    channel_scale = jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)).astype(self.meta)  # [B, H, D]
+    zeros = jnp.zeros_like(n)
+
+    def fill(pool, src, bits, real_rows, width):
+      if width:
+        pool = self._append(pool, layer, k, v, src, channel_scale, zeros, bits, ctx.impl)
+      return pool.replace(prompt_rows=write_layer(pool.prompt_rows, layer, real_rows),
+                          fill=write_layer(pool.fill, layer, self._rows(real_rows)))
+
+    return state.replace(
+        high=fill(state.high, high_src, self.high_bits, n_high, rows_high),
+        low=fill(state.low, low_src, self.low_bits, n - n_high, rows_low),
+        v_channel_scale=write_layer(state.v_channel_scale, layer, channel_scale),
+        window_len=write_layer(state.window_len, layer, zeros),
+        window_mass=write_layer(state.window_mass, layer, jnp.zeros((B, H, self.interval), jnp.float32)),
+        window_seen=write_layer(state.window_seen, layer, jnp.zeros((B, self.interval), jnp.int32)))
+
+  # ---------------------------------------------------------------------------------------------- decode
+
+  def step(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext):
+    """Rows one at a time (T is 1..4 at decode): each is written to the window, attends over both pools and the
+    window, adds its mass to the window's scores if it is a probe, and compresses the window when it fills."""
+    outs = []
+    for t in range(k.shape[2]):
+      out, state = self._step_row(state, layer, q[:, :, t:t + 1], k[:, :, t], v[:, :, t], ctx.positions[:, t],
+                                  ctx.impl)
+      outs.append(out)
+    return jnp.concatenate(outs, axis=2), state
+
+  def _step_row(self, state: ZipCacheState, layer, q, k, v, position, impl):
+    """q [B, H, 1, g, D], k and v [B, H, D], position [B]."""
+    N = self.interval
+    B, H = k.shape[:2]
+    i = state.window_len[layer]  # [B] the slot this token takes
+    state = state.replace(k_window=write_at(state.k_window, layer, k[:, :, None], i, axis=2),
+                          v_window=write_at(state.v_window, layer, v[:, :, None], i, axis=2))
+    slot = jnp.arange(N)
+    seen_now = slot[None] <= i[:, None]  # [B, N] window tokens this row sees
+    recent = int(probe_counts(N, self.recent_probes, self.random_probes)[0])
+    probe = (i >= N - recent) | (position_priority(self._layer_key(layer), position) < self.random_probes)
+    attend = functools.partial(decode_attention, q, layer, stores=self._stores(state, layer),
+                               segments=((state.k_window, state.v_window, seen_now[:, None, :]),), impl=impl)
+
+    def with_mass():
+      out, (_, (mass,)) = attend(token_mass_rows=(0,))
+      return out, mass[:, :, 0]
+
+    # Only probe steps pay for the token mass (the kernel writes the logits of the chosen rows).
+    out, mass = jax.lax.cond(jnp.any(probe), with_mass, lambda: (attend(), jnp.zeros((B, H, N), jnp.float32)))
+    counted = probe[:, None] & seen_now
+    state = state.replace(
+        window_len=write_layer(state.window_len, layer, i + 1),
+        window_mass=write_layer(state.window_mass, layer,
+                                state.window_mass[layer] + jnp.where(counted[:, None], mass, 0.0)),
+        window_seen=write_layer(state.window_seen, layer, state.window_seen[layer] + counted))
+    due = i == N - 1
+    state = jax.lax.cond(jnp.any(due), lambda s: self._compress(s, layer, due, impl), lambda s: s, state)
+    return out, state
+
+  def _compress(self, state: ZipCacheState, layer, due, impl) -> ZipCacheState:
+    """Score the full window, split it, append its rows to both pools and empty it, for sequences ``due``."""
+    N, n_high = self.interval, self.window_high
+    B = due.shape[0]
+    full = jnp.full((B,), N, jnp.int32)
+    score = saliency_scores(state.window_mass[layer], state.window_seen[layer], full, saliency=self.saliency,
+                            normalize_by=self.normalize_by)
+    rows_high, rows_low = self._rows(n_high), self._rows(N - n_high)
+    high_src, low_src = split_by_score(score, jnp.full((B,), n_high, jnp.int32), full, rows_high, rows_low)
+    k, v, c = state.k_window[layer], state.v_window[layer], state.v_channel_scale[layer]
+
+    def append(pool, src, bits, width):
+      if not width:
+        return pool
+      start = pool.fill[layer]
+      pool = self._append(pool, layer, k, v, src, c, start, bits, impl, due)
+      return pool.replace(fill=write_layer(pool.fill, layer, start + jnp.where(due, width, 0)))
+
+    keep = lambda x: jnp.where(due.reshape((-1,) + (1,) * (x.ndim - 1)), 0, x)
+    return state.replace(
+        high=append(state.high, high_src, self.high_bits, rows_high),
+        low=append(state.low, low_src, self.low_bits, rows_low),
+        window_len=write_layer(state.window_len, layer, keep(state.window_len[layer])),
+        window_mass=write_layer(state.window_mass, layer, keep(state.window_mass[layer])),
+        window_seen=write_layer(state.window_seen, layer, keep(state.window_seen[layer])))
+
+  # ---------------------------------------------------------------------------------------------- memory
+
+  def _row_bytes(self, bits: int, head_dim: int) -> float:
+    """One pool row of one head: key and value codes, the key (scale, zero) share of its group, the value's."""
+    meta = jnp.dtype(self.meta).itemsize
+    return 2 * head_dim * bits / 8 + 2 * meta * head_dim / self.key_group + 2 * meta
+
+  def _bytes(self, spec: CacheSpec, high, low, window, n):
+    """Bytes of one layer per sequence (arrays broadcast): every pool row written (holes included) with its codes
+    and parameters, the channel scales, the window's tokens in the model dtype with their probe accumulators,
+    and five int32 counters."""
+    H, D = spec.kv_heads, spec.head_dim
+    meta, act = jnp.dtype(self.meta).itemsize, jnp.dtype(spec.dtype).itemsize
+    pools = H * (high * self._row_bytes(self.high_bits, D) + low * self._row_bytes(self.low_bits, D))
+    window_bytes = window * H * (2 * D * act + 4) + window * 4  # K, V; the probe mass per head; the probe count
+    return pools + window_bytes + np.where(n > 0, H * D * meta + 5 * 4, 0)
+
+  def _bound(self, spec: CacheSpec, n: int) -> float:
+    """Bytes of n tokens split into the prompt p <= n and n - p decoded tokens that costs the most."""
+    if n == 0:
+      return 0.0
+    p = np.arange(1, n + 1)
+    windows, window = np.divmod(n - p, self.interval)
+    n_high = self._salient(p)
+    high = self._rows(n_high) + windows * self._rows(self.window_high)
+    low = self._rows(p - n_high) + windows * self._rows(self.interval - self.window_high)
+    return spec.num_layers * float(self._bytes(spec, high, low, window, n).max())
+
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    """Bytes of the live state (``_bytes``), from its counters; ``state=None`` gives the worst case over how n
+    tokens split into a prompt and decoded tokens."""
+    n = np.asarray(lengths, np.int64)
+    if state is None:
+      total = sum(self._bound(spec, int(x)) for x in n)
+    else:
+      high, low, window = (np.asarray(x, np.int64) for x in (state.high.fill, state.low.fill, state.window_len))
+      total = float(self._bytes(spec, high, low, window, n[None]).sum())  # [L, B] counters
+    return HeldBytes(device=int(round(total)))
