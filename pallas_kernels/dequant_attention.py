@@ -23,12 +23,17 @@ query heads per KV head, so q has T*g rows per KV head):
       k, v  [L, B, Hkv, S, D] (stacked: read at ``layer``) or [B, Hkv, S, D] (a per-step segment)
       mask  [B, T, S] bool (per query position) or [B, Hkv, T, S] bool (per KV head too)
 
-Work is split along tokens (flash-decoding): the grid is (B, Hkv, P), where the store gets ``k_splits`` programs
-and each segment ``s_splits`` (both clamped to the block count, so a short segment gets one). Each program
-loops over its blocks only up to the last token that can be valid (the store's ``length``; for a segment, the
-last True in its mask), writes an unnormalized partial (o, l, m) in fp32, and a few jnp lines merge them
-exactly. The T*g query rows that share a KV head form one tile, so K/V are read once per KV head (GQA without
-repeats). Quantized blocks are unpacked and dequantized in registers (``quantization.dequantize_packed_last_axis``).
+Work is split along tokens (flash-decoding): the grid is (B, Hkv, P), where each store gets ``k_splits`` programs
+and each segment ``s_splits`` (both clamped to the block count, so a short segment gets one); a program covers
+one source. Each program loops over its blocks only up to the last token that can be valid (a store's
+``length``; for a segment, the last True in its mask), writes an unnormalized partial (o, l, m) in fp32, and a
+few jnp lines merge them exactly. The T*g query rows that share a KV head form one tile, so K/V are read once per
+KV head (GQA without repeats). Quantized blocks are unpacked and dequantized in registers
+(``quantization.dequantize_packed_last_axis``) with each store's own widths and groupings: a key group may span
+several blocks (the block loads its group's one scale column) or a block several groups. A store's holes are
+loaded with its block and ANDed with the length test; its value channel scale multiplies the program's partial
+o once, after the loop (it is per channel, so it commutes with the sum over tokens). A store without holes or
+channel scale costs nothing for them: the kernel branches at trace time.
 
 Statistics from the same pass: ``return_lse`` gives the natural-log sum of exp of the scaled logits over every
 valid key; ``token_mass_rows`` gives, for the chosen query positions, the softmax probability each key
@@ -41,8 +46,9 @@ lse = MASK_VALUE (finite: merging it with other partials never makes NaN) and ze
 query row of a KV head may see can hold anything, NaN included.
 
 Around the pallas_call, XLA does only small work: ``layer`` clamped to [0, L), each segment's bound (one reduction
-over its mask), the masks cast to int8, and the merge of the partials. Per-step segments ([B, Hkv, S, D]) get a
-unit layer axis (a bitcast). Nothing indexes, slices or pads a stacked array outside the kernel.
+over its mask), the segment masks cast to int8, and the merge of the partials. Per-step segments ([B, Hkv, S, D])
+and per-step holes ([B, Hkv, C]) get a unit layer axis (a bitcast). Nothing indexes, slices, casts or pads a
+stacked array outside the kernel (stacked holes go in as bool: Triton loads a bool tile through an int8 pointer).
 """
 
 import dataclasses
@@ -58,7 +64,7 @@ import jax.numpy as jnp
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs
 from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
-KERNEL_BITS = (2, 4, 8)
+KERNEL_BITS = (1, 2, 4, 8)
 
 
 # Names moved between jax versions: `pl.TritonCompilerParams` became `plgpu.CompilerParams`, and `pl.dot` (now
@@ -143,15 +149,39 @@ class QuantizedStore:
 
 
 @dataclasses.dataclass(frozen=True)
+class _StoreLayout:
+  """Static description of one quantized store: code widths, groupings and which optional arrays it brings.
+
+  The optional arrays are branched on at trace time, so a store without holes or a channel scale costs no load
+  and no instruction for them."""
+  k_bits: int
+  v_bits: int
+  k_group: int
+  v_group: int
+  holes: bool = False           # a ``valid`` array comes after the six code/scale arrays
+  holes_stacked: bool = True    # ``valid`` carries the layer axis (else a unit axis added by the wrapper)
+  channel_scale: bool = False   # a ``v_channel_scale`` array comes last
+
+  @property
+  def n_arrays(self) -> int:
+    return 6 + self.holes + self.channel_scale
+
+
+@dataclasses.dataclass(frozen=True)
 class _Source:
   """Static description of one source of keys: which programs it gets and how they walk it."""
   first: int             # its first program along the grid's last axis
   splits: int            # programs it gets
   block: int             # tokens per loop step (a power of two)
   blocks_per_split: int
-  length: int            # tokens (S for a segment, C for the store)
+  length: int            # tokens (S for a segment, C for a store)
   ragged: bool = False   # length % block != 0: the last block's tail is masked at load time
   stacked: bool = True   # segment arrays carry the layer axis (else it is a unit axis added by the wrapper)
+  store: Optional[_StoreLayout] = None  # a quantized store; None for a full-precision segment
+
+  @property
+  def n_arrays(self) -> int:
+    return self.store.n_arrays if self.store is not None else 3
 
 
 def _online_softmax_step(carry, logits, valid, v, precision):
@@ -181,26 +211,24 @@ def _decode_attention_kernel(
     layer_ref,   # [1] int32, clamped to [0, L)
     bounds_ref,  # [n_sources] int32: keys at and past bounds[i] are never valid in source i (for this b, h)
     q_ref,       # [M, D] block over the T*g query rows of one KV head (rows past T*g are never read)
-    *refs,       # the store (if any): k_codes [L, D, C/Pk], k_scale [L, D, C/G], k_zero, v_codes [L, C, D/Pv],
-                 #   v_scale [L, C, D/G], v_zero; per segment: k [L', S_blk, D], v [L', S_blk, D],
-                 #   mask [T, S_blk] int8; then the outputs o [M, D] (unnormalized), l [M], m [M], of which only
-                 #   the first n_rows exist; then, with token mass, the scaled logits [M, C or S] of each source
+    *refs,       # per source, in order: a store's k_codes [L, D, C/Pk], k_scale [L, D, C/Gk], k_zero,
+                 #   v_codes [L, C, D/Pv], v_scale [L, C, D/Gv], v_zero, then valid [L', C] bool (if it has
+                 #   holes) and v_channel_scale [L, D] (if it has one); a segment's k [L', S_blk, D],
+                 #   v [L', S_blk, D], mask [T, S_blk] int8. Then the outputs o [M, D] (unnormalized), l [M],
+                 #   m [M], of which only the first n_rows exist; then, with token mass, the scaled logits
+                 #   [M, C or S] of each source
     n_rows: int,
     q_per_kv: int,
     t_rows: int,
     sm_scale: float,
-    store: Optional[_Source],
-    k_bits: int,
-    v_bits: int,
-    group_size: int,
-    segments: tuple[_Source, ...],
+    sources: tuple[_Source, ...],
     mass_rows: tuple[int, ...],
 ):
-  n_store = 6 if store is not None else 0
-  store_refs, refs = refs[:n_store], refs[n_store:]
-  segment_refs, refs = refs[:3 * len(segments)], refs[3 * len(segments):]
+  source_refs = []
+  for source in sources:
+    source_refs.append(refs[:source.n_arrays])
+    refs = refs[source.n_arrays:]
   o_ref, l_ref, m_ref, *logit_refs = refs
-  sources = ([store] if store is not None else []) + list(segments)
 
   program = pl.program_id(2)
   layer = layer_ref[0]
@@ -224,48 +252,58 @@ def _decode_attention_kernel(
     plgpu.store(m_ref, m, mask=real_row)
 
   def write_logits(index, start, block, logits, valid, in_range):
-    """Scaled logits of the chosen rows for the token-mass statistic (invalid keys: MASK_VALUE)."""
+    """Scaled logits of the chosen rows for the token-mass statistic (invalid keys, holes included: MASK_VALUE)."""
     if not mass_rows:
       return
     mask = mass_row[:, None] & (in_range[None, :] if in_range is not None else True)
     mask = jnp.broadcast_to(mask, logits.shape)
     plgpu.store(logit_refs[index].at[:, pl.ds(start, block)], jnp.where(valid, logits, MASK_VALUE), mask=mask)
 
-  def run(index, source, block_fn):
+  def run(index, source):
     """Programs [first, first + splits) walk this source's blocks, stopping at the last block that can be valid."""
     @pl.when((program >= source.first) & (program < source.first + source.splits))
     def _():
       first_block = (program - source.first) * source.blocks_per_split
       valid_blocks = (bounds_ref[index] + source.block - 1) // source.block
       n_blocks = jnp.clip(valid_blocks - first_block, 0, source.blocks_per_split)
-      body = lambda i, carry: block_fn(index, source, (first_block + i) * source.block, carry)
-      write_partials(lax.fori_loop(0, n_blocks, body, init))
+      block_fn = store_block if source.store is not None else segment_block
+      body = lambda i, carry: block_fn(index, source, source_refs[index], (first_block + i) * source.block, carry)
+      o, m, l = lax.fori_loop(0, n_blocks, body, init)
+      if source.store is not None and source.store.channel_scale:
+        # Values are v_hat[s, d] * c[d], so sum_s p[s] v[s, d] = c[d] * sum_s p[s] v_hat[s, d]: the channel
+        # scale multiplies this program's partial o once (it covers this store only), not every value it reads.
+        o = o * source_refs[index][-1][layer, :].astype(jnp.float32)[None, :]
+      write_partials((o, m, l))
 
-  def store_block(index, source, start, carry):
-    """Tokens [start, start + block_k) of the quantized store."""
-    k_codes_ref, k_scale_ref, k_zero_ref, v_codes_ref, v_scale_ref, v_zero_ref = store_refs
-    block = source.block
+  def store_block(index, source, refs, start, carry):
+    """Tokens [start, start + block) of one quantized store."""
+    store, block = source.store, source.block
+    k_codes_ref, k_scale_ref, k_zero_ref, v_codes_ref, v_scale_ref, v_zero_ref = refs[:6]
     valid = (start + lax.broadcasted_iota(jnp.int32, (1, block), 1)) < bounds_ref[index]
+    if store.holes:  # the block's slice of the holes mask (Triton reads a bool ref through an int8 pointer)
+      holes_at = layer if store.holes_stacked else jnp.int32(0)
+      valid = valid & refs[6][holes_at, pl.ds(start, block)][None, :]
     # The whole key tile is dequantized in registers and meets the query in one dot: every load is a 2-D tile
     # whose rows are contiguous. (Folding each group's key scales into the query instead costs block_k / G small
-    # dots and column-wise scale loads; it measured 1.4x slower on an H100.)
-    groups = pl.ds(start // group_size, block // group_size)
+    # dots and column-wise scale loads; it measured 1.4x slower on an H100.) The block holds whole key groups
+    # (one scale column each) or lies inside one group (k_group > block: that group's one column).
+    groups = pl.ds(start // store.k_group, max(1, block // store.k_group))
+    k_per_word = 32 // store.k_bits
     k_hat = dequantize_packed_last_axis(
-        k_codes_ref[layer, :, pl.ds(start // (32 // k_bits), block // (32 // k_bits))],
+        k_codes_ref[layer, :, pl.ds(start // k_per_word, block // k_per_word)],
         k_scale_ref[layer, :, groups], k_zero_ref[layer, :, groups],
-        bits=k_bits, group_size=group_size, dtype=dot_dtype)  # [D, block_k]
-    logits = _dot(q, k_hat, precision=precision) * sm_scale  # [M, block_k] f32
+        bits=store.k_bits, group_size=store.k_group, dtype=dot_dtype)  # [D, block]
+    logits = _dot(q, k_hat, precision=precision) * sm_scale  # [M, block] f32
     write_logits(index, start, block, logits, valid, None)
     tokens = pl.ds(start, block)
     v_hat = dequantize_packed_last_axis(
         v_codes_ref[layer, tokens, :], v_scale_ref[layer, tokens, :], v_zero_ref[layer, tokens, :],
-        bits=v_bits, group_size=group_size, dtype=dot_dtype)  # [block_k, D]
+        bits=store.v_bits, group_size=store.v_group, dtype=dot_dtype)  # [block, D], before the channel scale
     return _online_softmax_step(carry, logits, valid, v_hat, precision)
 
-  def segment_block(index, source, start, carry):
+  def segment_block(index, source, refs, start, carry):
     """Tokens [start, start + block) of one full-precision segment."""
-    segment = index - (store is not None)
-    k_ref, v_ref, mask_ref = segment_refs[3 * segment: 3 * segment + 3]
+    k_ref, v_ref, mask_ref = refs
     block = source.block
     at = layer if source.stacked else jnp.int32(0)
     tokens = pl.ds(start, block)
@@ -288,7 +326,7 @@ def _decode_attention_kernel(
     return _online_softmax_step(carry, logits, valid, v.astype(dot_dtype), precision)
 
   for index, source in enumerate(sources):
-    run(index, source, store_block if (store is not None and index == 0) else segment_block)
+    run(index, source)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,11 +337,10 @@ def _decode_attention_partials(
     layer,     # [1] int32
     bounds,    # [B, Hkv, n_sources] int32
     q,         # [B, Hkv, n_rows, D]
-    store,     # QuantizedStore (arrays [L, B, Hkv, ...]) or None
-    segments,  # ((k [L', B, Hkv, S, D], v [L', B, Hkv, S, D], mask [B, Hkv or 1, T, S] int8), ...)
+    inputs,    # per source: a store's arrays [L', B, Hkv, ...] (_StoreLayout order), or a segment's
+               #   (k [L', B, Hkv, S, D], v [L', B, Hkv, S, D], mask [B, Hkv or 1, T, S] int8)
     *,
-    store_source: Optional[_Source],
-    segment_sources: tuple[_Source, ...],
+    sources: tuple[_Source, ...],
     q_per_kv: int,
     t_rows: int,
     sm_scale: float,
@@ -315,7 +352,6 @@ def _decode_attention_partials(
   """One pallas_call over grid (B, Hkv, P); returns the fp32 partials o, l, m (and the chosen rows' logits)."""
   batch, kv_heads, n_rows, head_dim = q.shape
   rows = max(16, _next_power_of_2(n_rows))  # M: the tile's rows (dots need >= 16)
-  sources = ([store_source] if store is not None else []) + list(segment_sources)
   partials = sum(source.splits for source in sources)
 
   def whole_layers(array, *block):
@@ -329,14 +365,18 @@ def _decode_attention_partials(
   ]
   arrays = [layer, bounds, q]
   name = ""
-  if store is not None:
-    in_specs += [whole_layers(a, *a.shape[3:]) for a in  # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
-                 (store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero)]
-    arrays += [store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero]
-    name += (f"_store_{store.k_bits}x{store.v_bits}bit_G{store.k_group}_bk{store_source.block}"
-             f"_ks{store_source.splits}")
-  for (k, v, mask), source in zip(segments, segment_sources):
+  for source_arrays, source in zip(inputs, sources):
+    arrays += source_arrays
+    if source.store is not None:
+      # k_codes, k_scale, k_zero, v_codes, v_scale, v_zero[, valid][, v_channel_scale]
+      in_specs += [whole_layers(a, *a.shape[3:]) for a in source_arrays]
+      store = source.store
+      groups = f"{store.k_group}" if store.k_group == store.v_group else f"{store.k_group}x{store.v_group}"
+      name += (f"_store_{store.k_bits}x{store.v_bits}bit_G{groups}{'_holes' if store.holes else ''}"
+               f"{'_cscale' if store.channel_scale else ''}_bk{source.block}_ks{source.splits}")
+      continue
     # The token axis of a block is rounded up to whole blocks: loads past S are masked (``ragged``).
+    k, v, mask = source_arrays
     s_blk = source.splits * source.blocks_per_split * source.block
     per_head = mask.shape[1] != 1
     in_specs += [
@@ -344,7 +384,6 @@ def _decode_attention_partials(
         whole_layers(v, s_blk, head_dim),                                                      # v
         pl.BlockSpec((None, None, t_rows, s_blk), lambda b, h, s, per_head=per_head: (b, h if per_head else 0, 0, 0)),
     ]                                                                                          # mask
-    arrays += [k, v, mask]
     name += f"_seg{source.length}_bs{source.block}_ss{source.splits}"
 
   out_specs = [
@@ -363,12 +402,8 @@ def _decode_attention_partials(
       out_specs.append(pl.BlockSpec((None, None, rows, s_blk), lambda b, h, s: (b, h, 0, 0)))
       out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, n_rows, source.length), jnp.float32))
 
-  kernel = functools.partial(
-      _decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale,
-      store=store_source if store is not None else None,
-      k_bits=store.k_bits if store is not None else 0, v_bits=store.v_bits if store is not None else 0,
-      group_size=store.k_group if store is not None else 0, segments=tuple(segment_sources),
-      mass_rows=mass_rows)
+  kernel = functools.partial(_decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows,
+                             sm_scale=sm_scale, sources=tuple(sources), mass_rows=mass_rows)
   return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, partials),
@@ -392,6 +427,21 @@ def _split_plan(length: int, block: int, splits: int, first: int, **kw) -> _Sour
   blocks_per_split = pl.cdiv(n_blocks, splits)
   splits = pl.cdiv(n_blocks, blocks_per_split)
   return _Source(first=first, splits=splits, block=block, blocks_per_split=blocks_per_split, length=length, **kw)
+
+
+def _store_plan(index: int, store: QuantizedStore, block_k: int, k_splits: int, first: int) -> _Source:
+  """A store's walk: blocks of ``block_k`` tokens, raised to one word of key codes (32 tokens at 1 bit) and
+  clamped to the largest power of two dividing the capacity, so no block straddles the end or a word."""
+  name, capacity = f"stores[{index}]", store.capacity
+  if store.k_group != _next_power_of_2(store.k_group):
+    raise ValueError(f"{name}: k_group {store.k_group} must be a power of two for the Pallas kernel")
+  block = min(max(block_k, 32 // store.k_bits), capacity & -capacity)
+  if block < 16:  # dots need both dims >= 16
+    raise ValueError(f"{name}: capacity {capacity} must be a multiple of 16 for the Pallas kernel")
+  layout = _StoreLayout(store.k_bits, store.v_bits, store.k_group, store.v_group, holes=store.valid is not None,
+                        holes_stacked=store.valid is not None and store.valid.ndim == 4,
+                        channel_scale=store.v_channel_scale is not None)
+  return _split_plan(capacity, block, k_splits, first, store=layout)
 
 
 def _check_store(index, store, q, allowed_bits):
@@ -467,20 +517,6 @@ def _check_inputs(q, layer, stores, segments, *, allowed_bits, mass_rows):
                        f"[{batch}, {t_rows}, {seg_len}] or [B, Hkv, T, S]")
 
 
-def _check_kernel_supports(stores):
-  """The Pallas kernel's current reach (the reference and the XLA path take every store)."""
-  if len(stores) > 1:
-    raise ValueError(f"the Pallas kernel reads at most one quantized store, got {len(stores)}; use impl='xla'")
-  for store in stores:
-    unsupported = [name for name, present in (
-        ("holes (valid)", store.valid is not None), ("v_channel_scale", store.v_channel_scale is not None),
-        (f"k_group {store.k_group} != v_group {store.v_group}", store.k_group != store.v_group),
-        (f"{min(store.k_bits, store.v_bits)}-bit codes", min(store.k_bits, store.v_bits) not in KERNEL_BITS))
-                   if present]
-    if unsupported:
-      raise ValueError(f"the Pallas kernel does not support {', '.join(unsupported)} yet; use impl='xla'")
-
-
 def _num_layers(stores, segments):
   stacked = [store.k_codes.shape[0] for store in stores]
   stacked += [k.shape[0] for k, _, _ in segments if k.ndim == 5]
@@ -496,12 +532,17 @@ def _results(o, lse, mass, *, return_lse, mass_rows):
 
 
 def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
-  """[B, Hkv, T*g, S] logits (or [B, Hkv, T, g, S] probabilities) -> mass [B, Hkv, R, S] of the chosen rows."""
+  """[B, Hkv, T*g, S] logits (or [B, Hkv, T, g, S] probabilities) -> mass [B, Hkv, R, S] of the chosen rows.
+
+  valid [B, Hkv or 1, T, S]: the keys a row may see, or at least every key whose logit the kernel did not write
+  (it writes MASK_VALUE for the invalid keys it visits, which gives 0 unless the row has no valid key at all).
+  """
   pick = lambda x: jnp.stack([x[:, :, t] for t in mass_rows], axis=2)  # static slices, no gather
   if from_logits:
     batch, kv_heads, _, length = probs_or_logits.shape
     logits = pick(probs_or_logits.reshape(batch, kv_heads, -1, q_per_kv, length))
-    p = jnp.exp(logits - pick(lse)[..., None])
+    lse_rows = pick(lse)[..., None]
+    p = jnp.where(lse_rows == MASK_VALUE, 0.0, jnp.exp(logits - lse_rows))  # a row with no valid key: 0
   else:
     p = pick(probs_or_logits)
   return jnp.sum(jnp.where(pick(valid)[:, :, :, None, :], p, 0.0), axis=3)
@@ -542,9 +583,10 @@ def decode_attention(
 
   Tunables (static; store defaults: the best of benchmarks/kernel_decode.py's autotune on an H100 at B=8,
   L=32768, KIVI-2):
-    block_k: store tokens per loop step; a power of two and a multiple of group_size, clamped to the largest
-      power of two dividing the capacity.
-    k_splits: programs per (batch row, KV head) along the store (flash-decoding), clamped to its block count.
+    block_k: store tokens per loop step (a power of two >= 16); for each store raised to one word of key codes
+      (32 at 1 bit) and clamped to the largest power of two dividing its capacity. Key groups may be longer
+      than a block (one scale column per block) or shorter (several per block).
+    k_splits: programs per (batch row, KV head) along each store (flash-decoding), clamped to its block count.
     block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
     s_splits: programs per (batch row, KV head) along each segment, clamped to its block count.
     num_warps, num_stages: Triton launch and software-pipelining parameters.
@@ -552,54 +594,52 @@ def decode_attention(
   """
   mass_rows = tuple(token_mass_rows)
   stores = tuple(stores)
-  _check_inputs(q, layer, stores, segments, allowed_bits=BITS, mass_rows=mass_rows)
-  _check_kernel_supports(stores)
-  store = stores[0] if stores else None
+  _check_inputs(q, layer, stores, segments, allowed_bits=KERNEL_BITS, mass_rows=mass_rows)
   batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
   # The Triton lowering needs power-of-two tiles, and dots need both dims >= 16.
   if head_dim != _next_power_of_2(head_dim) or head_dim < 16:
     raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Pallas kernel")
+  if block_k != _next_power_of_2(block_k) or block_k < 16:
+    raise ValueError(f"block_k {block_k} must be a power of two >= 16")
   if block_s != _next_power_of_2(block_s) or block_s < 16:
     raise ValueError(f"block_s {block_s} must be a power of two >= 16")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
 
-  bounds, store_source, first = [], None, 0
-  if store is not None:
-    group_size, capacity = store.k_group, store.capacity
-    if group_size != _next_power_of_2(group_size) or group_size < 16:
-      raise ValueError(f"group_size {group_size} must be a power of two >= 16 for the Pallas kernel")
-    block_k = min(block_k, capacity & -capacity)  # the largest power of two dividing the capacity
-    if block_k % group_size:
-      raise ValueError(f"block_k {block_k} (clamped to the capacity {capacity}) must be a multiple of group_size "
-                       f"{group_size}")
-    store_source = _split_plan(capacity, block_k, k_splits, first)
-    first += store_source.splits
-    bounds.append(jnp.broadcast_to(jnp.clip(store.length, 0, capacity)[:, None], (batch, kv_heads)))
+  sources, inputs, bounds, first = [], [], [], 0
+  for index, store in enumerate(stores):
+    source = _store_plan(index, store, block_k, k_splits, first)
+    first += source.splits
+    sources.append(source)
+    arrays = [store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero]
+    if store.valid is not None:  # per-step holes [B, Hkv, C]: a unit layer axis (a bitcast, not a copy)
+      arrays.append(store.valid if store.valid.ndim == 4 else store.valid[None])
+    if store.v_channel_scale is not None:
+      arrays.append(store.v_channel_scale)
+    inputs.append(tuple(arrays))
+    bounds.append(jnp.broadcast_to(jnp.clip(store.length, 0, store.capacity)[:, None], (batch, kv_heads)))
 
-  segment_sources, kernel_segments = [], []
   for k, v, mask in segments:
     seg_len = k.shape[-2]
     block = max(16, min(block_s, _next_power_of_2(seg_len)))
     source = _split_plan(seg_len, block, s_splits, first, ragged=seg_len % block != 0, stacked=k.ndim == 5)
     first += source.splits
-    segment_sources.append(source)
+    sources.append(source)
     mask4 = mask if mask.ndim == 4 else mask[:, None]  # [B, Hkv or 1, T, S]
     # The loop stops after the last key any row of (b, h) may see (one small reduction over the mask).
     last = jnp.max(jnp.where(mask4, jnp.arange(1, seg_len + 1, dtype=jnp.int32), 0), axis=(2, 3))
     bounds.append(jnp.broadcast_to(last, (batch, kv_heads)))
     if k.ndim == 4:  # a per-step segment: a unit layer axis (a bitcast, not a copy)
       k, v = k[None], v[None]
-    kernel_segments.append((k, v, mask4.astype(jnp.int8)))
+    inputs.append((k, v, mask4.astype(jnp.int8)))
 
   n_rows = t_rows * q_per_kv
   q_rows = q.reshape(batch, kv_heads, n_rows, head_dim)
   o, l, m, *logits = _decode_attention_partials(
-      layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, store, tuple(kernel_segments),
-      store_source=store_source, segment_sources=tuple(segment_sources), q_per_kv=q_per_kv,
-      t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, num_warps=num_warps, num_stages=num_stages,
-      interpret=interpret)
+      layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, tuple(inputs), sources=tuple(sources),
+      q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, num_warps=num_warps,
+      num_stages=num_stages, interpret=interpret)
 
   # Exact softmax merge of the partials; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)
@@ -612,12 +652,15 @@ def decode_attention(
 
   mass = None
   if mass_rows:
-    store_mass = tuple(
-        _token_mass(logits.pop(0), lse, jnp.broadcast_to(s.slot_mask(layer[0])[:, :, None], (
-            batch, kv_heads, t_rows, s.capacity)), q_per_kv, mass_rows, from_logits=True) for s in stores)
+    # A store's keys past its length were never visited (their logits are unwritten); holes below it got
+    # MASK_VALUE from the kernel, so the stacked holes mask is never sliced here.
+    below_length = lambda s: jnp.broadcast_to(
+        (jnp.arange(s.capacity)[None, :] < s.length[:, None])[:, None, None, :], (batch, 1, t_rows, s.capacity))
+    store_mass = tuple(_token_mass(store_logits, lse, below_length(s), q_per_kv, mass_rows, from_logits=True)
+                       for store_logits, s in zip(logits, stores))
     segment_mass = tuple(
         _token_mass(seg_logits, lse, mask if mask.ndim == 4 else mask[:, None], q_per_kv, mass_rows, True)
-        for seg_logits, (_, _, mask) in zip(logits, segments))
+        for seg_logits, (_, _, mask) in zip(logits[len(stores):], segments))
     mass = (store_mass, segment_mass)
   return _results(o, lse, mass, return_lse=return_lse, mass_rows=mass_rows)
 

@@ -178,22 +178,29 @@ def unpack_last_axis(words, *, bits: int):
 
 
 def dequantize_packed_last_axis(words, scale, zero, *, bits: int, group_size: int, dtype):
-  """Unpack and dequantize in one pass: words [..., n] with scale, zero [..., n * P / G] -> [..., n * P] in dtype.
+  """Unpack and dequantize in one pass: words [..., n] with scale, zero [..., max(1, n * P / G)] -> [..., n * P].
 
   The in-register form the kernels use. It equals ``dequantize(unpack_last_axis(words), ...)`` exactly, but is
   shaped for a GPU: the scales are broadcast per word (G / P words share one) rather than per code, so the
   only full-size reshape is the last one; and a code becomes a float as the bits of 2**23 + c minus 2**23,
-  full-rate integer and float ops, where an int-to-float conversion runs at a quarter of the rate.
+  full-rate integer and float ops, where an int-to-float conversion runs at a quarter of the rate. A tile that
+  lies inside one group (G >= n * P: a kernel block shorter than a key group) takes that group's one scale and
+  zero column [..., 1], broadcast over every word without a reshape.
   """
   per_word = 32 // bits
   *lead, n = words.shape
-  words_per_group = group_size // per_word
-  s = jnp.broadcast_to(scale.astype(jnp.float32)[..., None], (*lead, n // words_per_group, words_per_group))
-  z = jnp.broadcast_to(zero.astype(jnp.float32)[..., None], (*lead, n // words_per_group, words_per_group))
+  groups = max(1, n * per_word // group_size)
+
+  def per_word_values(a):  # [..., groups] -> [..., n]: each group's value on each of its words, in fp32
+    a = a.astype(jnp.float32)
+    if groups == 1:
+      return jnp.broadcast_to(a, (*lead, n))
+    return jnp.broadcast_to(a[..., None], (*lead, groups, n // groups)).reshape(*lead, n)
+
   shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
   codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)  # [..., n, P]
   c = jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-  x = c * s.reshape(*lead, n)[..., None] + z.reshape(*lead, n)[..., None]
+  x = c * per_word_values(scale)[..., None] + per_word_values(zero)[..., None]
   return x.reshape(*lead, n * per_word).astype(dtype)
 
 
