@@ -190,17 +190,16 @@ def dequantize_packed_last_axis(words, scale, zero, *, bits: int, group_size: in
   per_word = 32 // bits
   *lead, n = words.shape
   groups = max(1, n * per_word // group_size)
-
-  def per_word_values(a):  # [..., groups] -> [..., n]: each group's value on each of its words, in fp32
-    a = a.astype(jnp.float32)
-    if groups == 1:
-      return jnp.broadcast_to(a, (*lead, n))
-    return jnp.broadcast_to(a[..., None], (*lead, groups, n // groups)).reshape(*lead, n)
-
+  if groups == 1:  # the tile lies inside one group: its one column on every word
+    s = jnp.broadcast_to(scale.astype(jnp.float32), (*lead, n))
+    z = jnp.broadcast_to(zero.astype(jnp.float32), (*lead, n))
+  else:
+    s = jnp.broadcast_to(scale.astype(jnp.float32)[..., None], (*lead, groups, n // groups))
+    z = jnp.broadcast_to(zero.astype(jnp.float32)[..., None], (*lead, groups, n // groups))
   shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
   codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)  # [..., n, P]
   c = jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-  x = c * per_word_values(scale)[..., None] + per_word_values(zero)[..., None]
+  x = c * s.reshape(*lead, n)[..., None] + z.reshape(*lead, n)[..., None]
   return x.reshape(*lead, n * per_word).astype(dtype)
 
 
