@@ -1,0 +1,349 @@
+"""``specache``: SpeCache (ICML 2025): the full 16-bit K/V in host memory, a low-bit KIVI copy on the device, and a
+speculative row per decode step that chooses which 16-bit rows the next step attends.
+
+Spec: shared/specs/specache.md. What one decode step does, per layer (§2.3-2.6):
+
+- it carries two rows: the real token at position n and the speculative token at n + 1 (the greedy output of the
+  previous step's speculative row, ``CacheMethod.speculative_rows``); only the real row's K/V is stored, in the
+  low-bit copy (``Kivi`` with residual R, bits 1 or 2) and in the host copy;
+- both rows attend over every held token at its best precision: the k rows per (sequence, KV head) fetched from
+  the host for this step in 16 bits, the residual window in full precision, every other token dequantized; the
+  fetched positions are holes in the store (or in the window, for keys quantized while their value is still exact)
+  and one segment of their own, so the one softmax runs over exactly the mixed cache (§2.3's patch, by masks);
+- the speculative row's attention probabilities, summed over the g query heads of each KV head (the spec's GQA
+  mean, same ranking), pick the top k positions among those whose key the next step reads quantized, [0, bK) of
+  the next step: the rows it attends in 16 bits. (The spec's candidates are this step's [0, bK); taking the next
+  step's boundary also covers the R keys a flush quantizes in between, whose scores this step has from their
+  exact copies, so k >= every candidate is exact at every step, flushes included.)
+
+Before the first step the pre-decode pass (``pre_decode``) runs the first generated token over the low-bit cache
+alone and picks the first top-k; it stores nothing.
+
+The host/device boundary is ``fetch_rows`` and the two host writes below it. Verified on CPU with jax 0.10.2
+(both memory kinds exist there): a jnp gather whose operand is a ``pinned_host`` array and whose indices are
+device arrays is refused at trace time ("memory_space of all inputs passed to `gather` must be the same"), as the
+spec found on an H100; moving the indices to host memory first (``jax.device_put(idx, jax.memory.Space.Host)``)
+makes it a host-side gather that traces and returns the right rows, and ``dynamic_update_slice`` into a
+``pinned_host`` array (donated, inside ``lax.scan`` carries too) of an update moved to host memory writes in place.
+On a GPU (impl "pallas") the fetch is a Pallas kernel reading the ``pinned_host`` operand in place (spec §7.1:
+zero-copy, bit-exact on an H100). Which is faster there, fetching for step t + 1 during step t into a device
+buffer (``prefetch=True``) or fetching at use time inside step t + 1 (``prefetch=False``), is measured by
+benchmarks/specache_decode.py; both give the same rows and outputs.
+
+The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
+top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
+heads, layers, sequences and steps.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jkv.attention import decode_attention
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.cache_arrays import write_layer
+from jkv.config import DTYPES
+from jkv.methods.kivi import Kivi, KiviState
+from jkv.methods.registry import register
+from jkv_kernels.dequant_attention import triton_compiler_params
+
+SPECACHE_BITS = (1, 2)
+
+
+# ------------------------------------------------------------------------------------------------- host boundary
+
+def to_host(x):
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x):
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
+def host_write_layer(buf, layer, x):
+  """Write x [B, ...] (device) into the host array buf [L, B, ...] at ``layer``, from index 0 on every axis."""
+  return jax.lax.dynamic_update_slice(buf, to_host(x[None].astype(buf.dtype)), (layer,) + (0,) * x.ndim)
+
+
+def host_write_rows(buf, layer, rows, positions):
+  """Write one row per sequence, rows [B, H, 1, W] (device), into the host array buf [L, B, H, C, W] at ``layer``,
+  at positions [B]: one in-place ``dynamic_update_slice`` per sequence (the form verified on host arrays; a
+  scatter into host memory is not)."""
+  rows = to_host(rows.astype(buf.dtype))
+  for b in range(rows.shape[0]):
+    buf = jax.lax.dynamic_update_slice(buf, rows[b][None, None], (layer, b, 0, positions[b], 0))
+  return buf
+
+
+def fetch_rows(host_kv, layer, idx, impl: str):
+  """Rows idx [B, H, k] int32 of the host array host_kv [L, B, H, C, 2D] at ``layer`` -> [B, H, k, 2D] on the
+  device. Indices past C are clamped (the caller masks them).
+
+  impl "pallas" (a GPU): the Pallas kernel reads the pinned-host operand in place. Otherwise one gather in host
+  memory with host-resident flat row indices (the form jax traces; see the module docstring), then one
+  host-to-device copy of the k rows.
+  """
+  if impl == "pallas":
+    return gather_rows_pallas(host_kv, layer, idx)
+  L, B, H, C, W = host_kv.shape
+  flat = ((layer * B + jnp.arange(B)[:, None, None]) * H + jnp.arange(H)[None, :, None]) * C + jnp.clip(idx, 0, C - 1)
+  rows = jnp.take(host_kv.reshape(L * B * H * C, W), to_host(flat.astype(jnp.int32)), axis=0, mode="clip")
+  return to_device(rows)
+
+
+def _gather_rows_kernel(
+    layer_ref,  # [1] int32
+    idx_ref,    # [k] int32 rows of this (b, h)
+    kv_ref,     # [L, C, W]: every layer of this (b, h); only the k rows are read
+    out_ref,    # [k, W]
+):
+  out_ref[...] = kv_ref[layer_ref[0], idx_ref[...], :]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def gather_rows_pallas(kv, layer, idx, interpret: bool = False):
+  """kv [L, B, H, C, W] (any memory kind) at ``layer``, rows idx [B, H, k] -> [B, H, k, W] (Pallas, Triton
+  lowering; grid over (B, H)). idx is clamped to [0, C) and padded to a power of two of at least 16 rows."""
+  L, B, H, C, W = kv.shape
+  k = idx.shape[-1]
+  rows = max(16, 1 << (k - 1).bit_length())
+  idx = jnp.pad(jnp.clip(idx, 0, C - 1).astype(jnp.int32), ((0, 0), (0, 0), (0, rows - k)))
+  out = pl.pallas_call(
+      _gather_rows_kernel,
+      grid=(B, H),
+      in_specs=[
+          pl.BlockSpec((1,), lambda b, h: (0,)),                                  # layer
+          pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0)),               # idx
+          pl.BlockSpec((L, None, None, C, W), lambda b, h: (0, b, h, 0, 0)),      # kv
+      ],
+      out_specs=pl.BlockSpec((None, None, rows, W), lambda b, h: (b, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, H, rows, W), kv.dtype),
+      compiler_params=triton_compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name=f"specache_gather_rows_{rows=}_{W=}",
+  )(jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1).reshape(1), idx, kv)
+  return out[:, :, :k]
+
+
+# ------------------------------------------------------------------------------------------------- the method
+
+@struct.dataclass
+class SpeCacheState:
+  low: KiviState  # the low-bit copy on the device (KIVI layout; its residual window in full precision)
+  host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value
+  fetched_idx: jax.Array  # [L, B, H, k] int32: positions the next step attends from their 16-bit rows
+  fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
+  fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, prefetched (None when prefetch=False)
+  hit_sum: jax.Array  # [L, B] float32: per step, the fraction of the real row's top k that was fetched
+  hit_steps: jax.Array  # [L, B] float32: steps counted in hit_sum
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SpeCache(CacheMethod):
+  """SpeCache settings (spec §4): a ``bits``-bit KIVI copy with residual R on the device, ``top_k`` 16-bit rows
+  per (sequence, layer, KV head) fetched from host memory for each step."""
+
+  name = "specache"
+  speculative_rows = 1
+  bits: int = dataclasses.field(default=1, metadata={
+      "help": "code width of the low-bit copy's keys and values (1: the quarter-point quantizer)"})
+  top_k: int = dataclasses.field(default=64, metadata={
+      "help": "k: 16-bit rows fetched from host memory per sequence, layer and KV head for each step"})
+  group_size: int = dataclasses.field(default=32, metadata={
+      "help": "G: tokens per key group, channels per value group"})
+  residual: int = dataclasses.field(default=64, metadata={
+      "help": "R: keys are quantized every R tokens; the newest R values stay in full precision"})
+  meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+  prefetch: bool = dataclasses.field(default=True, metadata={
+      "help": "fetch the next step's rows during this step into a device buffer (else at use time)"})
+  hit_rate: bool = dataclasses.field(default=True, metadata={
+      "help": "measure the speculation hit rate (one more top-k per layer and step)"})
+
+  def __post_init__(self):
+    if self.bits not in SPECACHE_BITS:
+      raise ValueError(f"specache bits={self.bits} is not supported; choose one of "
+                       f"{', '.join(map(str, SPECACHE_BITS))}")
+    if self.top_k < 0:
+      raise ValueError(f"specache top_k={self.top_k} must be >= 0")
+    if self.meta_dtype not in DTYPES:
+      raise ValueError(f"specache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
+    try:  # the low-bit copy's own checks (group size, residual), named as this method's
+      self.low_bit
+    except ValueError as e:
+      raise ValueError(str(e).replace("kivi ", "specache ", 1)) from None
+
+  @property
+  def low_bit(self) -> Kivi:
+    """The low-bit copy: KIVI with the reference code's order (attend, then compress)."""
+    return Kivi(bits=self.bits, group_size=self.group_size, residual=self.residual, meta_dtype=self.meta_dtype)
+
+  def check(self, spec: CacheSpec) -> None:
+    try:
+      self.low_bit.check(spec)
+    except ValueError as e:
+      raise ValueError(str(e).replace("kivi ", "specache ", 1)) from None
+
+  def capacity_multiple(self) -> int:
+    return self.low_bit.capacity_multiple()
+
+  def advance(self, lengths, rows: int):
+    return lengths + rows - self.speculative_rows
+
+  def fetched_rows(self, spec: CacheSpec) -> int:
+    """k as allocated: at most the capacity (a short cache fetches every candidate)."""
+    return min(self.top_k, spec.capacity)
+
+  # ---------------------------------------------------------------------------------------------- state
+
+  def abstract(self, spec: CacheSpec) -> SpeCacheState:
+    L, B, H, C, D = spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim
+    k = self.fetched_rows(spec)
+    lead = ("layers", "batch", "kv_heads")
+    fetched = lambda dtype, *rest: ArrayInfo((L, B, H, k) + rest, dtype, lead + ("fetched",) + ("kv_channels",) * len(rest))
+    counter = ArrayInfo((L, B), jnp.float32, ("layers", "batch"))
+    return SpeCacheState(
+        low=self.low_bit.abstract(spec),
+        host_kv=ArrayInfo((L, B, H, C, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"), memory_kind="pinned_host"),
+        fetched_idx=fetched(jnp.int32),
+        fetched_ok=fetched(jnp.bool_),
+        fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch else None,
+        hit_sum=counter,
+        hit_steps=counter,
+    )
+
+  # ---------------------------------------------------------------------------------------------- calls
+
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    """The prompt into the low-bit copy (KIVI's prefill) and, whole, into host memory. Nothing is fetched yet:
+    the first top-k comes from the pre-decode pass."""
+    low = self.low_bit.prefill(state.low, layer, q, k, v, ctx)
+    # Padding stays out of the host copy (zeros, as allocated), so it holds real rows only.
+    real = (ctx.positions >= 0)[:, None, :, None]
+    rows = jnp.where(real, jnp.concatenate([k, v], axis=-1), 0)
+    return state.replace(low=low, host_kv=host_write_layer(state.host_kv, layer, rows))
+
+  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,
+    nothing fetched and nothing stored (spec §2.4); its probabilities pick the first step's rows."""
+    n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
+    own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
+    out, scores = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
+    if k_rows:
+      chosen = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      state = self._keep(state, layer, *chosen, ctx.impl)
+    return out, state
+
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    """Rows [real, speculative] at positions [n, n + 1] (q [B, H, 2, g, D]); stores the real row only."""
+    if k.shape[2] != 1 + self.speculative_rows:
+      raise ValueError(f"specache steps carry the real row and one speculative row, got {k.shape[2]} rows")
+    n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
+    low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl)
+    host_kv = host_write_rows(state.host_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1), n)
+    fetched = None
+    if k_rows:
+      idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
+      fetched = (idx, ok, state.fetched_kv[layer] if self.prefetch else fetch_rows(host_kv, layer, idx, ctx.impl))
+    # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
+    own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
+    mass_rows = ((0, 1) if self.hit_rate else (1,)) if k_rows else ()
+    out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
+    state = state.replace(low=low, host_kv=host_kv)
+    if k_rows:
+      if self.hit_rate:
+        state = self._count_hits(state, layer, idx, ok, scores[:, :, 0], self.low_bit.key_boundary(n + 1))
+      chosen = self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows)
+      state = self._keep(state, layer, *chosen, ctx.impl)
+    return out, state
+
+  # ---------------------------------------------------------------------------------------------- parts
+
+  def _attend(self, low, layer, q, q_positions, lengths, fetched, own, mass_rows, impl):
+    """One softmax over the mixed cache of a step holding ``lengths`` [B] tokens, plus the rows' own K/V ``own``
+    (k, v [B, H, r, D], mask [B, T, r]); fetched = (idx [B, H, k], ok [B, H, k], rows [B, H, k, 2D]) or None.
+
+    Returns out [B, H, T, g, D] and scores [B, H, len(mass_rows), C] float32: each position's probability from
+    each chosen row, summed over the g query heads, at whichever precision it was read (None with no rows).
+    """
+    kivi = self.low_bit
+    win, k_win, v_win, in_window = kivi.window(low, layer, lengths)
+    B, H, T = q.shape[:3]
+    C, D = low.v_codes.shape[3], k_win.shape[-1]
+    win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])  # [B, T, W]
+    valid = None
+    segments = []
+    if fetched is not None:
+      idx, ok, rows = fetched
+      b_i, h_i = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+      # A fetched position is read from its 16-bit row alone: a hole in the store, or out of the window (a key
+      # quantized while its value is still exact). Indices are unique (top_k), so the scatter has no conflicts.
+      valid = ~jnp.zeros((B, H, C), bool).at[b_i, h_i, idx].set(ok)
+      in_fetched = jnp.any((win[:, None, :, None] == idx[:, :, None, :]) & ok[:, :, None, :], axis=-1)  # [B, H, W]
+      win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
+      rows = rows.astype(q.dtype)
+      segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(ok[:, :, None, :], (B, H, T, ok.shape[-1]))))
+    segments = [(k_win.astype(q.dtype), v_win, win_mask)] + segments + [own]
+    store = kivi.store(low, kivi.value_boundary(lengths), valid)
+    if not mass_rows:
+      return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl), None
+    out, ((store_mass,), segment_mass) = decode_attention(q, layer, stores=(store,), segments=tuple(segments),
+                                                         impl=impl, token_mass_rows=mass_rows)
+    b_i, h_i = jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None]
+    r_i = jnp.arange(len(mass_rows))[None, None, :, None]
+    scores = store_mass.at[b_i, h_i, r_i, win[:, None, None, :]].add(segment_mass[0])
+    if fetched is not None:
+      scores = scores.at[b_i, h_i, r_i, idx[:, :, None, :]].add(segment_mass[1])
+    return out, scores
+
+  @staticmethod
+  def _select(scores, bound, k: int):
+    """Top k positions [B, H, k] of scores [B, H, C] among [0, bound) (bound [B]), and which are real."""
+    candidate = jnp.arange(scores.shape[-1])[None, None, :] < bound[:, None, None]
+    _, idx = jax.lax.top_k(jnp.where(candidate, scores, -1.0), k)  # probabilities are >= 0 > -1
+    return idx.astype(jnp.int32), idx < bound[:, None, None]
+
+  def _keep(self, state, layer, idx, ok, impl):
+    """Record the positions the next step attends in 16 bits and, with prefetch, fetch their rows now."""
+    state = state.replace(fetched_idx=write_layer(state.fetched_idx, layer, idx),
+                          fetched_ok=write_layer(state.fetched_ok, layer, ok))
+    if self.prefetch:
+      state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, fetch_rows(state.host_kv, layer, idx, impl)))
+    return state
+
+  def _count_hits(self, state, layer, idx, ok, real_scores, bound):
+    """Add this step's hit fraction per sequence: |fetched ∩ top k of the real row| / min(k, candidates), over
+    the candidates the fetched set was chosen from (this step's [0, bK)), averaged over KV heads."""
+    top, top_ok = self._select(real_scores, bound, idx.shape[-1])
+    hits = jnp.sum((idx[..., :, None] == top[..., None, :]) & ok[..., :, None] & top_ok[..., None, :], axis=(-2, -1))
+    slots = jnp.sum(top_ok, axis=-1)  # [B, H], equal across heads
+    counted = slots[:, 0] > 0
+    frac = jnp.mean(hits / jnp.maximum(slots, 1), axis=1)
+    return state.replace(hit_sum=state.hit_sum.at[layer].add(jnp.where(counted, frac, 0.0)),
+                         hit_steps=state.hit_steps.at[layer].add(counted.astype(jnp.float32)))
+
+  # ---------------------------------------------------------------------------------------------- reports
+
+  def decode_stats(self, state) -> dict:
+    if not self.hit_rate:
+      return {}
+    steps = float(np.sum(np.asarray(state.hit_steps)))
+    return {"speculation_hit_rate": float(np.sum(np.asarray(state.hit_sum))) / steps if steps else None}
+
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    """Device: the low-bit copy (KIVI's count at residual R), the k fetched 16-bit K/V rows per layer and KV head
+    with their positions and flags, and the hit counters; the spec's 2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer
+    plus those few index bytes. Host: every stored token's K and V in the model dtype."""
+    del state
+    n = np.asarray(lengths, np.int64)
+    L, H, D = spec.num_layers, spec.kv_heads, spec.head_dim
+    act = jnp.dtype(spec.dtype).itemsize
+    low = self.low_bit.held_bytes(spec, None, n)
+    fetched = L * len(n) * H * self.fetched_rows(spec) * (2 * D * act + 4 + 1)
+    counters = L * len(n) * 2 * 4
+    return HeldBytes(device=low.device + fetched + counters, host=int(2 * L * H * D * act * n.sum()))

@@ -1,0 +1,301 @@
+"""SpeCache (spec shared/specs/specache.md §8): exactness with every candidate fetched, k = 0 is KIVI, the real row
+never depends on the speculative one, fetched rows are the host rows bit for bit, batch rows are independent, the
+host copy holds exactly the real rows, memory accounting, and the model paths (generate, perplexity).
+
+Method-level tests drive prefill, pre-decode and steps by hand with random q, k, v (the real row at position p
+takes q, k, v of p; the speculative row at p + 1 takes unrelated random ones) and compare with
+``gqa_attention_reference`` over exact K/V or with a ``Kivi`` run on the same rows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv import generate as gen
+from jkv.cache import CacheSpec, KVCache, StepContext
+from jkv.evaluation import perplexity as ppl_lib
+from jkv.methods import make_method
+from jkv.methods.kivi import Kivi
+from jkv.methods.specache import SpeCache, fetch_rows, gather_rows_pallas
+from jkv.model import forward_no_cache
+from jkv_kernels.attention_reference import gqa_attention_reference
+from conftest import random_prompts
+
+H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
+
+
+def _spec(batch, capacity, layers=2):
+  return CacheSpec(num_layers=layers, batch=batch, capacity=capacity, kv_heads=H, head_dim=D, q_per_kv=G_Q,
+                   dtype=jnp.float32)
+
+
+def _data(rng, batch, n):
+  """Real rows q [B, H, n, g, D], k, v [B, H, n, D] (an outlier key channel, as real keys have) and speculative
+  rows of the same shapes."""
+  def rows():
+    k = rng.normal(size=(batch, H, n, D)).astype(np.float32)
+    k[..., 5] *= 8.0
+    return (rng.normal(size=(batch, H, n, G_Q, D)).astype(np.float32), k,
+            rng.normal(size=(batch, H, n, D)).astype(np.float32))
+  return rows(), rows()
+
+
+def _at(x, pos):
+  """x [B, H, n, ...] at per-sequence positions pos [B] -> [B, H, 1, ...]."""
+  return np.stack([x[b, :, p] for b, p in enumerate(pos)])[:, :, None]
+
+
+# Compiling a method's three calls takes most of this file's time, so tests share these configurations (and one
+# batch shape) and the drivers below are cached per method.
+FEW = SpeCache(top_k=8, residual=32)  # 1-bit, k = 8
+EVERY = SpeCache(top_k=256, residual=32)  # k >= every candidate of a 256-token cache
+
+
+class Driver:
+  """Prefill, pre-decode and jitted steps of one method at one layer."""
+
+  def __init__(self, method, layer=1, impl="xla"):
+    self.method, self.layer, self.impl = method, layer, impl
+
+    @jax.jit
+    def prefill(state, k, v, lengths):
+      positions = jnp.where(jnp.arange(k.shape[2])[None] < lengths[:, None], jnp.arange(k.shape[2])[None], -1)
+      return method.prefill(state, layer, None, k, v, StepContext(lengths=lengths, positions=positions, impl=impl))
+
+    @jax.jit
+    def pre_decode(state, q, k, v, held):
+      ctx = StepContext(lengths=held, positions=held[:, None], impl=impl)
+      return method.pre_decode(state, layer, q, k, v, ctx)
+
+    @jax.jit
+    def step(state, q, k, v, held):
+      ctx = StepContext(lengths=held, positions=held[:, None] + jnp.arange(k.shape[2])[None], impl=impl)
+      return method.step(state, layer, q, k, v, ctx)
+
+    self._prefill, self._pre_decode, self._step = prefill, pre_decode, step
+
+  def start(self, spec, k, v, lengths):
+    return self._prefill(self.method.init(spec), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths, jnp.int32))
+
+  def pre_decode(self, state, q, k, v, held):
+    return self._pre_decode(state, *map(jnp.asarray, (q, k, v)), jnp.asarray(held, jnp.int32))
+
+  def step(self, state, q, k, v, held):
+    return self._step(state, *map(jnp.asarray, (q, k, v)), jnp.asarray(held, jnp.int32))
+
+
+_DRIVERS = {}
+
+
+def _driver(method) -> Driver:
+  if method not in _DRIVERS:
+    _DRIVERS[method] = Driver(method)
+  return _DRIVERS[method]
+
+
+def _run(method, real, spec_rows, lengths, steps, capacity=256):
+  """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns the real row's output
+  per step [steps, B, H, 1, g, D] and the states after pre-decode and after each step."""
+  q, k, v = real
+  sq, sk, sv = spec_rows
+  lengths = np.asarray(lengths)
+  B = len(lengths)
+  driver = _driver(method)
+  state = driver.start(_spec(B, capacity), k[:, :, :lengths.max()], v[:, :, :lengths.max()], lengths)
+  if isinstance(method, SpeCache):
+    _, state = driver.pre_decode(state, _at(q, lengths), _at(k, lengths), _at(v, lengths), lengths)
+  outs, states = [], [state]
+  for t in range(steps):
+    pos = lengths + t
+    rows = lambda real_x, spec_x: np.concatenate([_at(real_x, pos), _at(spec_x, pos + 1)], axis=2)
+    if isinstance(method, SpeCache):
+      out, state = driver.step(state, rows(q, sq), rows(k, sk), rows(v, sv), pos)
+    else:
+      out, state = driver.step(state, _at(q, pos), _at(k, pos), _at(v, pos), pos)
+    outs.append(np.asarray(out[:, :, :1]))
+    states.append(state)
+  return np.stack(outs), states
+
+
+def _dense(real, pos):
+  """Exact attention of the real row at positions pos [B] over positions [0, pos]."""
+  q, k, v = real
+  mask = jnp.arange(k.shape[2])[None, None, :] <= jnp.asarray(pos)[:, None, None]
+  return np.asarray(gqa_attention_reference(jnp.asarray(_at(q, pos)), jnp.asarray(k), jnp.asarray(v), mask))
+
+
+def test_every_candidate_fetched_is_dense_attention():
+  """Spec §8.5: with k >= every quantized key, every step equals exact attention, across key flushes (R = 32,
+  including the keys a flush quantizes between two steps) and value-window slides, for a ragged batch."""
+  rng = np.random.default_rng(1)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths, steps = np.array([70, 131]), 40
+  outs, _ = _run(EVERY, real, spec_rows, lengths, steps)
+  for t in range(steps):
+    np.testing.assert_allclose(outs[t], _dense(real, lengths + t), rtol=2e-5, atol=2e-5)
+  # with a small k the 1-bit approximation shows (so the comparison above can fail)
+  few, _ = _run(FEW, real, spec_rows, lengths, 3)
+  assert np.max(np.abs(few[-1] - _dense(real, lengths + 2))) > 1e-2
+
+
+def test_k_zero_is_kivi():
+  """Spec §8.6: with k = 0 the real row's output equals KIVI's at the same bits (1, the quarter-point quantizer),
+  group size and residual, across flushes."""
+  rng = np.random.default_rng(11)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths = np.array([45, 100])
+  spe, _ = _run(SpeCache(top_k=0, residual=32), real, spec_rows, lengths, 36)
+  kivi, _ = _run(Kivi(bits=1, residual=32), real, spec_rows, lengths, 36)
+  np.testing.assert_allclose(spe, kivi, rtol=1e-6, atol=1e-6)
+
+
+def test_speculative_row_never_changes_the_real_row():
+  """Spec §8.8: the same state stepped with two different speculative rows gives the same real-row output and
+  stores the same low-bit and host state; only the choice of the next rows may differ."""
+  rng = np.random.default_rng(3)
+  real, spec_a = _data(rng, 2, 256)
+  _, spec_b = _data(rng, 2, 256)
+  driver = _driver(FEW)
+  lengths = np.array([90, 150])
+  _, states = _run(FEW, real, spec_a, lengths, 5)
+  state, pos = states[-1], lengths + 5
+  q, k, v = real
+  outs = []
+  for sq, sk, sv in (spec_a, spec_b):
+    rows = lambda real_x, spec_x: np.concatenate([_at(real_x, pos), _at(spec_x, pos + 1)], axis=2)
+    outs.append(driver.step(state, rows(q, sq), rows(k, sk), rows(v, sv), pos))
+  (out_a, state_a), (out_b, state_b) = outs
+  np.testing.assert_array_equal(np.asarray(out_a[:, :, 0]), np.asarray(out_b[:, :, 0]))
+  assert not np.allclose(np.asarray(out_a[:, :, 1]), np.asarray(out_b[:, :, 1]))
+  for a, b in zip(jax.tree.leaves(state_a.low) + [state_a.host_kv], jax.tree.leaves(state_b.low) + [state_b.host_kv]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(state_a.fetched_idx), np.asarray(state_b.fetched_idx))
+
+
+def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
+  """Spec §8.10 and §8.12: after prefill, pre-decode and every step, the host copy holds exactly the real rows'
+  K | V at their positions (the speculative rows never), the chosen positions are unique and quantized
+  ([0, bK) of the next step), the prefetched rows equal the host rows at them bit for bit, and fetching at use
+  time gives the same outputs as prefetching."""
+  rng = np.random.default_rng(4)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths = np.array([66, 129])
+  outs, states = _run(FEW, real, spec_rows, lengths, 12)
+  _, k, v = real
+  for t, state in enumerate(states):
+    held = lengths + t
+    host = np.asarray(state.host_kv[1])
+    idx, ok = np.asarray(state.fetched_idx[1]), np.asarray(state.fetched_ok[1])
+    bound = np.asarray(FEW.low_bit.key_boundary(jnp.asarray(held + 1)))
+    for b in range(2):
+      np.testing.assert_array_equal(host[b, :, :held[b]], np.concatenate([k, v], -1)[b, :, :held[b]])
+      assert not np.any(host[b, :, held[b]:])  # nothing past the real rows: the speculative rows are never stored
+      assert np.all(ok[b] == (idx[b] < bound[b])) and ok[b].sum() == H * min(8, bound[b])
+      for h in range(H):
+        assert len(set(idx[b, h][ok[b, h]])) == ok[b, h].sum()
+        np.testing.assert_array_equal(np.asarray(state.fetched_kv[1])[b, h][ok[b, h]], host[b, h, idx[b, h][ok[b, h]]])
+    assert not np.any(np.asarray(state.host_kv[0]))  # the other layer was never written
+  at_use, _ = _run(SpeCache(top_k=8, residual=32, prefetch=False), real, spec_rows, lengths, 12)
+  np.testing.assert_array_equal(outs, at_use)
+
+
+def test_batch_rows_are_independent():
+  """Spec §8.11: a sequence's outputs and chosen rows do not depend on its batch neighbour: sequences of
+  different lengths (crossing flushes at different steps), then the same sequences in swapped slots beside
+  each other, then each beside a different sequence, give the same per-sequence results."""
+  rng = np.random.default_rng(5)
+  (q, k, v), (sq, sk, sv) = _data(rng, 3, 256)
+  pick = lambda rows, order: tuple(x[order] for x in rows)
+  real, spec_rows = (q, k, v), (sq, sk, sv)
+  lengths = np.array([33, 97, 160])
+  runs = {}
+  for order in ([0, 1], [1, 0], [0, 2], [2, 1]):
+    outs, states = _run(FEW, pick(real, order), pick(spec_rows, order), lengths[order], 34)
+    for slot, seq in enumerate(order):
+      runs.setdefault(seq, []).append((outs[:, slot], np.asarray(states[-1].fetched_idx[:, slot])))
+  for seq, results in runs.items():
+    for out, idx in results[1:]:
+      np.testing.assert_allclose(out, results[0][0], rtol=1e-6, atol=1e-6)
+      np.testing.assert_array_equal(idx, results[0][1])
+
+
+def test_fetch_paths_agree_bit_for_bit():
+  """The host-memory gather (CPU path) and the Pallas gather kernel (interpret mode, device operand) return the
+  rows of a numpy gather exactly, at any layer, with out-of-range indices clamped."""
+  rng = np.random.default_rng(6)
+  kv = rng.normal(size=(3, 2, 2, 96, 2 * D)).astype(np.float32)
+  idx = rng.integers(0, 96, size=(2, 2, 5)).astype(np.int32)
+  idx[0, 0, 0] = 200
+  want = np.take_along_axis(kv[2], np.minimum(idx, 95)[..., None], axis=2)
+  host = jax.device_put(kv, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+  got = jax.jit(lambda x, i: fetch_rows(x, jnp.int32(2), i, "xla"))(host, jnp.asarray(idx))
+  assert got.sharding.memory_kind == "device"
+  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(gather_rows_pallas(jnp.asarray(kv), 2, jnp.asarray(idx), interpret=True)),
+                                want)
+
+
+def test_memory_matches_the_spec_size_column():
+  """Spec §3: device bytes / fp16 bytes at the model's maximum context reproduce the paper's "KV cache size"
+  column to two decimals (1- and 2-bit, G = 32 and 64, R = k = 64); host bytes are the whole fp16 cache; the
+  state really sits in those memory kinds."""
+  paper = {("mistral", 2, 32): 0.19, ("mistral", 2, 64): 0.16, ("mistral", 1, 32): 0.13, ("mistral", 1, 64): 0.10,
+           ("llama3", 2, 32): 0.20, ("llama3", 2, 64): 0.17, ("llama3", 1, 32): 0.14, ("llama3", 1, 64): 0.11}
+  contexts = {"mistral": 32768, "llama3": 8192}
+  for (model, bits, group), size in paper.items():
+    n = contexts[model]
+    spec = CacheSpec(num_layers=32, batch=1, capacity=n, kv_heads=8, head_dim=128, q_per_kv=4, dtype=jnp.float16)
+    held = SpeCache(bits=bits, group_size=group).held_bytes(spec, None, np.array([n]))
+    fp16 = 2 * 32 * 8 * 128 * 2 * n
+    assert round(held.device / fp16, 2) == size, (model, bits, group, held.device / fp16)
+    assert held.host == fp16
+  cache = KVCache.create(SpeCache(top_k=8, residual=32), _spec(2, 64))
+  assert cache.state.host_kv.sharding.memory_kind == "pinned_host"
+  assert cache.state.low.k_codes.sharding.memory_kind == "device"
+  allocated = cache.allocated_bytes()
+  assert allocated.host == 2 * 2 * H * 64 * 2 * D * 4
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bits=4), "specache bits=4 is not supported"),
+    (dict(top_k=-1), "top_k=-1 must be >= 0"),
+    (dict(residual=48), "specache residual=48 must be a multiple of group_size=32"),
+    (dict(group_size=48, residual=96), "specache group_size=48 must be a multiple of 32"),
+    (dict(group_size=128, residual=128), "specache group_size=128 does not divide the head dim 64"),
+])
+def test_invalid_settings_are_rejected(options, message):
+  with pytest.raises(ValueError, match=message):
+    KVCache.create(make_method("specache", **options), _spec(1, 256))
+
+
+def test_generate_and_perplexity_through_the_model(tiny_llama):
+  """Model level, against the no-cache forward pass: with k >= every candidate, generate's greedy tokens are the
+  argmax of exact logits at every step (two rows per step, pre-decode, a key flush at R = 32 on the way) and
+  teacher-forced perplexity equals exact; the stats report the hit rate (1 when everything is fetched), the
+  speculative token's match rate, and host bytes (the whole 16-bit cache) apart from device bytes."""
+  _, m = tiny_llama
+  cfg = m.config
+  prompts = random_prompts(cfg.vocab_size, [40, 90], seed=7)
+  res = gen.generate(m.params, cfg, prompts, method=SpeCache(top_k=512, residual=32), max_new_tokens=24,
+                     eos_ids=(), chunk=8)
+  width = max(len(p) for p in prompts) + 23
+  seqs = np.zeros((2, width), np.int32)  # right padding never reaches an earlier token
+  for b, (p, out) in enumerate(zip(prompts, res.tokens)):
+    seqs[b, :len(p) + 23] = p + out[:23]
+  logits = np.asarray(forward_no_cache(m.params, cfg, jnp.asarray(seqs)))
+  for b, (p, out) in enumerate(zip(prompts, res.tokens)):
+    assert out == np.argmax(logits[b, len(p) - 1:len(p) + 23], axis=-1).tolist()
+  stats = res.stats
+  assert stats["method_stats"]["speculation_hit_rate"] == 1.0
+  assert 0.0 <= stats["method_stats"]["speculative_token_match"] <= 1.0
+  assert stats["kv_host_bytes"] == stats["dense_kv_bytes"] and 0 < stats["kv_bytes"]
+
+  ids = np.random.default_rng(1).integers(2, cfg.vocab_size, 400).tolist()
+  plan = ppl_lib.WindowPlan(context=70, scored=20, num_windows=2, batch_size=2)
+  p = ppl_lib.perplexity(m.params, cfg, ids, method=SpeCache(top_k=512, residual=32), plan=plan, progress=False)
+  windows = np.stack([ids[s:s + plan.window] for s in p.starts])
+  logp = jax.nn.log_softmax(forward_no_cache(m.params, cfg, jnp.asarray(windows, jnp.int32)), axis=-1)
+  nll = -np.take_along_axis(np.asarray(logp)[:, 70:-1], windows[:, 71:, None], axis=-1)
+  assert p.nll == pytest.approx(float(nll.mean()), rel=1e-5)
+  assert p.method_stats["speculation_hit_rate"] == 1.0
