@@ -17,7 +17,7 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
-from jkv.methods.specache import SpeCache, fetch_rows, gather_rows_pallas
+from jkv.methods.specache import SpeCache, gather_host_rows, gather_rows_pallas
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 from conftest import random_prompts
@@ -48,8 +48,8 @@ def _at(x, pos):
 
 # Compiling a method's three calls takes most of this file's time, so tests share these configurations (and one
 # batch shape) and the drivers below are cached per method.
-FEW = SpeCache(top_k=8, residual=32)  # 1-bit, k = 8
-EVERY = SpeCache(top_k=256, residual=32)  # k >= every candidate of a 256-token cache
+FEW = SpeCache(fetch_rows=8, residual=32)  # 1-bit, k = 8
+EVERY = SpeCache(fetch_rows=256, residual=32)  # k >= every candidate of a 256-token cache
 
 
 class Driver:
@@ -145,7 +145,7 @@ def test_k_zero_is_kivi():
   rng = np.random.default_rng(11)
   real, spec_rows = _data(rng, 2, 256)
   lengths = np.array([45, 100])
-  spe, _ = _run(SpeCache(top_k=0, residual=32), real, spec_rows, lengths, 36)
+  spe, _ = _run(SpeCache(fetch_rows=0, residual=32), real, spec_rows, lengths, 36)
   kivi, _ = _run(Kivi(bits=1, residual=32), real, spec_rows, lengths, 36)
   np.testing.assert_allclose(spe, kivi, rtol=1e-6, atol=1e-6)
 
@@ -196,7 +196,7 @@ def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
         assert len(set(idx[b, h][ok[b, h]])) == ok[b, h].sum()
         np.testing.assert_array_equal(np.asarray(state.fetched_kv[1])[b, h][ok[b, h]], host[b, h, idx[b, h][ok[b, h]]])
     assert not np.any(np.asarray(state.host_kv[0]))  # the other layer was never written
-  at_use, _ = _run(SpeCache(top_k=8, residual=32, prefetch=False), real, spec_rows, lengths, 12)
+  at_use, _ = _run(SpeCache(fetch_rows=8, residual=32, prefetch=False), real, spec_rows, lengths, 12)
   np.testing.assert_array_equal(outs, at_use)
 
 
@@ -229,7 +229,7 @@ def test_fetch_paths_agree_bit_for_bit():
   idx[0, 0, 0] = 200
   want = np.take_along_axis(kv[2], np.minimum(idx, 95)[..., None], axis=2)
   host = jax.device_put(kv, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
-  got = jax.jit(lambda x, i: fetch_rows(x, jnp.int32(2), i, "xla"))(host, jnp.asarray(idx))
+  got = jax.jit(lambda x, i: gather_host_rows(x, jnp.int32(2), i, "xla"))(host, jnp.asarray(idx))
   assert got.sharding.memory_kind == "device"
   np.testing.assert_array_equal(np.asarray(got), want)
   np.testing.assert_array_equal(np.asarray(gather_rows_pallas(jnp.asarray(kv), 2, jnp.asarray(idx), interpret=True)),
@@ -250,7 +250,7 @@ def test_memory_matches_the_spec_size_column():
     fp16 = 2 * 32 * 8 * 128 * 2 * n
     assert round(held.device / fp16, 2) == size, (model, bits, group, held.device / fp16)
     assert held.host == fp16
-  cache = KVCache.create(SpeCache(top_k=8, residual=32), _spec(2, 64))
+  cache = KVCache.create(SpeCache(fetch_rows=8, residual=32), _spec(2, 64))
   assert cache.state.host_kv.sharding.memory_kind == "pinned_host"
   assert cache.state.low.k_codes.sharding.memory_kind == "device"
   allocated = cache.allocated_bytes()
@@ -259,7 +259,7 @@ def test_memory_matches_the_spec_size_column():
 
 @pytest.mark.parametrize("options, message", [
     (dict(bits=4), "specache bits=4 is not supported"),
-    (dict(top_k=-1), "top_k=-1 must be >= 0"),
+    (dict(fetch_rows=-1), "fetch_rows=-1 must be >= 0"),
     (dict(residual=48), "specache residual=48 must be a multiple of group_size=32"),
     (dict(group_size=48, residual=96), "specache group_size=48 must be a multiple of 32"),
     (dict(group_size=128, residual=128), "specache group_size=128 does not divide the head dim 64"),
@@ -277,7 +277,7 @@ def test_generate_and_perplexity_through_the_model(tiny_llama):
   _, m = tiny_llama
   cfg = m.config
   prompts = random_prompts(cfg.vocab_size, [40, 90], seed=7)
-  res = gen.generate(m.params, cfg, prompts, method=SpeCache(top_k=512, residual=32), max_new_tokens=24,
+  res = gen.generate(m.params, cfg, prompts, method=SpeCache(fetch_rows=512, residual=32), max_new_tokens=24,
                      eos_ids=(), chunk=8)
   width = max(len(p) for p in prompts) + 23
   seqs = np.zeros((2, width), np.int32)  # right padding never reaches an earlier token
@@ -293,7 +293,7 @@ def test_generate_and_perplexity_through_the_model(tiny_llama):
 
   ids = np.random.default_rng(1).integers(2, cfg.vocab_size, 400).tolist()
   plan = ppl_lib.WindowPlan(context=70, scored=20, num_windows=2, batch_size=2)
-  p = ppl_lib.perplexity(m.params, cfg, ids, method=SpeCache(top_k=512, residual=32), plan=plan, progress=False)
+  p = ppl_lib.perplexity(m.params, cfg, ids, method=SpeCache(fetch_rows=512, residual=32), plan=plan, progress=False)
   windows = np.stack([ids[s:s + plan.window] for s in p.starts])
   logp = jax.nn.log_softmax(forward_no_cache(m.params, cfg, jnp.asarray(windows, jnp.int32)), axis=-1)
   nll = -np.take_along_axis(np.asarray(logp)[:, 70:-1], windows[:, 71:, None], axis=-1)

@@ -19,7 +19,7 @@ Spec: shared/specs/specache.md. What one decode step does, per layer (§2.3-2.6)
 Before the first step the pre-decode pass (``pre_decode``) runs the first generated token over the low-bit cache
 alone and picks the first top-k; it stores nothing.
 
-The host/device boundary is ``fetch_rows`` and the two host writes below it. Verified on CPU with jax 0.10.2
+The host/device boundary is ``gather_host_rows`` and the two host writes beside it. Verified on CPU with jax 0.10.2
 (both memory kinds exist there): a jnp gather whose operand is a ``pinned_host`` array and whose indices are
 device arrays is refused at trace time ("memory_space of all inputs passed to `gather` must be the same"), as the
 spec found on an H100; moving the indices to host memory first (``jax.device_put(idx, jax.memory.Space.Host)``)
@@ -80,7 +80,7 @@ def host_write_rows(buf, layer, rows, positions):
   return buf
 
 
-def fetch_rows(host_kv, layer, idx, impl: str):
+def gather_host_rows(host_kv, layer, idx, impl: str):
   """Rows idx [B, H, k] int32 of the host array host_kv [L, B, H, C, 2D] at ``layer`` -> [B, H, k, 2D] on the
   device. Indices past C are clamped (the caller masks them).
 
@@ -146,14 +146,14 @@ class SpeCacheState:
 @register
 @dataclasses.dataclass(frozen=True)
 class SpeCache(CacheMethod):
-  """SpeCache settings (spec §4): a ``bits``-bit KIVI copy with residual R on the device, ``top_k`` 16-bit rows
-  per (sequence, layer, KV head) fetched from host memory for each step."""
+  """SpeCache settings (spec §4): a ``bits``-bit KIVI copy with residual R on the device, ``fetch_rows`` (the spec's
+  k) 16-bit rows per (sequence, layer, KV head) fetched from host memory for each step."""
 
   name = "specache"
   speculative_rows = 1
   bits: int = dataclasses.field(default=1, metadata={
       "help": "code width of the low-bit copy's keys and values (1: the quarter-point quantizer)"})
-  top_k: int = dataclasses.field(default=64, metadata={
+  fetch_rows: int = dataclasses.field(default=64, metadata={
       "help": "k: 16-bit rows fetched from host memory per sequence, layer and KV head for each step"})
   group_size: int = dataclasses.field(default=32, metadata={
       "help": "G: tokens per key group, channels per value group"})
@@ -169,8 +169,8 @@ class SpeCache(CacheMethod):
     if self.bits not in SPECACHE_BITS:
       raise ValueError(f"specache bits={self.bits} is not supported; choose one of "
                        f"{', '.join(map(str, SPECACHE_BITS))}")
-    if self.top_k < 0:
-      raise ValueError(f"specache top_k={self.top_k} must be >= 0")
+    if self.fetch_rows < 0:
+      raise ValueError(f"specache fetch_rows={self.fetch_rows} must be >= 0")
     if self.meta_dtype not in DTYPES:
       raise ValueError(f"specache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
     try:  # the low-bit copy's own checks (group size, residual), named as this method's
@@ -195,17 +195,18 @@ class SpeCache(CacheMethod):
   def advance(self, lengths, rows: int):
     return lengths + rows - self.speculative_rows
 
-  def fetched_rows(self, spec: CacheSpec) -> int:
+  def fetch_capacity(self, spec: CacheSpec) -> int:
     """k as allocated: at most the capacity (a short cache fetches every candidate)."""
-    return min(self.top_k, spec.capacity)
+    return min(self.fetch_rows, spec.capacity)
 
   # ---------------------------------------------------------------------------------------------- state
 
   def abstract(self, spec: CacheSpec) -> SpeCacheState:
     L, B, H, C, D = spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim
-    k = self.fetched_rows(spec)
+    k = self.fetch_capacity(spec)
     lead = ("layers", "batch", "kv_heads")
-    fetched = lambda dtype, *rest: ArrayInfo((L, B, H, k) + rest, dtype, lead + ("fetched",) + ("kv_channels",) * len(rest))
+    fetched = lambda dtype, *channels: ArrayInfo((L, B, H, k) + channels, dtype,
+                                                 lead + ("fetched",) + ("kv_channels",) * len(channels))
     counter = ArrayInfo((L, B), jnp.float32, ("layers", "batch"))
     return SpeCacheState(
         low=self.low_bit.abstract(spec),
@@ -249,7 +250,8 @@ class SpeCache(CacheMethod):
     fetched = None
     if k_rows:
       idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
-      fetched = (idx, ok, state.fetched_kv[layer] if self.prefetch else fetch_rows(host_kv, layer, idx, ctx.impl))
+      rows = state.fetched_kv[layer] if self.prefetch else gather_host_rows(host_kv, layer, idx, ctx.impl)
+      fetched = (idx, ok, rows)
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
     mass_rows = ((0, 1) if self.hit_rate else (1,)) if k_rows else ()
@@ -313,7 +315,8 @@ class SpeCache(CacheMethod):
     state = state.replace(fetched_idx=write_layer(state.fetched_idx, layer, idx),
                           fetched_ok=write_layer(state.fetched_ok, layer, ok))
     if self.prefetch:
-      state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, fetch_rows(state.host_kv, layer, idx, impl)))
+      rows = gather_host_rows(state.host_kv, layer, idx, impl)
+      state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, rows))
     return state
 
   def _count_hits(self, state, layer, idx, ok, real_scores, bound):
@@ -344,6 +347,6 @@ class SpeCache(CacheMethod):
     L, H, D = spec.num_layers, spec.kv_heads, spec.head_dim
     act = jnp.dtype(spec.dtype).itemsize
     low = self.low_bit.held_bytes(spec, None, n)
-    fetched = L * len(n) * H * self.fetched_rows(spec) * (2 * D * act + 4 + 1)
+    fetched = L * len(n) * H * self.fetch_capacity(spec) * (2 * D * act + 4 + 1)
     counters = L * len(n) * 2 * 4
     return HeldBytes(device=low.device + fetched + counters, host=int(2 * L * H * D * act * n.sum()))
