@@ -1,0 +1,412 @@
+"""``ott``: KIVI plus a full-precision pool of outlier tokens (OTT, Su et al. 2025; spec shared/specs/ott.md).
+
+Schedule (spec §3.3, §8.7). New keys and values wait in a full-precision buffer of G + R slots (slot p mod
+(G + R)). When G + R tokens have gathered, the oldest G become one quantized block (keys per channel over the G
+tokens, values per token in groups of Gv channels, KIVI's quantizer and layouts) and R stay. At rest a sequence
+of n tokens therefore holds q(n) = G*floor(max(0, n - R)/G) quantized tokens. Like KIVI's boundaries, this is a
+function of the length alone: every sequence of a batch reaches its block events at its own steps, and no
+counter is stored.
+
+A block event (spec §3.4) runs a competition per KV head. The G tokens compete with the layer's outlier pool
+(N slots) by the L1 norm of their unquantized post-RoPE key, and the N smallest hold the pool (ties go to the
+older token). A winner from the block is quantized as a placeholder: the block's per-channel mean, for K and V,
+so it cannot widen a key range. Its slot is also flagged as a hole in the store's ``valid`` mask. A pool member
+that loses its slot moves to the auxiliary pool (A slots); it is never re-quantized and never dropped. Once the
+auxiliary pool could overflow at the next event (more than A - N entries, rule R1), the head stops selecting,
+and later blocks are quantized exactly as KIVI would quantize them. Layers [0, no_pool_layers) have no pool
+(spec §3.10).
+
+Attention (spec §3.6) is one softmax over three parts, so every token counts once: the quantized store with its
+holes masked, the pools (one segment: the N pool slots, then the A auxiliary slots, each masked per KV head where
+empty) and the full-precision buffer.
+"""
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jkv.attention import QuantizedStore, decode_attention
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.config import DTYPES
+from jkv.methods.kivi import KIVI_BITS
+from jkv.methods.registry import register
+from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
+
+PREFILL_SELECTIONS = ("oneshot", "sequential")
+
+
+@struct.dataclass
+class OttState:
+  """Every array is stacked over layers. Prefill writes all of a layer's arrays: the mask and the pools are
+  meaningful only after it (an empty pool slot has position -1 and score +inf)."""
+
+  k_codes: jax.Array  # [L, B, H, D, C/Pk] uint32, keys packed along tokens (KIVI layout)
+  k_scale: jax.Array  # [L, B, H, D, C/G] meta dtype
+  k_zero: jax.Array  # [L, B, H, D, C/G] meta dtype
+  v_codes: jax.Array  # [L, B, H, C, D/Pv] uint32, values packed along channels
+  v_scale: jax.Array  # [L, B, H, C, D/Gv] meta dtype
+  v_zero: jax.Array  # [L, B, H, C, D/Gv] meta dtype
+  valid: jax.Array  # [L, B, H, C] bool: False where a slot holds an outlier's placeholder (a hole); C = 0 if N = 0
+  k_fp: jax.Array  # [L, B, H, G + R, D] model dtype: unquantized keys, slot p mod (G + R)
+  v_fp: jax.Array  # [L, B, H, G + R, D] model dtype
+  pool_k: jax.Array  # [L, B, H, N + A, D] model dtype: outlier pool (slots [0, N)), then the auxiliary pool
+  pool_v: jax.Array  # [L, B, H, N + A, D] model dtype
+  pool_pos: jax.Array  # [L, B, H, N + A] int32 position of each pooled token, -1 for an empty slot
+  pool_score: jax.Array  # [L, B, H, N] float32 key L1 norm of the outlier pool, ascending by (score, position)
+  aux_count: jax.Array  # [L, B, H] int32 tokens in the auxiliary pool
+  frozen: jax.Array  # [L, B, H] bool: this head has stopped selecting outliers
+
+
+def compete(pool_score, pool_pos, block_score, block_pos, capacity):
+  """The outlier-pool competition of spec §3.4, per (batch row, KV head).
+
+  Args:
+    pool_score: [B, H, N] float32, ascending by (score, position); +inf in empty slots.
+    pool_pos: [B, H, N] int32, -1 in empty slots.
+    block_score: [B, H, M] float32 key L1 norms of the block; +inf for tokens that do not compete.
+    block_pos: [B, H, M] int32 positions of the block's tokens.
+    capacity: int32 scalar N_l <= N, the pool slots this layer uses.
+
+  Returns:
+    (order [B, H, N] int32 index of each new pool slot's token among [pool, block], win [B, H, N] bool which
+    new slots hold a token, kept [B, H, N] bool which old pool slots keep their token, admitted [B, H, M] bool
+    which block tokens join the pool). The new pool is the ``capacity`` smallest finite scores of the union by
+    (score, position), in that order.
+  """
+  N, M = pool_score.shape[-1], block_score.shape[-1]
+  score = jnp.concatenate([pool_score, block_score], axis=-1)
+  pos = jnp.concatenate([pool_pos, block_pos], axis=-1)
+  index = jnp.broadcast_to(jnp.arange(N + M, dtype=jnp.int32), score.shape)
+  sorted_score, _, order = jax.lax.sort((score, pos, index), dimension=-1, num_keys=2)
+  order = order[..., :N]
+  win = (jnp.arange(N) < capacity) & jnp.isfinite(sorted_score[..., :N])
+  chosen = lambda candidates: jnp.any((order[..., None] == candidates) & win[..., None], axis=-2)
+  return order, win, chosen(jnp.arange(N)), chosen(N + jnp.arange(M))
+
+
+def _quantize_pack(x, *, bits, group_size, axis, meta_dtype, impl):
+  """The Pallas quantize-and-pack kernel where kernels run, its jnp reference on the XLA path (bit-identical)."""
+  if impl != "xla":
+    return quantize_pack(x, bits=bits, group_size=group_size, axis=axis, meta_dtype=meta_dtype,
+                         interpret=impl == "interpret")
+  return quantize_pack_reference(x, bits=bits, group_size=group_size, axis=axis, meta_dtype=meta_dtype)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Ott(CacheMethod):
+  """OTT settings; the defaults are the paper's main configuration (spec §5)."""
+
+  name = "ott"
+  bits: int = dataclasses.field(default=2, metadata={"help": "code width of keys and values"})
+  group_size: int = dataclasses.field(default=128, metadata={
+      "help": "G: tokens per key group; also the quantization period (a block of G tokens every G steps)"})
+  residual: int = dataclasses.field(default=32, metadata={
+      "help": "R: newest tokens that always stay in full precision (the buffer holds R to G+R-1 between steps)"})
+  value_group: Optional[int] = dataclasses.field(default=None, metadata={
+      "help": "Gv: channels per value group (default: min(G, head dim), as KIVI's code)"})
+  pool_size: int = dataclasses.field(default=3, metadata={
+      "help": "N: outlier-pool slots per layer and KV head, for the whole sequence (0: KIVI on OTT's schedule)"})
+  aux_size: int = dataclasses.field(default=32, metadata={
+      "help": "A: slots for tokens evicted from the outlier pool; selection stops before it could overflow"})
+  no_pool_layers: int = dataclasses.field(default=2, metadata={
+      "help": "the first this many layers keep no outlier pool (the paper: layers 0 and 1)"})
+  prefill_selection: str = dataclasses.field(default="oneshot", metadata={
+      "help": "'oneshot': the prompt's N smallest-norm tokens in one competition; 'sequential': one "
+              "competition per block, as decoding runs them (same pool; evicted tokens fill the auxiliary pool)"})
+  meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+
+  def __post_init__(self):
+    G, R = self.group_size, self.residual
+    if self.bits not in KIVI_BITS:
+      raise ValueError(f"ott bits={self.bits} is not supported; choose one of {', '.join(map(str, KIVI_BITS))}")
+    if self.meta_dtype not in DTYPES:
+      raise ValueError(f"ott meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
+    if self.prefill_selection not in PREFILL_SELECTIONS:
+      raise ValueError(f"ott prefill_selection={self.prefill_selection!r}; choose one of "
+                       f"{', '.join(PREFILL_SELECTIONS)}")
+    if G < 1 or R < 0:
+      raise ValueError(f"ott group_size={G} must be positive and residual={R} non-negative")
+    per_word = 32 // self.bits
+    for label, size in (("group_size", G), ("value_group", self.value_group)):
+      if size is not None and (size < 1 or size % per_word):
+        raise ValueError(f"ott {label}={size} must be a positive multiple of {per_word} "
+                         f"({self.bits}-bit codes pack {per_word} per word)")
+    for label, n in (("pool_size", self.pool_size), ("aux_size", self.aux_size),
+                     ("no_pool_layers", self.no_pool_layers)):
+      if n < 0:
+        raise ValueError(f"ott {label}={n} must be non-negative")
+
+  @property
+  def window(self) -> int:
+    """G + R: slots of the full-precision buffer."""
+    return self.group_size + self.residual
+
+  @property
+  def meta(self):
+    return DTYPES[self.meta_dtype]
+
+  @property
+  def pool_slots(self) -> int:
+    """N + A: the pool segment's slots (none without an outlier pool: nothing is ever evicted)."""
+    return self.pool_size + self.aux_size if self.pool_size else 0
+
+  def value_group_for(self, head_dim: int) -> int:
+    return self.value_group or min(self.group_size, head_dim)
+
+  def check(self, spec: CacheSpec) -> None:
+    Gv = self.value_group_for(spec.head_dim)
+    if spec.head_dim % Gv or Gv % (32 // self.bits):
+      raise ValueError(f"ott value group {Gv} must divide the head dim {spec.head_dim} and be a multiple of "
+                       f"{32 // self.bits} ({self.bits}-bit codes pack {32 // self.bits} per word)")
+
+  def capacity_multiple(self) -> int:
+    return self.group_size
+
+  def quantized(self, n):
+    """q(n): tokens held quantized by a sequence of n tokens between steps."""
+    G, R = self.group_size, self.residual
+    return G * (jnp.maximum(n - R, 0) // G)
+
+  def layer_capacity(self, layer):
+    """N_l: outlier-pool slots that ``layer`` (traced int32) uses."""
+    return jnp.where(layer < self.no_pool_layers, 0, self.pool_size)
+
+  # ---------------------------------------------------------------------------------------------- state
+
+  def abstract(self, spec: CacheSpec) -> OttState:
+    L, B, H, C, D = spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim
+    G, Gv, per_word = self.group_size, self.value_group_for(D), 32 // self.bits
+    N, P = self.pool_size, self.pool_slots
+    lead = ("layers", "batch", "kv_heads")
+    by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, lead + ("head_dim", "token_groups"))
+    by_token = lambda n, dtype: ArrayInfo((L, B, H, C, n), dtype, lead + ("tokens", "channel_groups"))
+    rows = lambda n, axis: ArrayInfo((L, B, H, n, D), spec.dtype, lead + (axis, "head_dim"))
+    per_head = lambda dtype: ArrayInfo((L, B, H), dtype, lead)
+    return OttState(
+        k_codes=by_channel(C // per_word, jnp.uint32),
+        k_scale=by_channel(C // G, self.meta),
+        k_zero=by_channel(C // G, self.meta),
+        v_codes=by_token(D // per_word, jnp.uint32),
+        v_scale=by_token(D // Gv, self.meta),
+        v_zero=by_token(D // Gv, self.meta),
+        valid=ArrayInfo((L, B, H, C if N else 0), jnp.bool_, lead + ("tokens",)),
+        k_fp=rows(self.window, "ring"),
+        v_fp=rows(self.window, "ring"),
+        pool_k=rows(P, "pool"),
+        pool_v=rows(P, "pool"),
+        pool_pos=ArrayInfo((L, B, H, P), jnp.int32, lead + ("pool",)),
+        pool_score=ArrayInfo((L, B, H, N), jnp.float32, lead + ("pool",)),
+        aux_count=per_head(jnp.int32),
+        frozen=per_head(jnp.bool_),
+    )
+
+  def _fp_positions(self, held):
+    """[B, G + R] position held by each buffer slot when a sequence holds ``held`` [B] tokens (negative when
+    the sequence is shorter than the buffer)."""
+    last = held[:, None] - 1
+    return last - (last - jnp.arange(self.window)[None]) % self.window
+
+  # ---------------------------------------------------------------------------------------------- prefill
+
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    """Quantize the prompt's first q(n) tokens with outliers selected (spec §3.7), the rest into the buffer."""
+    del q
+    lengths = ctx.lengths
+    B, H, T, D = k.shape
+    G, N, A = self.group_size, self.pool_size, self.pool_slots - self.pool_size
+    state = state.replace(
+        valid=write_layer(state.valid, layer, jnp.ones(state.valid.shape[1:], bool)),
+        pool_pos=write_layer(state.pool_pos, layer, jnp.full(state.pool_pos.shape[1:], -1, jnp.int32)),
+        pool_score=write_layer(state.pool_score, layer, jnp.full(state.pool_score.shape[1:], jnp.inf)),
+        aux_count=write_layer(state.aux_count, layer, jnp.zeros((B, H), jnp.int32)),
+        frozen=write_layer(state.frozen, layer, jnp.zeros((B, H), bool)))
+    n_q = self.quantized(lengths)
+    T_pad = -(-T // G) * G
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
+    k_pad, v_pad = pad(k), pad(v)
+    zeros = jnp.zeros((B,), jnp.int32)
+    if self.prefill_selection == "oneshot" or N == 0:
+      state = self._compress(state, layer, k_pad, v_pad, zeros, n_q, ctx.impl)
+    else:
+      def block(j, state):
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * G, G, axis=2)
+        count = jnp.where((j + 1) * G <= n_q, G, 0)
+        return self._compress_if_any(state, layer, rows(k_pad), rows(v_pad), zeros + j * G, count, ctx.impl)
+      state = jax.lax.fori_loop(0, T_pad // G, block, state)
+    slots = jnp.clip(self._fp_positions(lengths), 0, T - 1)[:, None, :, None]
+    return state.replace(k_fp=write_layer(state.k_fp, layer, jnp.take_along_axis(k, slots, axis=2)),
+                         v_fp=write_layer(state.v_fp, layer, jnp.take_along_axis(v, slots, axis=2)))
+
+  # ---------------------------------------------------------------------------------------------- decode
+
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    """Append the T rows (a block event first wherever the buffer is full), attend, then run the event of any
+    sequence whose buffer has just filled (spec §3.8: attend, then quantize)."""
+    T = k.shape[2]
+    if T > self.residual + 2:
+      raise ValueError(f"ott steps of {T} rows need residual >= {T - 2} (got {self.residual}): a row must not see "
+                       "quantized tokens of later rows")
+    n = ctx.lengths
+    for t in range(T):  # T is 1..4 at decode: a short static loop
+      if t:
+        state = self._event_if_due(state, layer, n + t, ctx.impl)
+      slot = (n + t) % self.window
+      state = state.replace(k_fp=write_at(state.k_fp, layer, k[:, :, t:t + 1], slot, axis=2),
+                            v_fp=write_at(state.v_fp, layer, v[:, :, t:t + 1], slot, axis=2))
+    out = self._attend(state, layer, q, ctx.positions, n + T, ctx.impl)
+    return out, self._event_if_due(state, layer, n + T, ctx.impl)
+
+  def _event_if_due(self, state, layer, held, impl):
+    """The block event of the sequences whose buffer holds G + R tokens at ``held`` [B] tokens: positions
+    [held - R - G, held - R) leave the buffer."""
+    G, R = self.group_size, self.residual
+    due = (held >= G + R) & ((held - R) % G == 0)
+    start = jnp.maximum(held - R - G, 0)
+    slots = ((start[:, None] + jnp.arange(G)[None]) % self.window)[:, None, :, None]  # [B, 1, G, 1]
+    rows = lambda x: jnp.take_along_axis(x[layer], slots, axis=2)
+    return jax.lax.cond(
+        jnp.any(due),
+        lambda s: self._compress(s, layer, rows(s.k_fp), rows(s.v_fp), start, jnp.where(due, G, 0), impl),
+        lambda s: s, state)
+
+  def _compress_if_any(self, state, layer, k, v, start, count, impl):
+    return jax.lax.cond(jnp.any(count > 0), lambda s: self._compress(s, layer, k, v, start, count, impl),
+                        lambda s: s, state)
+
+  def _compress(self, state, layer, k, v, start, count, impl):
+    """Quantize rows k, v [B, H, M, D] (M a multiple of G; positions start [B] + [0, M)) into the store, where
+    their first count[b] tokens (a multiple of G) compete for the outlier pool first. Sequences with count 0
+    are left untouched; rows past count are written but not yet meant (a later event rewrites them)."""
+    B, H, M, D = k.shape
+    G, N, Gv = self.group_size, self.pool_size, self.value_group_for(D)
+    due = count > 0  # [B]
+    pos = start[:, None] + jnp.arange(M)[None]  # [B, M]
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    admitted = jnp.zeros((B, H, M), bool)
+    if N:
+      state, admitted = self._select(state, layer, k, v, pos, jnp.arange(M)[None] < count[:, None])
+    # Placeholders (spec §3.5): the per-channel mean of the block's original rows, so no key range widens.
+    block_mean = lambda x: jnp.repeat(jnp.mean(x.reshape(B, H, M // G, G, D), axis=3), G, axis=2)
+    kq = jnp.where(admitted[..., None], block_mean(kf), kf)
+    vq = jnp.where(admitted[..., None], block_mean(vf), vf)
+    quant = lambda x, group, axis: _quantize_pack(x, bits=self.bits, group_size=group, axis=axis,
+                                                  meta_dtype=self.meta, impl=impl)
+    kc, ks, kz = quant(kq, G, -2)  # [B, H, D, M/Pk], [B, H, D, M/G]
+    vc, vs, vz = quant(vq, Gv, -1)  # [B, H, M, D/Pv], [B, H, M, D/Gv]
+
+    def put(buf, new, offset, axis):
+      old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
+      keep = due.reshape((B,) + (1,) * (new.ndim - 1))
+      return write_at(buf, layer, jnp.where(keep, new, old), offset, axis=axis)
+
+    per_word = 32 // self.bits
+    state = state.replace(
+        k_codes=put(state.k_codes, kc, start // per_word, 3), k_scale=put(state.k_scale, ks, start // G, 3),
+        k_zero=put(state.k_zero, kz, start // G, 3), v_codes=put(state.v_codes, vc, start, 2),
+        v_scale=put(state.v_scale, vs, start, 2), v_zero=put(state.v_zero, vz, start, 2))
+    return state.replace(valid=put(state.valid, ~admitted, start, 2)) if N else state
+
+  def _select(self, state, layer, k, v, pos, competing):
+    """Competition and pool updates for rows k, v [B, H, M, D] at positions pos [B, M], of which ``competing``
+    [B, M] take part (spec §3.4). Returns (state, admitted [B, H, M] bool)."""
+    B, H, M, D = k.shape
+    N, A = self.pool_size, self.pool_slots - self.pool_size
+    capacity = self.layer_capacity(layer)
+    frozen, aux_count = state.frozen[layer], state.aux_count[layer]  # [B, H]
+    pool_k, pool_v, pool_pos = state.pool_k[layer], state.pool_v[layer], state.pool_pos[layer]
+    pool_score = state.pool_score[layer]
+    heads = (capacity > 0) & ~frozen & jnp.any(competing, axis=1)[:, None]  # [B, H]
+    # Scores from the unquantized key, in fp32 (spec §3.2).
+    score = jnp.sum(jnp.abs(k.astype(jnp.float32)), axis=-1)
+    score = jnp.where(competing[:, None, :] & heads[..., None], score, jnp.inf)
+    block_pos = jnp.broadcast_to(pos[:, None, :], (B, H, M)).astype(jnp.int32)
+    order, win, kept, admitted = compete(pool_score, pool_pos[..., :N], score, block_pos, capacity)
+
+    # Losers of the old pool move to the auxiliary pool, in slot order after those already there.
+    evicted = (pool_pos[..., :N] >= 0) & ~kept & heads[..., None]  # [B, H, N]
+    target = aux_count[..., None] + jnp.cumsum(evicted, axis=-1) - evicted  # [B, H, N]
+    lands = (target[..., None] == jnp.arange(A)) & evicted[..., None]  # [B, H, N, A]
+    source = jnp.argmax(lands, axis=2)  # [B, H, A]: the old pool slot that lands in each aux slot
+    arrived = jnp.any(lands, axis=2)
+    move = lambda old, aux: jnp.where(arrived, jnp.take_along_axis(old, source, axis=2), aux)
+    move_rows = lambda old, aux: jnp.where(arrived[..., None],
+                                           jnp.take_along_axis(old, source[..., None], axis=2), aux)
+    new_aux_count = aux_count + jnp.sum(evicted, axis=-1, dtype=jnp.int32)
+
+    pick = lambda pool, block: jnp.take_along_axis(jnp.concatenate([pool, block], axis=2), order[..., None], axis=2)
+    new_k = jnp.concatenate([pick(pool_k[:, :, :N], k.astype(pool_k.dtype)),
+                             move_rows(pool_k[:, :, :N], pool_k[:, :, N:])], axis=2)
+    new_v = jnp.concatenate([pick(pool_v[:, :, :N], v.astype(pool_v.dtype)),
+                             move_rows(pool_v[:, :, :N], pool_v[:, :, N:])], axis=2)
+    cand_pos = jnp.concatenate([pool_pos[..., :N], block_pos], axis=-1)
+    cand_score = jnp.concatenate([pool_score, score], axis=-1)
+    new_pos = jnp.concatenate([jnp.where(win, jnp.take_along_axis(cand_pos, order, axis=-1), -1),
+                               move(pool_pos[..., :N], pool_pos[..., N:])], axis=-1)
+    new_score = jnp.where(win, jnp.take_along_axis(cand_score, order, axis=-1), jnp.inf)
+    # Rule R1 (spec §8.9): stop once the next event could evict more tokens than the auxiliary pool has room for.
+    new_frozen = frozen | (heads & (new_aux_count > A - capacity))
+
+    h = heads[..., None]
+    state = state.replace(
+        pool_k=write_layer(state.pool_k, layer, jnp.where(h[..., None], new_k, pool_k)),
+        pool_v=write_layer(state.pool_v, layer, jnp.where(h[..., None], new_v, pool_v)),
+        pool_pos=write_layer(state.pool_pos, layer, jnp.where(h, new_pos, pool_pos)),
+        pool_score=write_layer(state.pool_score, layer, jnp.where(h, new_score, pool_score)),
+        aux_count=write_layer(state.aux_count, layer, new_aux_count),
+        frozen=write_layer(state.frozen, layer, new_frozen))
+    return state, admitted & heads[..., None]
+
+  # ---------------------------------------------------------------------------------------------- attention
+
+  def _attend(self, state, layer, q, q_positions, held, impl):
+    """One softmax over the store (holes masked), the pools and the buffer (spec §3.6), for held [B] tokens
+    (the step's rows included): the store holds q(held - 1) tokens at this point."""
+    n_q = self.quantized(held - 1)
+    fp_pos = self._fp_positions(held)  # [B, W]
+    fp_mask = ((fp_pos >= n_q[:, None]) & (fp_pos >= 0))[:, None, :] & (fp_pos[:, None, :] <= q_positions[:, :, None])
+    D = q.shape[-1]
+    store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
+                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
+                           k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
+                           v_group=self.value_group_for(D), valid=state.valid if self.pool_size else None)
+    segments = [(state.k_fp, state.v_fp, fp_mask)]
+    if self.pool_slots:
+      pool_pos = state.pool_pos[layer][:, :, None, :]  # [B, H, 1, N + A]
+      pool_mask = (pool_pos >= 0) & (pool_pos <= q_positions[:, None, :, None])  # [B, H, T, N + A]
+      segments.append((state.pool_k, state.pool_v, pool_mask))
+    return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl)
+
+  # ---------------------------------------------------------------------------------------------- memory
+
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    """Bytes of the live state between steps (spec §4.2, with jkv's representation): q(n) quantized tokens
+    (codes, one fp16 scale and zero per G tokens of a key channel and per Gv channels of a value, one bool of
+    the hole mask), n - q(n) tokens in the buffer, and per pooled token its K and V, position and (in the
+    outlier pool) score; per layer and KV head with a pool, the auxiliary count and the frozen flag; one int32
+    length per sequence. ``state=None`` counts every pool full: min(N, q(n)) pooled tokens and
+    min(A, q(n) - N) auxiliary ones in each layer with a pool."""
+    n = np.asarray(lengths, np.int64)
+    D, H, L = spec.head_dim, spec.kv_heads, spec.num_layers
+    G, Gv, N, A = self.group_size, self.value_group_for(D), self.pool_size, self.pool_slots - self.pool_size
+    meta, act = jnp.dtype(self.meta).itemsize, jnp.dtype(spec.dtype).itemsize
+    n_q = np.asarray(self.quantized(n))
+    hole_mask = 1 if N else 0  # one bool per quantized slot
+    per_head = (n_q * (2 * self.bits / 8 * D + 2 * meta * D / G + 2 * meta * D / Gv + hole_mask)
+                + (n - n_q) * 2 * act * D)
+    total = L * H * per_head.sum() + 4 * len(n)
+    pool_layers = max(L - self.no_pool_layers, 0) if N else 0
+    if state is None:
+      pooled = np.minimum(N, n_q)
+      aux = np.minimum(A, np.maximum(n_q - N, 0))
+      pooled, aux = pool_layers * H * pooled.sum(), pool_layers * H * aux.sum()
+    else:
+      pos = np.asarray(state.pool_pos)[:, :len(n)]
+      pooled, aux = int(np.sum(pos[..., :N] >= 0)), int(np.sum(pos[..., N:] >= 0))
+    total += (pooled + aux) * (2 * act * D + 4) + pooled * 4 + pool_layers * H * len(n) * 5
+    return HeldBytes(device=int(round(total)))
