@@ -5,8 +5,10 @@ Three parts, about 3-5 minutes on an H100:
 1. tests: the kernel test classes compiled on this GPU (pytest ``-k Gpu`` over tests/test_dequant_attention.py and
    tests/test_quantize_pack.py) plus tests/test_quantization.py (the quantizer's bit-exactness under XLA on this
    GPU), in a subprocess; the summary line goes into the results.
-2. check: decode_attention against decode_attention_reference at the timed shapes (dense, and KIVI-2: store plus
-   a 128-token window), o relative error and max |lse - ref|, reading layer 1 of a 2-layer stacked cache.
+2. check: decode_attention against decode_attention_reference at the timed shapes (dense, KIVI-2: store plus
+   a 128-token window, and the layouts of the other methods from kernel_decode.py's LAYOUTS: zipcache_pools,
+   ott2, specache1), o relative error, max |lse - ref| and, where the layout asks for it (specache1), the token
+   mass's relative error, reading layer 1 of a 2-layer stacked cache.
 3. timing: one decode step's attention at B=8, 32 query / 8 KV heads, D=128, bf16, one query row, S in
    {4096, 8192, 32768}:
        device_copy        a 1 GiB device-to-device copy (read + written): the bandwidth ceiling
@@ -43,6 +45,7 @@ import numpy as np
 
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
+from kernel_decode import LAYOUTS, Shape, layout_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUP_SIZE = 32
@@ -189,7 +192,7 @@ def baseline_inputs(q, segments):
 # Parts
 
 
-def run_tests(timeout_s: int = 150) -> dict:
+def run_tests(timeout_s: int = 300) -> dict:
   """The GPU test classes (compiled kernels) and the quantizer tests, in a subprocess; returns the summary."""
   command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quantization.py",
              "tests/test_dequant_attention.py", "tests/test_quantize_pack.py", "-k", "Gpu or test_quantization"]
@@ -211,15 +214,21 @@ def run_tests(timeout_s: int = 150) -> dict:
 
 
 def _errors(out, ref):
-  (o, lse), (ref_o, ref_lse) = out, ref
+  """(finite, o relative error, max |lse - ref|, token mass relative error or None) of (o, lse[, mass])."""
+  (o, lse, *mass), (ref_o, ref_lse, *ref_mass) = out, ref
   o, ref_o = np.asarray(o, np.float64), np.asarray(ref_o, np.float64)
-  finite = bool(np.all(np.isfinite(o)))
+  got_mass = [np.asarray(m, np.float64) for m in jax.tree.leaves(mass)]
+  want_mass = [np.asarray(m, np.float64) for m in jax.tree.leaves(ref_mass)]
+  finite = bool(np.all(np.isfinite(o))) and all(np.all(np.isfinite(m)) for m in got_mass)
+  mass_err = max((float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)) for g, w in zip(got_mass, want_mass)),
+                 default=None)
   return finite, float(np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o)), float(
-      np.max(np.abs(np.asarray(lse, np.float64) - np.asarray(ref_lse, np.float64))))
+      np.max(np.abs(np.asarray(lse, np.float64) - np.asarray(ref_lse, np.float64)))), mass_err
 
 
 def check(settings: Settings, dense_config: dict) -> list[dict]:
-  """Kernel vs reference at the check shape: dense (given config and defaults) and KIVI-2; layer 1 of 2."""
+  """Kernel vs reference at the check shape: dense (given config and defaults), KIVI-2 and the LAYOUTS of
+  kernel_decode.py (default tunables); layer 1 of 2."""
   results = []
   seq_len = settings.check_seq_len
   q, segments = dense_inputs(settings, seq_len, 2, seed=0)
@@ -234,17 +243,25 @@ def check(settings: Settings, dense_config: dict) -> list[dict]:
   out = decode_attention(q, jnp.int32(1), store, window, return_lse=True, interpret=settings.interpret)
   ref = decode_attention_reference(q, 1, store, window, return_lse=True)
   results.append(_check_record("kivi2_default", seq_len, {}, _errors(out, ref)))
+  shape = Shape(settings.batch, seq_len, settings.q_heads, settings.kv_heads, settings.head_dim)
+  for name, layout in LAYOUTS.items():
+    q, layer, stores, segments = layout_inputs(shape, name, seed=2, quantized_from_data=True, num_layers=2)
+    call = dict(layout.call, return_lse=True)
+    out = decode_attention(q, layer, stores, segments, interpret=settings.interpret, **call)
+    ref = decode_attention_reference(q, layer, stores, segments, **call)
+    results.append(_check_record(name, seq_len, dict(layout.call), _errors(out, ref)))
   return results
 
 
 def _check_record(name, seq_len, config, errors) -> dict:
-  finite, o_err, lse_err = errors
+  finite, o_err, lse_err, mass_err = errors
   o_tol, lse_tol = CHECK_TOLERANCE["bfloat16"]
-  ok = finite and o_err <= o_tol and lse_err <= lse_tol
-  print(f"check {name:>14} S={seq_len}: o rel err {o_err:.2e}, lse max err {lse_err:.2e} "
+  ok = finite and o_err <= o_tol and lse_err <= lse_tol and (mass_err is None or mass_err <= o_tol)
+  mass = "" if mass_err is None else f", token mass rel err {mass_err:.2e}"
+  print(f"check {name:>14} S={seq_len}: o rel err {o_err:.2e}, lse max err {lse_err:.2e}{mass} "
         f"{'ok' if ok else 'FAILED'} {config or ''}")
   return {"name": name, "seq_len": seq_len, "config": config, "finite": finite, "o_rel_err": o_err,
-          "lse_max_err": lse_err, "ok": ok}
+          "lse_max_err": lse_err, "mass_rel_err": mass_err, "ok": ok}
 
 
 def autotune(settings: Settings) -> tuple[dict, list[dict]]:

@@ -13,14 +13,27 @@ L in {4096, 16384, 32768, 65536}:
     cudnn_dense          jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     xla_dense            the same with implementation="xla"
 
+and, at B = 8 and L <= 32768 only (``Settings.layout_batches``, ``layout_max_seq_len``), the same kernel on the
+layouts the other methods hand it (LAYOUTS; L tokens in all, every store full):
+
+    zipcache_pools       ZipCache: a 4-bit pool with 60% of the quantized tokens and a 2-bit pool with 40%, keys
+                         in groups of 32 tokens, values per token over all D channels with a value channel scale,
+                         per-step holes (5%), plus a 100-token bf16 window
+    ott2                 OTT: a KIVI-2 store, keys in groups of G = 128 tokens, values over min(G, D) = D
+                         channels, with stacked holes (outlier placeholders, 1%), a 3-token outlier pool and a
+                         32-token auxiliary pool (stacked, per-head masks), plus KIVI's 128-token window
+    specache1            SpeCache: a 1-bit store with G = 32 and per-step holes (the fetched rows, 64 per head),
+                         the 64 fetched bf16 rows (a per-step segment, per-head mask), the 128-token window; two
+                         query rows (the step's token and the speculative one, whose token mass the method reads)
+
 The kernel reads a cache stacked over layers at a traced layer index; here every stacked array has one layer (a
 leading axis of size 1) and the layer index is 0, so the bytes read are those of one layer's cache.
 
 Before timing, the fused kernel is checked against the reference on the device (the script fails if they
-disagree; the kernel with no store too, at DENSE_CONFIG), and a small autotune over block_k / k_splits /
-num_warps at B = 8, L = 32768 picks the configuration the kivi rows then use. Each time is the median over
-repetitions of back-to-back calls that rotate through several input sets (so that the 50 MB L2 does not flatter
-small sizes), after a warm-up; compile time is reported apart. Results go to
+disagree; the kernel with no store too, at DENSE_CONFIG, and every layout the sweep times), and a small autotune over
+block_k / k_splits / num_warps at B = 8, L = 32768 picks the configuration the kivi and layout rows then use.
+Each time is the median over repetitions of back-to-back calls that rotate through several input sets (so that
+the 50 MB L2 does not flatter small sizes), after a warm-up; compile time is reported apart. Results go to
 benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into benchmarks/README.md.
 
     python benchmarks/kernel_decode.py                      # on the GPU
@@ -31,6 +44,7 @@ benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into be
 import argparse
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -38,6 +52,8 @@ import pathlib
 import re
 import statistics
 import time
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,47 +102,58 @@ class Settings:
   autotune_grid: tuple[tuple[int, int, int, int], ...] = tuple(
       itertools.product((32, 64, 128, 256), (8, 16), (4, 8), (1, 2, 3)))
   check_shape: tuple[int, int] = (2, 4096)
+  layout_batches: tuple[int, ...] = (8,)  # the LAYOUTS rows run at these batch sizes of the sweep
+  layout_max_seq_len: int = 32768
   interpret: bool = False
 
 
 SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_bytes=2**20, max_input_sets=2,
                  repetitions=3, calls_per_repetition=2, autotune_shape=(2, 512),
-                 autotune_grid=((64, 2, 4, 1), (128, 4, 4, 2)), check_shape=(2, 256), interpret=True)
+                 autotune_grid=((64, 2, 4, 1), (128, 4, 4, 2)), check_shape=(2, 256), layout_batches=(2,),
+                 interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Inputs
 
 
-def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool = False):
-  """Arguments (q, layer, stores, segments) of decode_attention for a cache of capacity L.
-
-  The store holds length = L - 128 tokens, then one 128-token bf16 residual segment (mask [B, 1, 128] all valid);
-  every cache array is stacked over one layer ([1, B, Hkv, ...]) and layer = 0.
+def store_arrays(key, shape: Shape, capacity: int, *, k_bits: int, v_bits: int, k_group: int, v_group: int,
+                 quantized_from_data: bool, num_layers: int = 1):
+  """The six code and scale arrays of a store of ``capacity`` tokens, stacked over ``num_layers`` layers.
 
   For timing, codes are random words (every word is valid at any width) and scales random, which is as fast as
   it gets to build. For the correctness check, real keys and values are quantized and packed.
   """
-  b, h, length, d = shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim
-  key = jax.random.key(seed)
-  kq, kk, kv, kr, ks = jax.random.split(key, 5)
-  q = jax.random.normal(kq, (b, h, 1, shape.q_per_kv, d), shape.dtype)
+  b, h, d = shape.batch, shape.kv_heads, shape.head_dim
+  lead = (num_layers, b, h)
+  kk, kv, ks = jax.random.split(key, 3)
   if quantized_from_data:
-    k = jax.random.normal(kk, (b, h, d, length), jnp.float32)
-    v = jax.random.normal(kv, (b, h, length, d), jnp.float32)
-    k_codes, k_scale, k_zero = quantization.quantize(k, bits=bits, axis=3, group_size=GROUP_SIZE)
-    v_codes, v_scale, v_zero = quantization.quantize(v, bits=bits, axis=3, group_size=GROUP_SIZE)
-    k_codes, v_codes = quantization.pack(k_codes, bits=bits, axis=3), quantization.pack(v_codes, bits=bits, axis=3)
-  else:
-    per_word = 32 // bits
-    k_codes = jax.random.bits(kk, (b, h, d, length // per_word), jnp.uint32)
-    v_codes = jax.random.bits(kv, (b, h, length, d // per_word), jnp.uint32)
-    meta = lambda k, s: jax.random.uniform(k, s, jnp.float16, 0.01, 0.1)
-    k_scale, k_zero, v_scale, v_zero = (
-        meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(b, h, d, length // GROUP_SIZE)] * 2
-                                   + [(b, h, length, d // GROUP_SIZE)] * 2))
-  stacked = lambda a: a[None]  # one layer: [1, B, Hkv, ...]
-  store = QuantizedStore(*map(stacked, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)),
+    k = jax.random.normal(kk, (*lead, d, capacity), jnp.float32)
+    v = jax.random.normal(kv, (*lead, capacity, d), jnp.float32)
+    k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group)
+    v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group)
+    return (quantization.pack(k_codes, bits=k_bits, axis=4), k_scale, k_zero,
+            quantization.pack(v_codes, bits=v_bits, axis=4), v_scale, v_zero)
+  k_codes = jax.random.bits(kk, (*lead, d, capacity // (32 // k_bits)), jnp.uint32)
+  v_codes = jax.random.bits(kv, (*lead, capacity, d // (32 // v_bits)), jnp.uint32)
+  meta = lambda k, s: jax.random.uniform(k, s, jnp.float16, 0.01, 0.1)
+  k_scale, k_zero, v_scale, v_zero = (
+      meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(*lead, d, capacity // k_group)] * 2
+                                 + [(*lead, capacity, d // v_group)] * 2))
+  return k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
+
+
+def kivi_inputs(shape: Shape, bits: int, seed: int, *, quantized_from_data: bool = False):
+  """Arguments (q, layer, stores, segments) of decode_attention for a cache of capacity L.
+
+  The store holds length = L - 128 tokens, then one 128-token bf16 residual segment (mask [B, 1, 128] all valid);
+  every cache array is stacked over one layer ([1, B, Hkv, ...]) and layer = 0. Codes: ``store_arrays``.
+  """
+  b, h, length, d = shape.batch, shape.kv_heads, shape.seq_len, shape.head_dim
+  kq, ks, kr = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (b, h, 1, shape.q_per_kv, d), shape.dtype)
+  store = QuantizedStore(*store_arrays(ks, shape, length, k_bits=bits, v_bits=bits, k_group=GROUP_SIZE,
+                                       v_group=GROUP_SIZE, quantized_from_data=quantized_from_data),
                          length=jnp.full((b,), length - RESIDUAL, jnp.int32), k_bits=bits, v_bits=bits,
                          k_group=GROUP_SIZE, v_group=GROUP_SIZE)
   res_k, res_v = jax.random.normal(kr, (2, 1, b, h, RESIDUAL, d), shape.dtype)
@@ -161,6 +188,96 @@ def dense_inputs(shape: Shape, seed: int):
 
 def dense_bytes(shape: Shape) -> int:
   return 2 * shape.batch * shape.seq_len * shape.kv_heads * shape.head_dim * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+  """One quantized store of a layout: its share of the quantized tokens, widths, groupings (v_group None: all D
+  channels); ``holes``: None (no holes array), the fraction of slots that are holes, or (>= 1) their count per
+  (b, h) (at most half the slots); whether the holes are stacked (else per step); a value channel scale or not."""
+  share: float
+  k_bits: int
+  v_bits: int
+  k_group: int
+  v_group: Optional[int] = None
+  holes: Optional[float] = None
+  stacked_holes: bool = False
+  channel_scale: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A method's decode-attention inputs: quantized stores sharing L - (full-precision tokens), full-precision
+  segments (length, stacked, per-head mask) and the query rows T; ``call`` holds extra decode_attention
+  arguments the method passes every step."""
+  pools: tuple[PoolSpec, ...]
+  segments: tuple[tuple[int, bool, bool], ...]
+  t_rows: int = 1
+  call: tuple[tuple[str, object], ...] = ()
+
+
+LAYOUTS = {
+    "zipcache_pools": Layout((PoolSpec(0.6, 4, 4, 32, holes=0.05, channel_scale=True),
+                              PoolSpec(0.4, 2, 2, 32, holes=0.05, channel_scale=True)), ((100, True, False),)),
+    "ott2": Layout((PoolSpec(1.0, 2, 2, 128, holes=0.01, stacked_holes=True),),  # v_group min(G, D) = D
+                   ((3, True, True), (32, True, True), (RESIDUAL, True, False))),
+    "specache1": Layout((PoolSpec(1.0, 1, 1, 32, 32, holes=64),), ((64, False, True), (RESIDUAL, True, False)),
+                        t_rows=2, call=(("token_mass_rows", (1,)),)),
+}
+
+
+def layout_inputs(shape: Shape, name: str, seed: int, *, quantized_from_data: bool = False, num_layers: int = 1):
+  """Arguments (q, layer, stores, segments) of decode_attention for LAYOUTS[name] with L = shape.seq_len tokens.
+
+  Each store's capacity is its share of the quantized tokens (L minus the full-precision ones), rounded up to
+  whole key groups and 64 tokens, and every slot is below its length; holes are random (a fraction, or a count
+  per (b, h)); channel scales are random in [0.5, 2]; segment masks are all True. Stacked arrays carry
+  ``num_layers`` layers and layer = num_layers - 1.
+  """
+  layout = LAYOUTS[name]
+  b, h, d = shape.batch, shape.kv_heads, shape.head_dim
+  quantized = shape.seq_len - sum(length for length, _, _ in layout.segments)
+  keys = iter(jax.random.split(jax.random.key(seed), 4 * len(layout.pools) + 2 * len(layout.segments) + 1))
+  q = jax.random.normal(next(keys), (b, h, layout.t_rows, shape.q_per_kv, d), shape.dtype)
+  lead = (num_layers, b, h)
+  stores = []
+  for pool in layout.pools:
+    multiple = max(64, pool.k_group)
+    capacity = -(-math.ceil(pool.share * quantized) // multiple) * multiple
+    v_group = pool.v_group or d
+    arrays = store_arrays(next(keys), shape, capacity, k_bits=pool.k_bits, v_bits=pool.v_bits,
+                          k_group=pool.k_group, v_group=v_group, quantized_from_data=quantized_from_data,
+                          num_layers=num_layers)
+    valid = None
+    if pool.holes is not None:
+      holes_shape = ((num_layers,) if pool.stacked_holes else ()) + (b, h, capacity)
+      if pool.holes >= 1:  # a count per (b, h), at most half the slots: distinct slots (SpeCache's fetched rows)
+        rank = jnp.argsort(jax.random.uniform(next(keys), holes_shape), axis=-1)
+        valid = rank >= min(int(pool.holes), capacity // 2)
+      else:
+        valid = jax.random.uniform(next(keys), holes_shape) >= pool.holes
+    channel_scale = None
+    if pool.channel_scale:
+      channel_scale = jax.random.uniform(next(keys), (*lead, d), jnp.float16, 0.5, 2.0)
+    stores.append(QuantizedStore(*arrays, length=jnp.full((b,), capacity, jnp.int32), k_bits=pool.k_bits,
+                                 v_bits=pool.v_bits, k_group=pool.k_group, v_group=v_group, valid=valid,
+                                 v_channel_scale=channel_scale))
+  segments = []
+  for length, stacked, per_head in layout.segments:
+    kv_shape = ((num_layers,) if stacked else ()) + (b, h, length, d)
+    k, v = jax.random.normal(next(keys), (2, *kv_shape), shape.dtype)
+    mask = jnp.ones((b, h, layout.t_rows, length) if per_head else (b, layout.t_rows, length), jnp.bool_)
+    segments.append((k, v, mask))
+  return q, jnp.int32(num_layers - 1), tuple(stores), tuple(segments)
+
+
+def inputs_bytes(inputs) -> int:
+  """Bytes of every array of one input set (one layer): what a decode step reads, every slot being valid."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inputs)))
+
+
+def layout_bytes(shape: Shape, name: str) -> int:
+  return inputs_bytes(jax.eval_shape(functools.partial(layout_inputs, shape, name, 0)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,8 +339,21 @@ def fused(config: dict, interpret: bool):
                                                                     interpret=interpret, **config))
 
 
+def layout_config(config: dict, name: str) -> dict:
+  """The tunables plus the arguments the layout's method passes every step (e.g. SpeCache's token mass)."""
+  return {**config, **dict(LAYOUTS[name].call)}
+
+
+def timed_layouts(settings: Settings) -> tuple[str, ...]:
+  """The LAYOUTS that the sweep times (none when no batch size or length of the run is in their range)."""
+  timed = (any(b in settings.layout_batches for b in settings.batches)
+           and any(length <= settings.layout_max_seq_len for length in settings.seq_lens))
+  return tuple(LAYOUTS) if timed else ()
+
+
 def check_fused_against_reference(settings: Settings, config: dict, *, dense: bool = False):
-  """Fails loudly when the compiled kernel and the XLA reference disagree on real quantized data.
+  """Fails loudly when the compiled kernel and the XLA reference disagree on real quantized data: KIVI-2 and
+  KIVI-4 and every layout the sweep times (each output: o, and the token mass where the layout asks for it).
 
   With ``dense``, also the kernel with no store (jkv_dense's inputs) at DENSE_CONFIG.
   """
@@ -231,15 +361,23 @@ def check_fused_against_reference(settings: Settings, config: dict, *, dense: bo
   shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
   cases = [(f"{bits}-bit fused", config, kivi_inputs(shape, bits, seed=bits, quantized_from_data=True))
            for bits in (2, 4)]
+  cases += [(name, layout_config(config, name), layout_inputs(shape, name, seed=3, quantized_from_data=True))
+            for name in timed_layouts(settings)]
   if dense:
     cases.append(("dense (no store)", DENSE_CONFIG, jkv_dense_inputs(shape, seed=0)))
   for name, case_config, inputs in cases:
-    out = np.asarray(fused(case_config, settings.interpret)(*inputs), np.float32)
-    ref = np.asarray(decode_attention_reference(*inputs), np.float32)
-    error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    if not np.all(np.isfinite(out)) or error > 2e-2:
-      raise SystemExit(f"{name} kernel {case_config} disagrees with the reference: relative error {error:.3g}")
-    print(f"check: {name} {case_config or 'defaults'} vs reference: relative error {error:.2e}")
+    out = jax.tree.leaves(fused(case_config, settings.interpret)(*inputs))
+    call = {key: value for key, value in case_config.items() if key == "token_mass_rows"}
+    ref = jax.tree.leaves(decode_attention_reference(*inputs, **call))
+    errors = []
+    for got, want in zip(out, ref):
+      got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+      error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+      errors.append(float(error) if np.all(np.isfinite(got)) else np.inf)
+    if len(out) != len(ref) or not all(error <= 2e-2 for error in errors):
+      raise SystemExit(f"{name} kernel {case_config} disagrees with the reference: relative errors {errors}")
+    print(f"check: {name} {case_config or 'defaults'} vs reference: relative error "
+          f"{', '.join(f'{e:.2e}' for e in errors)}")
 
 
 def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
@@ -276,6 +414,10 @@ def attention_impls(device, settings: Settings, tuned: dict) -> dict:
       "cudnn_dense": (dense_inputs, dense_bytes, dense("cudnn"), {}),
       "xla_dense": (dense_inputs, dense_bytes, dense("xla"), {}),
   }
+  for name in LAYOUTS:
+    config = layout_config(tuned, name)
+    impls[name] = (lambda shape, seed, name=name: layout_inputs(shape, name, seed),
+                   lambda shape, name=name: layout_bytes(shape, name), fused(config, settings.interpret), config)
   if device.platform != "gpu":  # cuDNN attention exists only on NVIDIA GPUs
     del impls["cudnn_dense"]
   return impls
@@ -286,6 +428,8 @@ def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
   for batch, seq_len in itertools.product(settings.batches, settings.seq_lens):
     shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
     for impl, (make, nbytes, fn, config) in attention_impls(device, settings, tuned).items():
+      if impl in LAYOUTS and (batch not in settings.layout_batches or seq_len > settings.layout_max_seq_len):
+        continue
       set_bytes = nbytes(shape)
       sets = input_set_count(set_bytes, settings)
       # dequant_then_attend materializes uint32 codes and fp32 K and V, then copies them into the concatenation
@@ -328,8 +472,11 @@ def markdown_table(records: list[dict]) -> str:
   dense = [r for r in records if r["impl"] == "jkv_dense"]
   if dense:
     lines.append(f"jkv_dense config (the dense autotune of kernel_check_gpu.py on an H100): {dense[0]['config']}.")
-  impls = [i for i in ("kivi2_fused", "kivi4_fused", "dequant_then_attend", "jkv_dense", "cudnn_dense", "xla_dense")
-           if any(r["impl"] == i for r in records)]
+  if any(r["impl"] in LAYOUTS for r in records):
+    lines.append(f"{', '.join(LAYOUTS)}: the fused kernel on ZipCache's, OTT's and SpeCache's layouts at the fused "
+                 f"config (kernel_decode.py's LAYOUTS); GB/s counts every array of the layout.")
+  impls = [i for i in ("kivi2_fused", "kivi4_fused", *LAYOUTS, "dequant_then_attend", "jkv_dense", "cudnn_dense",
+                       "xla_dense") if any(r["impl"] == i for r in records)]
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["impl"] in impls})
   lines += ["", "| B | L | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]

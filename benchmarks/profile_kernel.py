@@ -2,18 +2,21 @@
 
     ncu --kernel-name regex:decode_attention_rows --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_kernel.py --batch 8 --seq-len 32768 --bits 2
+    python benchmarks/profile_kernel.py --layout zipcache_pools   # a layout of kernel_decode.py's LAYOUTS
 
 It uses the inputs and defaults of kernel_decode.py, so what the profiler sees is what that table timed: a
-QuantizedStore of L - 128 tokens plus a 128-token residual segment, stacked over one layer, read at layer 0.
-The kernel's name (``decode_attention_rows16_store_2x2bit_G32_bk64_ks16_seg128_...`` for the defaults) carries
-the store's widths and tunables.
+QuantizedStore of L - 128 tokens plus a 128-token residual segment, stacked over one layer, read at layer 0 (or,
+with ``--layout``, that method's stores and segments). The kernel's name carries each store's widths,
+groupings, holes and channel scale (``_holes``, ``_cscale``) and the tunables; for the defaults it is
+
+    decode_attention_rows16_store_2x2bit_G32_bk64_ks16_seg128_bs64_ss2_num_warps=4_num_stages=1
 """
 
 import argparse
 
 import jax
 
-from kernel_decode import Shape, fused, kivi_inputs
+from kernel_decode import LAYOUTS, Shape, fused, kivi_inputs, layout_config, layout_inputs
 
 
 def main():
@@ -21,10 +24,14 @@ def main():
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=32768)
   parser.add_argument("--bits", type=int, default=2)
+  parser.add_argument("--layout", choices=sorted(LAYOUTS), help="a method's layout instead of the KIVI store")
   parser.add_argument("--calls", type=int, default=4)
   args = parser.parse_args()
-  inputs = kivi_inputs(Shape(args.batch, args.seq_len), args.bits, seed=0)
-  fn = fused({}, interpret=False)  # the widths come with the store
+  shape = Shape(args.batch, args.seq_len)
+  if args.layout:
+    inputs, fn = layout_inputs(shape, args.layout, seed=0), fused(layout_config({}, args.layout), interpret=False)
+  else:
+    inputs, fn = kivi_inputs(shape, args.bits, seed=0), fused({}, interpret=False)  # the widths come with the store
   for _ in range(args.calls):
     jax.block_until_ready(fn(*inputs))
 
