@@ -218,8 +218,8 @@ class Ott(CacheMethod):
     """Quantize the prompt's first q(n) tokens with outliers selected (spec §3.7), the rest into the buffer."""
     del q
     lengths = ctx.lengths
-    B, H, T, D = k.shape
-    G, N, A = self.group_size, self.pool_size, self.pool_slots - self.pool_size
+    B, H, T, _ = k.shape
+    G, N = self.group_size, self.pool_size
     state = state.replace(
         valid=write_layer(state.valid, layer, jnp.ones(state.valid.shape[1:], bool)),
         pool_pos=write_layer(state.pool_pos, layer, jnp.full(state.pool_pos.shape[1:], -1, jnp.int32)),
@@ -282,7 +282,8 @@ class Ott(CacheMethod):
   def _compress(self, state, layer, k, v, start, count, impl):
     """Quantize rows k, v [B, H, M, D] (M a multiple of G; positions start [B] + [0, M)) into the store, where
     their first count[b] tokens (a multiple of G) compete for the outlier pool first. Sequences with count 0
-    are left untouched; rows past count are written but not yet meant (a later event rewrites them)."""
+    are left untouched. Rows past count (the prompt's tail) are quantized too: nothing reads their slots before
+    the event that quantizes them rewrites them."""
     B, H, M, D = k.shape
     G, N, Gv = self.group_size, self.pool_size, self.value_group_for(D)
     due = count > 0  # [B]
@@ -315,7 +316,7 @@ class Ott(CacheMethod):
   def _select(self, state, layer, k, v, pos, competing):
     """Competition and pool updates for rows k, v [B, H, M, D] at positions pos [B, M], of which ``competing``
     [B, M] take part (spec §3.4). Returns (state, admitted [B, H, M] bool)."""
-    B, H, M, D = k.shape
+    B, H, M, _ = k.shape
     N, A = self.pool_size, self.pool_slots - self.pool_size
     capacity = self.layer_capacity(layer)
     frozen, aux_count = state.frozen[layer], state.aux_count[layer]  # [B, H]
