@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv import generate as gen
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.methods import make_method
 from jkv.methods import saliency as sal
@@ -24,6 +23,10 @@ from conftest import has_pallas_gpu
 
 H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
 KERNEL_PENDING = re.compile(r"Pallas kernel (reads at most|does not support)")
+# One method, batch, capacity and layer shared by most tests, so that its prefill and step compile once per session:
+# N = 8 (recompressions come quickly), many random probes, prompts padded to the capacity, layer 1 of 2.
+SHARED = ZipCache(interval=8, key_group=16, random_probes=0.3)
+BATCH, CAP, LAYER = 3, 72, 1
 
 
 def _spec(batch, capacity, layers=2, dtype=jnp.float32):
@@ -118,6 +121,18 @@ def _within_quantizer_bound(x_hat, x, groups, bits):
     assert np.all(np.abs(x_hat[rows] - x[rows]) <= bound), (label, np.max(np.abs(x_hat[rows] - x[rows]) - bound))
 
 
+@jax.jit
+def _exact_and_probe_scores(q, k, key):
+  """Normalized scores [B, H, T] of full prompts q [B, H, T, g, D], k [B, H, T, D]: from every query (exact) and
+  from the default probes (5% recent + 5% random, the paper's count)."""
+  B, T = k.shape[0], k.shape[2]
+  n = jnp.full((B,), T, jnp.int32)
+  every = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  score = lambda mass, seen: sal.saliency_scores(mass, seen, n, saliency="normalized", normalize_by="probes")
+  exact = score(*sal.probe_mass(q, k, every, jnp.ones_like(every, bool)))
+  return exact, score(*sal.probe_mass(q, k, *sal.prefill_probes(key, n, T, 0.05, 0.05)))
+
+
 def _spearman(a, b):
   rank = lambda x: np.argsort(np.argsort(x)).astype(np.float64)
   return float(np.corrcoef(rank(a), rank(b))[0, 1])
@@ -195,20 +210,21 @@ def test_probe_selection():
   """Spec T10 and A5: recent probes are the last n_rec positions; random probes are distinct, earlier than the
   recent ones and n_rand in number; the same key gives the same set whatever the batch or padded length, other
   layers other sets; the random rate over 10^4 decode positions is 5% +- 1%."""
+  probes = jax.jit(sal.prefill_probes, static_argnums=(2, 3, 4))
   key = jax.random.fold_in(jax.random.key(0), 3)
   lengths = jnp.asarray([200, 57, 1], jnp.int32)
-  rows, ok = map(np.asarray, sal.prefill_probes(key, lengths, 256, 0.05, 0.05))
+  rows, ok = map(np.asarray, probes(key, lengths, 256, 0.05, 0.05))
   for b, n in enumerate([200, 57, 1]):
     n_rec, n_rand = (int(x) for x in sal.probe_counts(n, 0.05, 0.05))
     chosen = rows[b][ok[b]]
     assert len(chosen) == len(set(chosen)) == n_rec + n_rand
     assert set(range(n - n_rec, n)) <= set(chosen)
     assert all(0 <= p < n - n_rec for p in set(chosen) - set(range(n - n_rec, n)))
-    alone_rows, alone_ok = map(np.asarray, sal.prefill_probes(key, lengths[b:b + 1], n, 0.05, 0.05))
-    assert set(alone_rows[0][alone_ok[0]]) == set(chosen)
-  other = np.asarray(sal.prefill_probes(jax.random.fold_in(jax.random.key(0), 4), lengths, 256, 0.05, 0.05)[0])
+  alone_rows, alone_ok = map(np.asarray, probes(key, lengths[1:2], 57, 0.05, 0.05))
+  assert set(alone_rows[0][alone_ok[0]]) == set(rows[1][ok[1]])
+  other = np.asarray(probes(jax.random.fold_in(jax.random.key(0), 4), lengths, 256, 0.05, 0.05)[0])
   assert set(other[0][ok[0]]) != set(rows[0][ok[0]])
-  rate = np.mean(np.asarray(sal.position_priority(key, jnp.arange(10_000))) < 0.05)
+  rate = np.mean(np.asarray(jax.jit(sal.position_priority)(key, jnp.arange(10_000))) < 0.05)
   assert 0.04 <= rate <= 0.06
 
 
@@ -226,12 +242,8 @@ def test_probe_estimate_tracks_exact_scores_on_heavy_hitters():
     k = rng.normal(size=(1, 1, L, D))
     k[0, 0, rng.choice(np.arange(1, L), 60, replace=False)] += 3 * u
     k[0, 0, 0] += 6 * u
-    q, k, n = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray([L])
-    every = jnp.arange(L, dtype=jnp.int32)[None]
-    exact = sal.saliency_scores(*sal.probe_mass(q, k, every, jnp.ones_like(every, bool)), n,
-                                saliency="normalized", normalize_by="probes")
-    rows, ok = sal.prefill_probes(jax.random.key(seed), n, L, 0.05, 0.05)
-    probe = sal.saliency_scores(*sal.probe_mass(q, k, rows, ok), n, saliency="normalized", normalize_by="probes")
+    exact, probe = _exact_and_probe_scores(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                                           jax.random.key(seed))
     exact, probe = np.asarray(exact[0, 0]), np.asarray(probe[0, 0])
     rho.append(_spearman(exact, probe))
     top = lambda s: set(np.argsort(-s, kind="stable")[:n_high])
@@ -267,25 +279,25 @@ def test_prefill_stores_the_probe_salient_tokens_at_high_bits():
   here with explicit softmax matrices), in position order, K and V sharing the set; the low pool holds the rest;
   every row is within its quantizer bound (keys per channel over each group's real rows; values per token of
   V / c with c = sqrt(max |V|) over the prompt); salient tokens err less than the others."""
-  method = ZipCache(key_group=16)
   rng = np.random.default_rng(2)
-  lengths = [90, 41]
-  q, k, v = _qkv(rng, 2, 90)
-  state = _prefill(method, method.init(_spec(2, 256)), 1, q, k, v, lengths)
+  lengths = [72, 41, 5]
+  q, k, v = _qkv(rng, BATCH, CAP)
+  state = _prefill(SHARED, SHARED.init(_spec(BATCH, CAP)), LAYER, q, k, v, lengths, pad_to=CAP)
   err = {"high": [], "low": []}
   for b, n in enumerate(lengths):
     c = np.sqrt(np.abs(v[b, :, :n]).max(axis=1))  # [H, D]
-    np.testing.assert_allclose(np.asarray(state.v_channel_scale[1, b], np.float32), c, rtol=1e-3)
-    rows, ok = map(np.asarray, sal.prefill_probes(method._layer_key(1), jnp.asarray([n]), n, 0.05, 0.05))
+    np.testing.assert_allclose(np.asarray(state.v_channel_scale[LAYER, b], np.float32), c, rtol=1e-3)
+    rows, ok = map(np.asarray, sal.prefill_probes(SHARED._layer_key(LAYER), jnp.asarray([n]), n,
+                                                  SHARED.recent_probes, SHARED.random_probes))
     probes = rows[0][ok[0]]
     p = _causal_probs(q[b, :, :n], k[b, :, :n])[:, :, probes].sum(axis=(1, 2))  # [H, n]
     score = p / np.array([(probes >= j).sum() for j in range(n)])
     n_high = int(np.ceil(0.6 * n))
     for name, bits in (("high", 4), ("low", 2)):
       pool = getattr(state, name)
-      k_hat, v_hat = _dequantized_pool(pool, bits, state.v_channel_scale, 1, 16)
+      k_hat, v_hat = _dequantized_pool(pool, bits, state.v_channel_scale, LAYER, 16)
       count = n_high if name == "high" else n - n_high
-      assert int(pool.prompt_rows[1, b]) == count and int(pool.fill[1, b]) == -(-count // 16) * 16
+      assert int(pool.prompt_rows[LAYER, b]) == count and int(pool.fill[LAYER, b]) == -(-count // 16) * 16
       for h in range(H):
         ranked = np.argsort(-score[h], kind="stable")
         tokens = np.sort(ranked[:n_high] if name == "high" else ranked[n_high:])
@@ -320,62 +332,60 @@ def test_channel_separable_values_beat_plain_per_token_on_outlier_channels(bits)
 # ------------------------------------------------------------------------------------------------- decode
 
 def test_decode_attends_pools_and_window_and_compresses_the_window_by_its_probes():
-  """Spec T16, T17, A8, A11: every step equals the attention reference over the dequantized real pool rows (the
-  layout's own definition) and the window; with every step a probe, each full window is split by the exact
-  normalized score of its tokens (accumulated here from the reference's probabilities) and appended from a
-  group boundary; counters follow the spec's formulas."""
-  N, G = 8, 16
-  method = ZipCache(interval=N, key_group=G, recent_probes=1.0, random_probes=0.0)
-  n_high_w = method.window_high  # 5 of 8
+  """Spec T16, T17, Alg. 3, A8, A11: every step equals the attention reference over the dequantized real pool rows
+  (the layout's own definition) and the window; each full window is split by the normalized score of its tokens,
+  accumulated here from the reference's probabilities on the probe steps (the last n_rec steps of a window, and
+  steps whose position's priority is below random_probes), and appended from a group boundary; counters follow
+  the spec's formulas."""
+  N, G = SHARED.interval, SHARED.key_group
+  n_high_w = SHARED.window_high  # 5 of 8
+  n_rec = int(sal.probe_counts(N, SHARED.recent_probes, SHARED.random_probes)[0])
   rng = np.random.default_rng(3)
-  lengths = np.array([37, 20])
+  lengths = np.array([37, 20, 50])
   steps = 2 * N + 3
-  q, k, v = _qkv(rng, 2, 37 + steps)
-  state = _prefill(method, method.init(_spec(2, 37 + steps)), 0, q, k, v, lengths)
-  step = _step_fn(method, 0)
+  q, k, v = _qkv(rng, BATCH, CAP)
+  state = _prefill(SHARED, SHARED.init(_spec(BATCH, CAP)), LAYER, q, k, v, lengths, pad_to=CAP)
+  step = _step_fn(SHARED, LAYER)
   n_high0 = np.ceil(0.6 * lengths).astype(int)
-  mass = np.zeros((2, H, N))
+  mass, seen = np.zeros((BATCH, H, N)), np.zeros((BATCH, N))
   for s in range(steps):
     pos = lengths + s
     i, w = s % N, s // N  # window slot, windows compressed before this step
-    real = [np.stack([_real_rows(n0[b], w, count, G, getattr(state, name).v_codes.shape[3]) for b in range(2)])
+    real = [np.stack([_real_rows(n0[b], w, count, G, getattr(state, name).v_codes.shape[3]) for b in range(BATCH)])
             for name, n0, count in (("high", n_high0, n_high_w), ("low", lengths - n_high0, N - n_high_w))]
-    pools = [_dequantized_pool(getattr(state, name), bits, state.v_channel_scale, 0, G)
+    pools = [_dequantized_pool(getattr(state, name), bits, state.v_channel_scale, LAYER, G)
              for name, bits in (("high", 4), ("low", 2))]
-    window = [np.concatenate([np.asarray(x[0, :, :, :i]), _rows_at(y, pos)], axis=2)
+    window = [np.concatenate([np.asarray(x[LAYER, :, :, :i]), _rows_at(y, pos)], axis=2)
               for x, y in ((state.k_window, k), (state.v_window, v))]
     keys = jnp.asarray(np.concatenate([pools[0][0], pools[1][0], window[0]], axis=2))
     values = jnp.asarray(np.concatenate([pools[0][1], pools[1][1], window[1]], axis=2))
-    mask = jnp.asarray(np.concatenate(real + [np.ones((2, i + 1), bool)], axis=1)[:, None])
+    mask = jnp.asarray(np.concatenate(real + [np.ones((BATCH, i + 1), bool)], axis=1)[:, None])
     q_row = _rows_at(q, pos)
     ref = gqa_attention_reference(jnp.asarray(q_row), keys, values, mask)
     p, _ = gqa_attention_probs(jnp.asarray(q_row), keys, mask)
-    mass[:, :, :i + 1] += np.asarray(p)[:, :, 0, :, -(i + 1):].sum(axis=2)
-    fills = {name: np.asarray(getattr(state, name).fill[0]) for name in ("high", "low")}
+    u = np.asarray(sal.position_priority(SHARED._layer_key(LAYER), jnp.asarray(pos)))
+    probe = (i >= N - n_rec) | (u < SHARED.random_probes)
+    mass[:, :, :i + 1] += np.where(probe[:, None, None], np.asarray(p)[:, :, 0, :, -(i + 1):].sum(axis=2), 0.0)
+    seen[:, :i + 1] += probe[:, None]
+    fills = {name: np.asarray(getattr(state, name).fill[LAYER]) for name in ("high", "low")}
     out, state = step(state, q_row, _rows_at(k, pos), _rows_at(v, pos), pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
     if i < N - 1:
       continue
-    # The window [pos - N + 1, pos] was compressed: its top 5 of 8 by mass / (N - j) into the high pool.
-    score = mass / (N - np.arange(N))
+    # The window [pos - N + 1, pos] was compressed: its top 5 of 8 by mass / seen into the high pool.
+    score = mass / seen[:, None]
     for name, bits, count in (("high", 4, n_high_w), ("low", 2, N - n_high_w)):
-      k_hat, _ = _dequantized_pool(getattr(state, name), bits, state.v_channel_scale, 0, G)
-      for b in range(2):
+      k_hat, _ = _dequantized_pool(getattr(state, name), bits, state.v_channel_scale, LAYER, G)
+      for b in range(BATCH):
         start = fills[name][b]
-        assert int(getattr(state, name).fill[0, b]) == start + G
+        assert int(getattr(state, name).fill[LAYER, b]) == start + G
         for h in range(H):
           ranked = np.argsort(-score[b, h], kind="stable")
           tokens = pos[b] - N + 1 + np.sort(ranked[:n_high_w] if name == "high" else ranked[n_high_w:])
           _within_quantizer_bound(k_hat[b, h, start:start + count], k[b, h, tokens], np.zeros(count), bits)
-    mass[:] = 0
-  np.testing.assert_array_equal(np.asarray(state.window_len[0]), steps % N)
-  np.testing.assert_array_equal(np.asarray(state.high.prompt_rows[0]), n_high0)
-
-
-# One method, shapes and layer shared by the tests below, so that each compiles once per session: N = 8, many random
-# probes, prompts padded to the capacity, layer 1 of 2.
-SHARED = ZipCache(interval=8, key_group=16, random_probes=0.3)
-CAP = 72
+    mass[:], seen[:] = 0, 0
+  np.testing.assert_array_equal(np.asarray(state.window_len[LAYER]), steps % N)
+  np.testing.assert_array_equal(np.asarray(state.high.prompt_rows[LAYER]), n_high0)
 
 
 @pytest.fixture(scope="module")
@@ -386,11 +396,11 @@ def decoded():
   lengths = np.array([50, 19, 33])
   steps = 2 * SHARED.interval + 3
   q, k, v = _qkv(rng, 3, CAP)
-  spec = _spec(3, CAP)
-  state = _prefill(SHARED, SHARED.init(spec), 1, q, k, v, lengths, pad_to=CAP)
-  alone = [_prefill(SHARED, SHARED.init(_spec(1, CAP)), 1, q[b:b + 1], k[b:b + 1], v[b:b + 1], [n], pad_to=CAP)
-           for b, n in enumerate(lengths)]
-  step = _step_fn(SHARED, 1)
+  spec = _spec(BATCH, CAP)
+  state = _prefill(SHARED, SHARED.init(spec), LAYER, q, k, v, lengths, pad_to=CAP)
+  alone = [_prefill(SHARED, SHARED.init(_spec(1, CAP)), LAYER, q[b:b + 1], k[b:b + 1], v[b:b + 1], [n],
+                    pad_to=CAP) for b, n in enumerate(lengths)]
+  step = _step_fn(SHARED, LAYER)
   outs, alone_outs = [], []
   for s in range(steps):
     pos = lengths + s
@@ -432,9 +442,9 @@ def test_probe_schedule_of_a_window():
   n0 = 24
   q, k, v = _qkv(rng, 1, CAP)
   state = _prefill(SHARED, SHARED.init(_spec(1, CAP)), 1, q, k, v, [n0], pad_to=CAP)
-  step = _step_fn(SHARED, 1)
+  step = _step_fn(SHARED, LAYER)
   n_rec = int(sal.probe_counts(N, SHARED.recent_probes, SHARED.random_probes)[0])
-  u = np.asarray(sal.position_priority(SHARED._layer_key(1), jnp.arange(n0, n0 + 3 * N)))
+  u = np.asarray(sal.position_priority(SHARED._layer_key(LAYER), jnp.arange(n0, n0 + 3 * N)))
   probe = (np.arange(3 * N) % N >= N - n_rec) | (u < SHARED.random_probes)
   assert probe[:N - n_rec].sum() + probe[N:2 * N - n_rec].sum() >= 1  # random probes did fire
   for s in range(2 * N + N - 1):
@@ -460,7 +470,7 @@ def test_pools_never_overflow():
     need["low"][p] = up(p - n_high) + (CAP - p) // N * up(3)
   rng = np.random.default_rng(6)
   q, k, v = _qkv(rng, 1, CAP)
-  step = _step_fn(SHARED, 1)
+  step = _step_fn(SHARED, LAYER)
   for name in ("high", "low"):
     p = max(need[name], key=need[name].get)
     state = _prefill(SHARED, SHARED.init(_spec(1, CAP)), 1, q, k, v, [p], pad_to=CAP)
@@ -529,9 +539,13 @@ class TestZipCacheKernelInterpret:
   scale, plus the full-precision window) against the kernel module's reference: o, lse and a probe's token
   mass, on a state the method built (prefill and two recompressions, layer 1 of 2)."""
   INTERPRET = True
+  DTYPES = (jnp.float32,)  # bf16 in interpret mode adds a compile and nothing the GPU class does not check
 
-  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-  def test_two_pools_and_window_match_the_reference(self, decoded, dtype):
+  def test_two_pools_and_window_match_the_reference(self, decoded):
+    for dtype in self.DTYPES:
+      self._check(decoded, dtype)
+
+  def _check(self, decoded, dtype):
     from jkv_kernels.dequant_attention import decode_attention, decode_attention_reference
     state, layer = decoded["state"], jnp.int32(1)
     i = np.asarray(state.window_len[1])
@@ -557,40 +571,24 @@ class TestZipCacheKernelInterpret:
 @pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
 class TestZipCacheKernelGpu(TestZipCacheKernelInterpret):
   INTERPRET = False
-
-
-def test_method_on_the_kernel_path_equals_the_xla_path(decoded):
-  """Prefill (the quantize-and-pack kernel) and decode steps through a recompression with impl="interpret" give
-  the XLA path's outputs."""
-  q, k, v = decoded["qkv"]
-  lengths = decoded["lengths"]
-  state = _prefill(SHARED, SHARED.init(decoded["spec"]), 1, q, k, v, lengths, impl="interpret", pad_to=CAP)
-  step = _step_fn(SHARED, 1, "interpret")
-  for s in range(SHARED.interval + 1):
-    pos = lengths + s
-    try:
-      out, state = step(state, *(_rows_at(x, pos) for x in (q, k, v)), pos)
-    except ValueError as e:
-      if KERNEL_PENDING.search(str(e)):
-        pytest.skip(f"kernel support pending: {e}")
-      raise
-    np.testing.assert_allclose(np.asarray(out), decoded["outs"][s], rtol=1e-4, atol=1e-4)
+  DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------- models
 
 def test_8_bit_pools_track_the_dense_model(tiny_llama):
   """Spec T19: teacher-forced on a tiny random model through three recompressions, 8/8-bit pools stay within a
-  few hundredths of a nat of dense per token (KIVI-8 does the same), and the 4/2-bit default errs far more."""
+  few hundredths of a nat of dense per token (KIVI-8: 0.010 mean, 0.034 max on these windows)."""
   from jkv.evaluation.perplexity import window_nll
+  from jkv.model import forward_no_cache
   _, m = tiny_llama
   windows = np.random.default_rng(0).integers(2, m.config.vocab_size, (2, 40 + 24 + 1))
-  nll = lambda method: window_nll(m.params, m.config, windows, method=method, context=40, attention_impl="xla")[0]
-  dense = nll(make_method("dense"))
-  fine = np.abs(nll(ZipCache(high_bits=8, low_bits=8, interval=8, key_group=16)) - dense)
-  coarse = np.abs(nll(ZipCache(interval=8, key_group=16)) - dense)
-  assert fine.mean() < 0.03 and fine.max() < 0.15, (fine.mean(), fine.max())
-  assert coarse.mean() > 5 * fine.mean()
+  logp = jax.nn.log_softmax(forward_no_cache(m.params, m.config, jnp.asarray(windows[:, :-1])), axis=-1)
+  dense = -np.take_along_axis(np.asarray(logp), windows[:, 1:, None], axis=2)[:, 40:, 0]
+  method = ZipCache(high_bits=8, low_bits=8, interval=8, key_group=16)
+  nll, _ = window_nll(m.params, m.config, windows, method=method, context=40, attention_impl="xla")
+  error = np.abs(nll - dense)
+  assert error.mean() < 0.03 and error.max() < 0.15, (error.mean(), error.max())
 
 
 def _model_qk(model, ids):
@@ -620,17 +618,11 @@ def test_probe_scores_correlate_with_exact_scores_on_the_default_model(default_m
   Spearman correlation and top-60% overlap of the probe estimate (10% probes) with exact normalized scores."""
   from jkv.evaluation.perplexity import default_text
   ids = default_model.tokenizer.encode(default_text()[:20_000], add_bos=False)[:1024]
-  n = jnp.asarray([len(ids)])
   rho, overlap = [], []
   for layer, (q, k) in enumerate(_model_qk(default_model, ids)):
-    q, k = q[None], k[None]
-    every = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    exact = sal.saliency_scores(*sal.probe_mass(q, k, every, jnp.ones_like(every, bool)), n,
-                                saliency="normalized", normalize_by="probes")
-    rows, ok = sal.prefill_probes(jax.random.fold_in(jax.random.key(0), layer), n, len(ids), 0.05, 0.05)
-    probe = sal.saliency_scores(*sal.probe_mass(q, k, rows, ok), n, saliency="normalized", normalize_by="probes")
+    exact, probe = _exact_and_probe_scores(q[None], k[None], ZipCache()._layer_key(layer))
     n_high = int(np.ceil(0.6 * len(ids)))
-    for h in range(q.shape[1]):
+    for h in range(q.shape[0]):
       e, p = np.asarray(exact[0, h]), np.asarray(probe[0, h])
       rho.append(_spearman(e, p))
       top = lambda s: set(np.argsort(-s, kind="stable")[:n_high])
@@ -638,13 +630,3 @@ def test_probe_scores_correlate_with_exact_scores_on_the_default_model(default_m
   print(f"default model, 1024 tokens, {len(rho)} (layer, KV head) pairs: Spearman mean {np.mean(rho):.3f} "
         f"(min {np.min(rho):.3f}), top-60% overlap mean {np.mean(overlap):.3f} (min {np.min(overlap):.3f})")
   assert np.mean(rho) >= 0.6 and np.mean(overlap) >= 0.75, (np.mean(rho), np.mean(overlap))
-
-
-def test_default_model_zipcache_knows_paris(default_model):
-  """ZipCache at its defaults but N = 16 (so decoding recompresses) answers the capital question."""
-  m = default_model
-  tok = m.tokenizer
-  prompt = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
-                       add_bos=False)]
-  res = gen.generate(m.params, m.config, prompt, method=ZipCache(interval=16), max_new_tokens=20)
-  assert "Paris" in tok.decode(res.tokens[0])

@@ -175,8 +175,9 @@ class ZipCache(CacheMethod):
     by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, LEAD + ("head_dim", "token_groups"))
     by_row = lambda n, dtype: ArrayInfo((L, B, H, rows, n), dtype, LEAD + ("tokens", "channel_groups"))
     counter = ArrayInfo((L, B), jnp.int32, ("layers", "batch"))
-    return Pool(k_codes=by_channel(rows * bits // 32, jnp.uint32), k_scale=by_channel(rows // self.key_group, self.meta),
-                k_zero=by_channel(rows // self.key_group, self.meta), v_codes=by_row(D * bits // 32, jnp.uint32),
+    groups = rows // self.key_group
+    return Pool(k_codes=by_channel(rows * bits // 32, jnp.uint32), k_scale=by_channel(groups, self.meta),
+                k_zero=by_channel(groups, self.meta), v_codes=by_row(D * bits // 32, jnp.uint32),
                 v_scale=by_row(1, self.meta), v_zero=by_row(1, self.meta), prompt_rows=counter, fill=counter)
 
   def abstract(self, spec: CacheSpec) -> ZipCacheState:
@@ -217,9 +218,10 @@ class ZipCache(CacheMethod):
         new = jnp.where(due.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
       return write_at(buf, layer, new, offset, axis=axis)
 
+    group = start // self.key_group
     return pool.replace(
-        k_codes=put(pool.k_codes, kc, start // (32 // bits), 3), k_scale=put(pool.k_scale, ks, start // self.key_group, 3),
-        k_zero=put(pool.k_zero, kz, start // self.key_group, 3), v_codes=put(pool.v_codes, vc, start, 2),
+        k_codes=put(pool.k_codes, kc, start // (32 // bits), 3), k_scale=put(pool.k_scale, ks, group, 3),
+        k_zero=put(pool.k_zero, kz, group, 3), v_codes=put(pool.v_codes, vc, start, 2),
         v_scale=put(pool.v_scale, vs, start, 2), v_zero=put(pool.v_zero, vz, start, 2))
 
   def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale) -> QuantizedStore:
