@@ -127,7 +127,7 @@ def speculative_start(params, cfg, cache, first):
   """The speculative tokens [B, S] the first decode step carries (S = the method's ``speculative_rows``; an
   empty [B, 0] for methods without any) and the cache."""
   if cache.method.speculative_rows == 0:
-    return jnp.zeros((first.shape[0], 0), jnp.int32), cache
+    return jax.device_put(jnp.zeros((first.shape[0], 0), jnp.int32), first.sharding), cache
   if cache.method.speculative_rows != 1:
     raise ValueError(f"cache method {cache.method.name!r} asks for {cache.method.speculative_rows} speculative rows; "
                      "generate runs 0 or 1")
@@ -169,6 +169,13 @@ def _decode_chunk(params, cache, tokens, spec, done, bad, spec_counts, key, eos_
 
 
 _WARM: set = set()
+
+
+def committed(tree):
+  """``tree`` with every array committed to where it already is (device and memory kind). Once an argument lives in
+  host memory (SpeCache's host copy), jit keys its compiled code on which device arguments are committed, and the
+  outputs of jitted calls are: so warm-up and first calls pass committed arrays too, or later calls compile again."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 def _warm(fn, args, static):
@@ -269,38 +276,36 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   cap = plan_capacity(cfg, method, lens, max_new_tokens, chunk, capacity)
   tokens, positions = _pad_prompts(prompts, padded_length(lens, cap), pad_id)
   spec = CacheSpec.for_model(cfg, len(prompts), cap)
-  cache = KVCache.create(method, spec, impl)
+  params, cache = committed((params, KVCache.create(method, spec, impl)))
   if prefill_tokens is None:
     jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
     prefill_tokens = memory.prefill_token_budget(cfg)
   if prefill_tokens < 1:
     raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
   rows = max(1, min(len(prompts), prefill_tokens // tokens.shape[1]))
-  key = jax.random.key(seed)
-  eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
   B = len(prompts)
-  no = jnp.zeros((B,), bool)
-
-  key, sub = jax.random.split(key)
   S = method.speculative_rows
+  key, eos_arr, pad, no, no_spec, zero_counts, first_ids = committed((
+      jax.random.key(seed), jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(pad_id), jnp.zeros((B,), bool),
+      jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0])))
+  key, sub = jax.random.split(key)
   decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
-                                                                   eos_arr, jnp.int32(pad_id))
-  no_spec, zero_counts = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32)
+                                                                   eos_arr, pad)
   with CompileCounter() as compiles:
     t_compile = time.perf_counter()
     # Compile (or find compiled) before timing, so the timings below are run time alone.
     _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
           dict(cfg=cfg))
-    _warm(_first_tokens, (jnp.zeros((B, cfg.vocab_size), jnp.float32), sub), dict(sampler=sampler))
+    _warm(_first_tokens, (committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), dict(sampler=sampler))
     if S:
-      _warm(_pre_decode, (params, cache, jnp.asarray(tokens[:, 0])), dict(cfg=cfg))
-    _warm(_decode_chunk, decode_args(cache, jnp.asarray(tokens[:, 0]), no_spec, no, no, zero_counts, key),
+      _warm(_pre_decode, (params, cache, first_ids), dict(cfg=cfg))
+    _warm(_decode_chunk, decode_args(cache, first_ids, no_spec, no, no, zero_counts, key),
           dict(cfg=cfg, sampler=sampler, steps=chunk))
     compile_s = time.perf_counter() - t_compile
 
     t0 = time.perf_counter()
     logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
-    first, bad = _first_tokens(logits, sub, sampler=sampler)
+    first, bad = _first_tokens(committed(logits), sub, sampler=sampler)
     first.block_until_ready()
     prefill_s = time.perf_counter() - t0
 
@@ -369,12 +374,14 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   cap = plan_capacity(cfg, method, [len(prompt)], max_new_tokens, 1)
   tokens, positions = _pad_prompts([prompt], padded_length([len(prompt)], cap), 0)
-  cache = KVCache.create(method, CacheSpec.for_model(cfg, 1, cap), choose_impl(attention_impl))
-  key, sub = jax.random.split(jax.random.key(seed))
+  params, cache = committed((params, KVCache.create(method, CacheSpec.for_model(cfg, 1, cap),
+                                                    choose_impl(attention_impl))))
+  key, done, counts, eos_arr, pad = committed((
+      jax.random.key(seed), jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32),
+      jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(0)))
+  key, sub = jax.random.split(key)
   logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
-  last, bad = _first_tokens(logits, sub, sampler=sampler)
-  done, counts = jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32)
-  eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+  last, bad = _first_tokens(committed(logits), sub, sampler=sampler)
   spec = None
   for i in range(max_new_tokens):
     if bool(bad[0]):
@@ -388,5 +395,4 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
       if spec is None:
         spec, cache = speculative_start(params, cfg, cache, last)
       cache, last, spec, done, bad, counts, key, _ = _decode_chunk(
-          params, cache, last, spec, done, bad, counts, key, eos_arr, jnp.int32(0), cfg=cfg, sampler=sampler,
-          steps=1)
+          params, cache, last, spec, done, bad, counts, key, eos_arr, pad, cfg=cfg, sampler=sampler, steps=1)

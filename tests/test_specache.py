@@ -287,6 +287,9 @@ def test_generate_and_perplexity_through_the_model(tiny_llama):
   for b, (p, out) in enumerate(zip(prompts, res.tokens)):
     assert out == np.argmax(logits[b, len(p) - 1:len(p) + 23], axis=-1).tolist()
   stats = res.stats
+  again = gen.generate(m.params, cfg, prompts[::-1], method=SpeCache(fetch_rows=512, residual=32), max_new_tokens=24,
+                       eos_ids=(), chunk=8)
+  assert again.stats["compiles"] == 0 and again.tokens == res.tokens[::-1]  # spec §8.18: compiled once, per bucket
   assert stats["method_stats"]["speculation_hit_rate"] == 1.0
   assert 0.0 <= stats["method_stats"]["speculative_token_match"] <= 1.0
   assert stats["kv_host_bytes"] == stats["dense_kv_bytes"] and 0 < stats["kv_bytes"]
