@@ -2,7 +2,8 @@
 
 A randomly initialized Llama-3-8B-shaped model (as in generate_decode.py), a cache of one method at batch B holding
 ``--context`` tokens per sequence (the cache's contents do not change the work), and ``--steps`` greedy decode steps
-in one jitted ``lax.scan`` with the cache donated, as ``jkv.generate`` runs them. The scan is compiled and run
+in one jitted ``lax.scan`` with the cache donated, compiled with jkv's MODEL_COMPILER_OPTIONS, as ``jkv.generate``
+runs them (``--xla-defaults`` for XLA's own options). The scan is compiled and run
 once, then run again under ``jax.profiler.trace``; the device events of that second run are grouped by kernel name
 and reported per step beside the step's wall time and its floor (weights + the cache's held bytes at the device
 copy rate), so the gap between the two has names.
@@ -32,6 +33,7 @@ from jkv.cache import CacheSpec, KVCache
 from jkv.config import ModelConfig
 from jkv.methods import make_method
 from jkv.model import forward
+from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
 def decode_loop(cfg, steps, compiler_options):
@@ -78,8 +80,10 @@ def main():
   parser.add_argument("--top", type=int, default=30)
   parser.add_argument("--smoke", action="store_true", help="a tiny model (any machine)")
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
-                      help="an XLA option for the decode loop's compilation (repeatable), e.g. "
-                           "xla_gpu_enable_triton_gemm=false")
+                      help="an XLA option for the decode loop's compilation (repeatable; on top of jkv's "
+                           "MODEL_COMPILER_OPTIONS), e.g. xla_gpu_enable_triton_gemm=true")
+  parser.add_argument("--xla-defaults", action="store_true",
+                      help="compile without jkv.xla_options.MODEL_COMPILER_OPTIONS (XLA's own defaults)")
   parser.add_argument("--out", type=pathlib.Path)
   args = parser.parse_args()
 
@@ -95,7 +99,7 @@ def main():
   weight_bytes = memory.tree_bytes(params)
   kv_bytes = cache.held_bytes(jnp.full((batch,), context + steps // 2)).device
   rate = 1e10 if args.smoke else copy_rate()
-  compiler_options = {}
+  compiler_options = {} if args.xla_defaults else dict(MODEL_COMPILER_OPTIONS)
   for item in args.compiler_option:
     key, value = item.split("=", 1)
     compiler_options[key] = {"true": True, "false": False}.get(value.lower(), value)

@@ -23,6 +23,7 @@ from jkv.methods.dense import Dense
 from jkv.model import forward
 from jkv.params import Params
 from jkv.sampling import Greedy
+from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 MIN_PROMPT_BUCKET = 16
 
@@ -95,7 +96,8 @@ def padded_length(prompt_lens, capacity: int) -> int:
   return min(bucket(max(prompt_lens)), capacity)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 def _prefill_rows(params, tokens, positions, cache, start, *, cfg):
   """Prefill sequences [start, start + b) of the cache with tokens [b, T]; returns their last-token logits
   [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a sub-batch at a time
@@ -115,7 +117,8 @@ def _first_tokens(logits, key, *, sampler):
   return sampler.next_tokens(logits, key), ~jnp.all(jnp.isfinite(logits), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 def _pre_decode(params, cache, first, *, cfg):
   """The method's pre-decode pass (``CacheMethod.pre_decode``) on the first generated tokens first [B]: returns
   the first speculative tokens [B, 1] (its greedy output) and the cache, whose lengths do not move."""
@@ -134,7 +137,8 @@ def speculative_start(params, cfg, cache, first):
   return _pre_decode(params, cache, first, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 def _decode_chunk(params, cache, tokens, spec, done, bad, spec_counts, key, eos_ids, pad_id, *, cfg, sampler,
                   steps):
   """``steps`` decode steps in one scan. tokens [B]: the last sampled token of each sequence; ``bad`` [B]

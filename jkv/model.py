@@ -13,6 +13,7 @@ from jkv.attention import prompt_attention, prompt_mask
 from jkv.cache import KVCache, StepContext
 from jkv.config import ModelConfig
 from jkv.params import Params
+from jkv.xla_options import MODEL_COMPILER_OPTIONS
 from jkv_kernels.attention_reference import gqa_attention_reference
 
 
@@ -161,7 +162,7 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
   return _logits(params, x, cfg), cache.replace(state=state, lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg",), compiler_options=MODEL_COMPILER_OPTIONS)
 def forward_no_cache(params: Params, cfg: ModelConfig, tokens):
   """Causal logits [B, T, vocab] float32 for full sequences, no cache (the parity reference path)."""
   B, T = tokens.shape

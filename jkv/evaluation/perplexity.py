@@ -24,6 +24,7 @@ from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
 from jkv.model import forward
 from jkv.params import Params
+from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
 def default_text() -> str:
@@ -84,7 +85,8 @@ class PerplexityResult:
     return dataclasses.asdict(self)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 def _prefill(params, tokens, cache, *, cfg):
   """Store tokens [B, T] (every row a full prompt) in the empty cache. The logits are unused, so XLA drops
   the vocabulary projection."""
@@ -93,7 +95,8 @@ def _prefill(params, tokens, cache, *, cfg):
   return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
 def _score(params, cache, inputs, targets, *, cfg):
   """Teacher-forced decoding: step t feeds inputs[:, t] and returns the fp32 NLL of targets[:, t]. [B, S] -> [B, S].
 
