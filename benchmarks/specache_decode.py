@@ -9,8 +9,9 @@ one command (each fits the device tool's 10 minutes):
 
     --part check     the host boundary on this device, at the step's shapes: memory kinds; the Pallas gather
                      kernel reading a pinned_host operand inside jit (bit-exact against the same gather on a
-                     device copy; its time for one layer's rows); whether the XLA host gather (the CPU path)
-                     compiles here; the in-place host row write; lax.top_k over one layer's candidates
+                     device copy, at offsets past 2**31; its time for one layer's rows); whether the XLA host
+                     gather (the CPU path) compiles here; the in-place host row write; lax.top_k over one
+                     layer's candidates
     --part step      B = 8, 32k context, the methods named by --methods (default: dense kivi2 specache1
                      specache1_sync), one record each: ms/step, device and host KV bytes, compression
 
@@ -75,8 +76,10 @@ def check_part(smoke):
   from jkv.methods.specache import gather_host_rows, gather_rows_pallas, host_write_rows
   device = jax.devices()[0]
   shape = SMOKE if smoke else LLAMA3_8B
+  # 8 layers of B = 8, 32k rows of 256 values: 4.3e9 elements, so reading the last layer needs offsets past 2**31
+  # (the whole 32-layer host copy is 17e9 elements).
   layers, batch, heads, capacity, width, k = (2, 2, 2, 512, 2 * shape["head_dim"], 16) if smoke else (
-      4, 8, shape["kv_heads"], 32768, 2 * shape["head_dim"], 64)
+      8, 8, shape["kv_heads"], 32768, 2 * shape["head_dim"], 64)
   dtype = jnp.float32 if smoke else jnp.bfloat16
   base = dict(part="check", device=device.device_kind, jax_version=jax.__version__, date=now(),
               memory_kinds=[m.kind for m in device.addressable_memories()])

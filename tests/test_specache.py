@@ -88,20 +88,20 @@ class Driver:
 _DRIVERS = {}
 
 
-def _driver(method) -> Driver:
-  if method not in _DRIVERS:
-    _DRIVERS[method] = Driver(method)
-  return _DRIVERS[method]
+def _driver(method, impl="xla") -> Driver:
+  if (method, impl) not in _DRIVERS:
+    _DRIVERS[method, impl] = Driver(method, impl=impl)
+  return _DRIVERS[method, impl]
 
 
-def _run(method, real, spec_rows, lengths, steps, capacity=256):
+def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
   """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns the real row's output
   per step [steps, B, H, 1, g, D] and the states after pre-decode and after each step."""
   q, k, v = real
   sq, sk, sv = spec_rows
   lengths = np.asarray(lengths)
   B = len(lengths)
-  driver = _driver(method)
+  driver = _driver(method, impl)
   state = driver.start(_spec(B, capacity), k[:, :, :lengths.max()], v[:, :, :lengths.max()], lengths)
   if isinstance(method, SpeCache):
     _, state = driver.pre_decode(state, _at(q, lengths), _at(k, lengths), _at(v, lengths), lengths)
@@ -218,6 +218,19 @@ def test_batch_rows_are_independent():
     for out, idx in results[1:]:
       np.testing.assert_allclose(out, results[0][0], rtol=1e-6, atol=1e-6)
       np.testing.assert_array_equal(idx, results[0][1])
+
+
+def test_fused_kernel_path_equals_xla_path():
+  """The method runs on the fused decode kernel (interpret mode here): 1-bit store with per-step holes, the window
+  with per-head holes, the fetched rows, the speculative row's own segment and token mass for both rows give the
+  XLA path's outputs and the same chosen rows."""
+  rng = np.random.default_rng(8)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths = np.array([70, 131])
+  outs, states = _run(FEW, real, spec_rows, lengths, 2)
+  kernel_outs, kernel_states = _run(FEW, real, spec_rows, lengths, 2, impl="interpret")
+  np.testing.assert_allclose(kernel_outs, outs, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(kernel_states[-1].fetched_idx), np.asarray(states[-1].fetched_idx))
 
 
 def test_fetch_paths_agree_bit_for_bit():
