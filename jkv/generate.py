@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import memory
+from jkv import sharding
 from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
 from jkv.config import ModelConfig
@@ -184,7 +185,7 @@ def committed(tree):
 
 def _warm(fn, args, static):
   """Trace and compile ``fn`` for these shapes once per process (jit and ahead-of-time share compiled code)."""
-  key = (fn, jax.tree.structure(args), tuple(jax.tree.map(lambda a: (a.shape, a.dtype), jax.tree.leaves(args))),
+  key = (fn, jax.tree.structure(args), tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(args)),
          tuple(sorted(static.items())))
   if key not in _WARM:
     fn.lower(*args, **static).compile()
@@ -233,7 +234,7 @@ def _prefill(params, cfg, tokens, positions, cache, prefill_tokens):
   """Prefill the whole batch in sub-batches of at most ``prefill_tokens`` prompt tokens (at least one sequence).
   Returns the last-token logits [B, vocab] and the cache."""
   B, T = tokens.shape
-  rows = max(1, min(B, prefill_tokens // T))
+  rows = sharding.batch_rows(prefill_tokens // T, B, sharding.cache_mesh(cache))
   logits = None
   for start in prefill_starts(B, rows):
     part, cache = _prefill_rows(params, jnp.asarray(tokens[start:start + rows]),
@@ -250,10 +251,12 @@ def _cut_at_eos(ids, eos_ids):
   return ids
 
 
+@sharding.under_mesh
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              method: CacheMethod = Dense(), max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0,
              capacity: Optional[int] = None, chunk: int = 32, eos_ids: Optional[Sequence[int]] = None,
-             pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None) -> GenerateResult:
+             pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None,
+             mesh=None) -> GenerateResult:
   """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids) in one batch.
 
   Decoding stops for a sequence at its first end-of-sequence token (``eos_ids``, default the model's) and for
@@ -269,6 +272,10 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a speculative method,
   ``speculative_token_match`` (how often the speculative token was the real next token). Non-finite logits raise
   a one-line ValueError naming the sequences.
+
+  ``mesh`` (a ``jax.sharding.Mesh``, a spec such as ``"data=2,model=4"``, or None) runs it on a device mesh
+  (``jkv.sharding``): parameters tensor-parallel over ``model``, the cache split over sequences (``data``) and KV
+  heads (``model``), every cache call run per shard; the tokens are those of one device.
   """
   prompts = check_prompts(prompts, cfg.vocab_size)
   if max_new_tokens < 1:
@@ -280,18 +287,20 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   cap = plan_capacity(cfg, method, lens, max_new_tokens, chunk, capacity)
   tokens, positions = _pad_prompts(prompts, padded_length(lens, cap), pad_id)
   spec = CacheSpec.for_model(cfg, len(prompts), cap)
-  params, cache = committed((params, KVCache.create(method, spec, impl)))
+  sharding.check_mesh(mesh, cfg, len(prompts))
+  params = sharding.shard_params(params, cfg, mesh)
+  params, cache = committed((params, sharding.create_cache(method, spec, impl, mesh)))
   if prefill_tokens is None:
     jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
     prefill_tokens = memory.prefill_token_budget(cfg)
   if prefill_tokens < 1:
     raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-  rows = max(1, min(len(prompts), prefill_tokens // tokens.shape[1]))
+  rows = sharding.batch_rows(prefill_tokens // tokens.shape[1], len(prompts), mesh)
   B = len(prompts)
   S = method.speculative_rows
-  key, eos_arr, pad, no, no_spec, zero_counts, first_ids = committed((
+  key, eos_arr, pad, no, no_spec, zero_counts, first_ids = sharding.rows(committed((
       jax.random.key(seed), jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(pad_id), jnp.zeros((B,), bool),
-      jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0])))
+      jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0]))), mesh)
   key, sub = jax.random.split(key)
   decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
                                                                    eos_arr, pad)
@@ -300,7 +309,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     # Compile (or find compiled) before timing, so the timings below are run time alone.
     _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
           dict(cfg=cfg))
-    _warm(_first_tokens, (committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), dict(sampler=sampler))
+    _warm(_first_tokens, sharding.rows((committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), mesh),
+          dict(sampler=sampler))
     if S:
       _warm(_pre_decode, (params, cache, first_ids), dict(cfg=cfg))
     _warm(_decode_chunk, decode_args(cache, first_ids, no_spec, no, no, zero_counts, key),
@@ -309,7 +319,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
     t0 = time.perf_counter()
     logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
-    first, bad = _first_tokens(committed(logits), sub, sampler=sampler)
+    first, bad = sharding.rows(_first_tokens(*sharding.rows((committed(logits), sub), mesh), sampler=sampler), mesh)
     first.block_until_ready()
     prefill_s = time.perf_counter() - t0
 
@@ -319,9 +329,12 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     produced = 1
     last, counts = first, zero_counts
     guess, cache = speculative_start(params, cfg, cache, first)
+    guess = sharding.rows(guess, mesh)
     while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
       cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
           *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
+      # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
+      last, guess, done, bad, counts, key = sharding.rows((last, guess, done, bad, counts, key), mesh)
       out.append(np.asarray(chunk_out))
       produced += chunk
     jax.block_until_ready(cache)

@@ -1,0 +1,446 @@
+"""Running on a device mesh: JAX's own SPMD (a ``Mesh`` with named axes, ``NamedSharding``, ``shard_map``).
+
+The mesh has two axes, ``data`` (sequences of the batch) and ``model`` (tensor parallelism). Every array is
+placed by the logical names of its axes (``ShardingRules``: ``batch`` -> data; ``q_heads``, ``kv_heads`` and
+``ffw`` -> model; the rest whole), as jax-llm-examples do:
+
+- parameters: attention tensor-parallel over heads (q, k, v over their heads, o over its input heads), the MLP
+  over its hidden size, the embedding and LM head over the vocabulary where it divides; norms replicated;
+- every cache array over its ``batch`` and ``kv_heads`` axes, from the method's own ``abstract`` description
+  (codes, scales, pools, rings, counters, host-resident copies alike), its memory kind kept, so a
+  ``pinned_host`` array is sharded in host memory.
+
+``create_cache`` wraps the method in ``PerShard``: every cache call the model makes (prefill, pre-decode, step)
+runs through ``shard_map`` on each device's own sequences and KV heads. A (sequence, KV head) pair is what every
+method's arithmetic is independent over, so the method's code, its Pallas kernels (quantize-pack, the fused
+dequant-attention, SpeCache's host gather) and its state updates run unchanged on local shapes, and no cache
+array is ever gathered. Everything outside the cache (projections, MLP, logits, sampling) is left to jit's
+partitioner, steered by the parameter and cache shardings.
+
+Multi-host: ``initialize_distributed`` starts ``jax.distributed`` (one process per host, or several processes on
+one machine); the mesh then spans every process's devices and each process runs the same program.
+"""
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, is_array_info
+from jkv.config import ModelConfig
+from jkv.params import Layers, Params
+
+MESH_AXES = ("data", "model")
+
+
+# ------------------------------------------------------------------------------------------------- compatibility
+# One place for the APIs that moved between the jax versions jkv runs on (0.10 on CPU CI, 0.11 on the GPU
+# machine, 0.12 on Colab).
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """``jax.shard_map`` without the replication check: a ``pallas_call`` carries no varying-axes types, and every
+  spec here is written from the arrays' logical axes anyway."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  from jax.experimental.shard_map import shard_map as legacy  # jax < 0.7
+  return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def use_mesh(mesh: Optional[Mesh]):
+  """Context in which ``mesh`` is jax's current mesh (jit traces see it; arrays created eagerly land replicated
+  on it); a no-op for None."""
+  if mesh is None:
+    return contextlib.nullcontext()
+  if hasattr(jax, "set_mesh"):
+    return jax.set_mesh(mesh)
+  return jax.sharding.use_mesh(mesh)
+
+
+def current_mesh():
+  """The mesh of the enclosing ``use_mesh`` as jit sees it while tracing, or None: none set, or a trivial one of
+  one device, or inside a ``shard_map`` body (its axes are manual: the code there already runs per shard)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or not mesh.axis_names or mesh.size == 1:
+    return None
+  manual = getattr(jax.sharding.AxisType, "Manual", None)
+  if manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ())):
+    return None
+  return mesh
+
+
+# ------------------------------------------------------------------------------------------------- the mesh
+
+def parse_mesh(text: str) -> dict:
+  """``"data=2,model=4"`` -> {"data": 2, "model": 4}; an axis left out has size 1. One-line ValueErrors name the
+  problem (syntax, unknown or repeated axis, a size that is not a positive integer)."""
+  sizes = {}
+  items = [item.strip() for item in str(text).split(",")]
+  if not any(items):
+    raise ValueError(f"empty mesh spec; write it as data=N,model=M (axes: {', '.join(MESH_AXES)})")
+  for item in items:
+    name, eq, value = item.partition("=")
+    name = name.strip()
+    if not eq or not name:
+      raise ValueError(f"mesh spec {text!r}: expected axis=size, got {item!r} (e.g. data=2,model=4)")
+    if name not in MESH_AXES:
+      raise ValueError(f"mesh spec {text!r}: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+    if name in sizes:
+      raise ValueError(f"mesh spec {text!r}: axis {name!r} is given twice")
+    try:
+      size = int(value.strip())
+    except ValueError:
+      raise ValueError(f"mesh spec {text!r}: size of {name!r} must be an integer, got {value.strip()!r}") from None
+    if size < 1:
+      raise ValueError(f"mesh spec {text!r}: size of {name!r} must be >= 1, got {size}")
+    sizes[name] = size
+  return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+
+
+def mesh_label(mesh: Optional[Mesh]) -> str:
+  """``data=2,model=4`` (or ``none``)."""
+  if mesh is None:
+    return "none"
+  return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def make_mesh(shape: Union[str, Mapping[str, int], Mesh, None], devices: Optional[Sequence] = None) -> Optional[Mesh]:
+  """A (data, model) mesh over ``devices`` (default: every device jax sees, across all processes).
+
+  ``shape`` is a spec string (``"data=2,model=4"``), a dict of axis sizes, a ready ``Mesh`` (returned as it is)
+  or None (no mesh). The sizes must multiply to the number of devices: a mesh over fewer devices is made by
+  passing them (``devices=jax.devices()[:2]``), or by hiding the others (``CUDA_VISIBLE_DEVICES``).
+  """
+  if shape is None or isinstance(shape, Mesh):
+    return shape
+  sizes = parse_mesh(shape) if isinstance(shape, str) else dict(shape)
+  unknown = sorted(set(sizes) - set(MESH_AXES))
+  if unknown:
+    raise ValueError(f"unknown mesh axis {unknown[0]!r}; the axes are {', '.join(MESH_AXES)}")
+  sizes = {axis: int(sizes.get(axis, 1)) for axis in MESH_AXES}
+  if min(sizes.values()) < 1:
+    raise ValueError(f"mesh axis sizes must be >= 1, got {sizes}")
+  devices = list(jax.devices() if devices is None else devices)
+  need = int(np.prod(list(sizes.values())))
+  label = ",".join(f"{a}={s}" for a, s in sizes.items())
+  if need != len(devices):
+    platform = devices[0].platform if devices else "?"
+    hint = ("; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices" if platform == "cpu"
+            else "; hide the others with CUDA_VISIBLE_DEVICES to use fewer")
+    raise ValueError(f"mesh {label} needs {need} devices (data x model), but {len(devices)} {platform} "
+                     f"device{'s are' if len(devices) != 1 else ' is'} visible{hint if need < len(devices) else ''}")
+  grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
+  return Mesh(grid, MESH_AXES)
+
+
+def axis_size(mesh: Optional[Mesh], axis: str) -> int:
+  return 1 if mesh is None or axis not in mesh.shape else int(mesh.shape[axis])
+
+
+def check_mesh(mesh: Optional[Mesh], cfg: ModelConfig, batch: Optional[int] = None) -> None:
+  """One-line ValueError unless the model's heads split over ``model`` and the batch over ``data``."""
+  if mesh is None:
+    return
+  m, d = axis_size(mesh, "model"), axis_size(mesh, "data")
+  if cfg.kv_heads % m:
+    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.kv_heads} KV heads do not split over model={m} "
+                     "(the model axis must divide the KV-head count)")
+  if cfg.q_heads % m:
+    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.q_heads} query heads do not split over model={m}")
+  if batch is not None and batch % d:
+    raise ValueError(f"mesh {mesh_label(mesh)}: a batch of {batch} sequences does not split over data={d} "
+                     f"(give a multiple of {d})")
+
+
+# ------------------------------------------------------------------------------------------------- rules
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Logical axis name -> mesh axis (None: not sharded). Names not listed are not sharded."""
+
+  batch: Optional[str] = "data"
+  kv_heads: Optional[str] = "model"
+  q_heads: Optional[str] = "model"
+  ffw: Optional[str] = "model"
+  vocab: Optional[str] = "model"
+
+  def mesh_axis(self, name: str) -> Optional[str]:
+    return getattr(self, name, None) if name in _RULE_NAMES else None
+
+
+_RULE_NAMES = frozenset(f.name for f in dataclasses.fields(ShardingRules))
+DEFAULT_RULES = ShardingRules()
+
+
+def logical_to_spec(axes: Sequence[str], mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, shape=None,
+                    strict: bool = True) -> P:
+  """The PartitionSpec of an array whose dimensions are named ``axes``.
+
+  A mesh axis may shard one dimension only (two would be a collision: a ValueError). With ``shape``, a dimension
+  that the mesh axis does not divide is an error when ``strict``, or stays whole otherwise (parameters such as a
+  vocabulary of odd size)."""
+  used, spec = {}, []
+  for i, name in enumerate(axes):
+    axis = rules.mesh_axis(name)
+    if axis is None or axis not in mesh.shape or mesh.shape[axis] == 1:
+      spec.append(None)
+      continue
+    if axis in used:
+      raise ValueError(f"logical axes {tuple(axes)}: {used[axis]!r} and {name!r} both map to mesh axis {axis!r}")
+    if shape is not None and shape[i] % mesh.shape[axis]:
+      if strict:
+        raise ValueError(f"axis {name!r} of size {shape[i]} does not split over {axis}={mesh.shape[axis]}")
+      spec.append(None)
+      continue
+    used[axis] = name
+    spec.append(axis)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+def state_specs(abstract, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+  """The PartitionSpec of every array of a state description (``CacheMethod.abstract``), in its tree."""
+  return jax.tree.map(lambda i: logical_to_spec(i.axes, mesh, rules, i.shape), abstract, is_leaf=is_array_info)
+
+
+def state_shardings(abstract, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+  """A ``NamedSharding`` for every array of a state description, in its memory kind (``pinned_host`` arrays are
+  sharded in host memory)."""
+  return jax.tree.map(lambda i: NamedSharding(mesh, logical_to_spec(i.axes, mesh, rules, i.shape),
+                                              memory_kind=i.memory_kind), abstract, is_leaf=is_array_info)
+
+
+def local_bytes(abstract, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_RULES) -> HeldBytes:
+  """Bytes one device holds of a state description: each array divided by the mesh axes that shard it."""
+  device = host = 0
+  for info in jax.tree.leaves(abstract, is_leaf=is_array_info):
+    n = info.nbytes
+    if mesh is not None:
+      spec = logical_to_spec(info.axes, mesh, rules, info.shape)
+      n //= int(np.prod([mesh.shape[a] for a in spec if a is not None], dtype=np.int64))
+    if info.memory_kind == "device":
+      device += n
+    else:
+      host += n
+  return HeldBytes(device=device, host=host)
+
+
+# ------------------------------------------------------------------------------------------------- parameters
+
+def param_axes(cfg: ModelConfig) -> Params:
+  """The logical axis names of every parameter, in the parameter tree (``jkv.params.abstract``'s shapes)."""
+  per_layer = lambda *names: ("layers",) + names
+  bias = lambda heads: per_layer(heads, "head_dim") if cfg.qkv_bias else None
+  return Params(
+      embedding=("vocab", "embed"),
+      layers=Layers(
+          attn_norm=per_layer("embed"),
+          q=per_layer("embed", "q_heads", "head_dim"),
+          k=per_layer("embed", "kv_heads", "head_dim"),
+          v=per_layer("embed", "kv_heads", "head_dim"),
+          o=per_layer("q_heads", "head_dim", "embed"),
+          q_bias=bias("q_heads"),
+          k_bias=bias("kv_heads"),
+          v_bias=bias("kv_heads"),
+          mlp_norm=per_layer("embed"),
+          w_gate=per_layer("embed", "ffw"),
+          w_up=per_layer("embed", "ffw"),
+          w_down=per_layer("ffw", "embed"),
+      ),
+      final_norm=("embed",),
+      lm_head=None if cfg.tie_embeddings else ("embed", "vocab"),
+  )
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
+  """A ``NamedSharding`` per parameter: heads and the MLP hidden size over ``model`` (checked by ``check_mesh``),
+  the vocabulary over ``model`` where it divides (else whole)."""
+  from jkv import params as params_lib
+  check_mesh(mesh, cfg)
+  shapes = params_lib.abstract(cfg)
+  return jax.tree.map(lambda axes, s: NamedSharding(mesh, logical_to_spec(axes, mesh, rules, s.shape, strict=False)),
+                      param_axes(cfg), shapes, is_leaf=_is_axes)
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_RULES):
+  """The parameters placed on the mesh (unchanged without one). Already placed arrays are not copied again."""
+  if mesh is None:
+    return params
+  shardings = param_shardings(cfg, mesh, rules)
+  return jax.tree.map(_place, params, shardings)
+
+
+def param_bytes_per_device(cfg: ModelConfig, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_RULES) -> int:
+  """Bytes of the parameters one device holds under ``param_shardings``."""
+  from jkv import params as params_lib
+  shapes = params_lib.abstract(cfg)
+  if mesh is None:
+    return int(sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
+  shardings = param_shardings(cfg, mesh, rules)
+  return int(sum(int(np.prod(sh.shard_shape(s.shape))) * s.dtype.itemsize
+                 for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings))))
+
+
+def _place(x, sharding):
+  if getattr(x, "sharding", None) == sharding:
+    return x
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+  if jax.process_count() > 1:
+    # Every process holds the same full value (each loaded the same checkpoint): each puts its own devices'
+    # pieces, so no process needs the others' memory.
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.device_put(x, sharding)
+
+
+# ------------------------------------------------------------------------------------------------- the cache
+
+@dataclasses.dataclass(frozen=True)
+class PerShard(CacheMethod):
+  """``inner`` run on a mesh: its state sharded by its logical axes, every cache call run per shard.
+
+  Frozen and hashable (the mesh is), so it is static under jit like any method; the model reaches it through the
+  cache interface alone. Settings, bytes and statistics are the inner method's.
+  """
+
+  inner: CacheMethod
+  mesh: Mesh
+  spec: CacheSpec  # the cache it was made for: only its state's axis names are used, the same at any batch size
+  rules: ShardingRules = DEFAULT_RULES
+
+  @property
+  def name(self) -> str:  # noqa: D102  (the inner method's registered name)
+    return self.inner.name
+
+  @property
+  def speculative_rows(self) -> int:  # noqa: D102
+    return self.inner.speculative_rows
+
+  def check(self, spec: CacheSpec) -> None:
+    self.inner.check(spec)
+    m, d = axis_size(self.mesh, "model"), axis_size(self.mesh, "data")
+    if spec.kv_heads % m:
+      raise ValueError(f"mesh {mesh_label(self.mesh)}: the model's {spec.kv_heads} KV heads do not split over "
+                       f"model={m} (the model axis must divide the KV-head count)")
+    if spec.batch % d:
+      raise ValueError(f"mesh {mesh_label(self.mesh)}: a batch of {spec.batch} sequences does not split over "
+                       f"data={d} (give a multiple of {d})")
+
+  def capacity_multiple(self) -> int:
+    return self.inner.capacity_multiple()
+
+  def abstract(self, spec: CacheSpec):
+    return self.inner.abstract(spec)
+
+  def shardings(self, spec: CacheSpec):
+    return state_shardings(self.abstract(spec), self.mesh, self.rules)
+
+  def init(self, spec: CacheSpec):
+    """Zeros made where they live: each device allocates its own shard (the whole cache may not fit on one)."""
+    abstract, shardings = self.abstract(spec), self.shardings(spec)
+    # device_put inside: a traced array knows its memory kind only from it (SpeCache's host copy), so that the
+    # zeros of a prefill sub-batch, made inside a jitted function, live in host memory too.
+    zeros = lambda: jax.tree.map(lambda i, s: jax.device_put(jnp.zeros(i.shape, i.dtype), s), abstract, shardings,
+                                 is_leaf=is_array_info)
+    return jax.jit(zeros, out_shardings=shardings)()
+
+  # Cache calls: q [B, H, T, g, D] and k, v [B, H, T, D] split over (batch, KV heads), like the state; ctx's
+  # lengths and positions over batch; the layer index whole.
+
+  def _specs(self):
+    spec = lambda info: logical_to_spec(info.axes, self.mesh, self.rules)
+    return jax.tree.map(spec, self.inner.abstract(self.spec), is_leaf=is_array_info)
+
+  def _heads(self, ndim: int) -> P:
+    return P(*(self.rules.batch, self.rules.kv_heads) + (None,) * (ndim - 2))
+
+  def _per_shard(self, fn, state, layer, q, k, v, ctx: StepContext, returns_out: bool):
+    impl = ctx.impl
+    state_spec = self._specs()
+    rows = P(self.rules.batch)
+
+    def body(state, layer, q, k, v, lengths, positions):
+      return fn(state, layer, q, k, v, StepContext(lengths=lengths, positions=positions, impl=impl))
+
+    out_specs = (self._heads(q.ndim), state_spec) if returns_out else state_spec
+    run = shard_map(body, mesh=self.mesh, out_specs=out_specs,
+                    in_specs=(state_spec, P(), self._heads(q.ndim), self._heads(k.ndim), self._heads(v.ndim), rows,
+                              rows))
+    return run(state, layer, q, k, v, ctx.lengths, ctx.positions)
+
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    return self._per_shard(self.inner.prefill, state, layer, q, k, v, ctx, returns_out=False)
+
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    return self._per_shard(self.inner.step, state, layer, q, k, v, ctx, returns_out=True)
+
+  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    return self._per_shard(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
+
+  def advance(self, lengths, rows: int):
+    return self.inner.advance(lengths, rows)
+
+  def decode_stats(self, state) -> dict:
+    return self.inner.decode_stats(state)
+
+  def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
+    return self.inner.held_bytes(spec, state, lengths)
+
+
+
+def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional[Mesh],
+                 rules: ShardingRules = DEFAULT_RULES) -> KVCache:
+  """``KVCache.create`` on a mesh: the method wrapped in ``PerShard``, every array allocated in its shards, the
+  lengths split over ``data``. Without a mesh, ``KVCache.create`` itself."""
+  if mesh is None:
+    return KVCache.create(method, spec, impl)
+  cache = KVCache.create(PerShard(method, mesh, spec, rules), spec, impl)
+  return cache.replace(lengths=jax.device_put(cache.lengths, NamedSharding(mesh, P(rules.batch))))
+
+
+def under_mesh(fn):
+  """Decorator: ``fn(..., mesh=...)`` runs inside ``use_mesh(mesh)``; ``mesh`` may be a spec string, a dict of
+  axis sizes, a ``Mesh`` or None, and reaches ``fn`` as a ``Mesh`` (or None)."""
+  import functools
+
+  @functools.wraps(fn)
+  def wrapper(*args, mesh=None, **kwargs):
+    mesh = make_mesh(mesh)
+    with use_mesh(mesh):
+      return fn(*args, mesh=mesh, **kwargs)
+  return wrapper
+
+
+def batch_rows(rows: int, batch: int, mesh: Optional[Mesh]) -> int:
+  """A prefill sub-batch of at most ``rows`` sequences (at least one per data shard) that splits over ``data``."""
+  d = axis_size(mesh, "data")
+  return max(d, min(batch, rows) // d * d)
+
+
+def rows(tree, mesh: Optional[Mesh]):
+  """The small arrays generate carries between jitted calls (tokens, flags, counters [B, ...]; keys) in one fixed
+  placement: per-sequence arrays split over ``data``, scalars whole. Without it each call's outputs come back in
+  whatever layout the partitioner chose, and the next call compiles again for it. Identity without a mesh."""
+  if mesh is None:
+    return tree
+  d = axis_size(mesh, "data")
+
+  def place(x):
+    split = x.ndim > 0 and x.shape[0] % d == 0
+    return _place(x, NamedSharding(mesh, P("data") if split and d > 1 else P()))
+  return jax.tree.map(place, tree)
+
+
+def cache_mesh(cache: KVCache) -> Optional[Mesh]:
+  """The mesh a cache was made on (``create_cache``), or None."""
+  return cache.method.mesh if isinstance(cache.method, PerShard) else None
