@@ -132,6 +132,14 @@ def gather_rows_pallas(kv, layer, idx, interpret: bool = False):
 
 # ------------------------------------------------------------------------------------------------- the method
 
+def _named(check):
+  """Run one of the low-bit copy's checks with its errors named as this method's (``specache group_size=...``)."""
+  try:
+    return check()
+  except ValueError as e:
+    raise ValueError(str(e).replace("kivi ", "specache ", 1)) from None
+
+
 @struct.dataclass
 class SpeCacheState:
   low: KiviState  # the low-bit copy on the device (KIVI layout; its residual window in full precision)
@@ -173,10 +181,7 @@ class SpeCache(CacheMethod):
       raise ValueError(f"specache fetch_rows={self.fetch_rows} must be >= 0")
     if self.meta_dtype not in DTYPES:
       raise ValueError(f"specache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
-    try:  # the low-bit copy's own checks (group size, residual), named as this method's
-      self.low_bit
-    except ValueError as e:
-      raise ValueError(str(e).replace("kivi ", "specache ", 1)) from None
+    _named(lambda: self.low_bit)  # building the low-bit copy checks group size and residual
 
   @property
   def low_bit(self) -> Kivi:
@@ -184,10 +189,7 @@ class SpeCache(CacheMethod):
     return Kivi(bits=self.bits, group_size=self.group_size, residual=self.residual, meta_dtype=self.meta_dtype)
 
   def check(self, spec: CacheSpec) -> None:
-    try:
-      self.low_bit.check(spec)
-    except ValueError as e:
-      raise ValueError(str(e).replace("kivi ", "specache ", 1)) from None
+    _named(lambda: self.low_bit.check(spec))
 
   def capacity_multiple(self) -> int:
     return self.low_bit.capacity_multiple()
