@@ -6,6 +6,7 @@ every method through the cache (``StepContext.impl``); nothing else looks at the
 
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -64,7 +65,21 @@ def prompt_attention(q, k, v, positions, *, flash: bool):
 
   Returns:
     [B, H, T, g, D] in q.dtype (rows of padding tokens are unspecified).
+
+  Under a device mesh (``jkv.sharding.use_mesh``) it runs per shard of sequences and KV heads: cuDNN's kernel,
+  like every kernel, on local shapes.
   """
+  from jkv import sharding  # here: jkv.sharding imports the cache module, which the methods importing this need
+  mesh = sharding.current_mesh()
+  if mesh is not None and sharding.splits(mesh, q.shape[0], q.shape[1]):
+    heads = sharding.P("data", "model")
+    run = sharding.shard_map(functools.partial(_prompt_attention, flash=flash), mesh=mesh,
+                             in_specs=(heads, heads, heads, sharding.P("data")), out_specs=heads)
+    return run(q, k, v, positions)
+  return _prompt_attention(q, k, v, positions, flash=flash)
+
+
+def _prompt_attention(q, k, v, positions, *, flash: bool):
   if not (flash and q.dtype in (jnp.bfloat16, jnp.float16)):
     return gqa_attention_reference(q, k, v, prompt_mask(positions))
   B, H, T, g, D = q.shape

@@ -23,15 +23,15 @@ one machine); the mesh then spans every process's devices and each process runs 
 
 import contextlib
 import dataclasses
-import os
-from typing import Any, Mapping, Optional, Sequence, Union
+import functools
+from typing import Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, is_array_info
+from jkv.cache import CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, is_array_info
 from jkv.config import ModelConfig
 from jkv.params import Layers, Params
 
@@ -411,7 +411,6 @@ def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional
 def under_mesh(fn):
   """Decorator: ``fn(..., mesh=...)`` runs inside ``use_mesh(mesh)``; ``mesh`` may be a spec string, a dict of
   axis sizes, a ``Mesh`` or None, and reaches ``fn`` as a ``Mesh`` (or None)."""
-  import functools
 
   @functools.wraps(fn)
   def wrapper(*args, mesh=None, **kwargs):
@@ -444,3 +443,14 @@ def rows(tree, mesh: Optional[Mesh]):
 def cache_mesh(cache: KVCache) -> Optional[Mesh]:
   """The mesh a cache was made on (``create_cache``), or None."""
   return cache.method.mesh if isinstance(cache.method, PerShard) else None
+
+
+def splits(mesh, batch: int, kv_heads: int) -> bool:
+  """Whether ``batch`` sequences and ``kv_heads`` heads split evenly over the mesh's data and model axes."""
+  return batch % axis_size(mesh, "data") == 0 and kv_heads % axis_size(mesh, "model") == 0
+
+
+def round_batch(batch: int, mesh: Optional[Mesh]) -> int:
+  """``batch`` rounded up to a multiple of the mesh's data axis (evaluations pad their batches to it)."""
+  d = axis_size(mesh, "data")
+  return -(-batch // d) * d

@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jkv import generate as gen
+from jkv import sharding
 from jkv.cache import CacheMethod
 from jkv.config import ModelConfig
 from jkv.evaluation.perplexity import mean_stats
@@ -151,11 +152,17 @@ class PasskeyResult:
     return dataclasses.asdict(self)
 
 
+@sharding.under_mesh
 def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMethod = Dense(),
                 grid: PasskeyGrid = PasskeyGrid(), progress: Optional[bool] = None,
-                attention_impl: str = "auto") -> PasskeyResult:
-  """Accuracy of greedy pass-key retrieval per (length, depth) cell under ``method``."""
+                attention_impl: str = "auto", mesh=None) -> PasskeyResult:
+  """Accuracy of greedy pass-key retrieval per (length, depth) cell under ``method``.
+
+  ``mesh``: as in ``jkv.generate.generate``; a batch is padded to a multiple of its data axis with repeats of its
+  last prompt, whose extra answers are dropped."""
   grid.validate(cfg, tokenizer)
+  sharding.check_mesh(mesh, cfg)
+  params = sharding.shard_params(params, cfg, mesh)  # once, not per batch
   t_start = time.perf_counter()
   keys = grid.keys()
   correct = np.zeros(keys.shape, bool)
@@ -169,8 +176,10 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
       batch = cells[i:i + per_batch]
       prompts = [build_prompt(tokenizer, length, grid.depths[di], keys[li, di, t], chat=grid.chat)
                  for di, t in batch]
-      res = gen.generate(params, cfg, [p.ids for p in prompts], method=method, max_new_tokens=MAX_NEW_TOKENS,
-                         chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl)
+      ids = [p.ids for p in prompts]
+      ids += ids[-1:] * (sharding.round_batch(len(ids), mesh) - len(ids))
+      res = gen.generate(params, cfg, ids, method=method, max_new_tokens=MAX_NEW_TOKENS,
+                         chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl, mesh=mesh)
       tokens += len(batch) * (MAX_NEW_TOKENS - 1)
       decode_s += res.stats["decode_s"]
       stats.append(res.stats["method_stats"])

@@ -18,8 +18,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jkv import generate as gen
+from jkv import sharding
 from jkv.attention import choose_impl
-from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
+from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes
 from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
 from jkv.model import forward
@@ -129,13 +130,15 @@ def _score(params, cache, inputs, targets, *, cfg):
   return cache, nll.T
 
 
+@sharding.under_mesh
 def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method: CacheMethod,
-               context: int, attention_impl: str = "auto") -> tuple[np.ndarray, dict]:
+               context: int, attention_impl: str = "auto", mesh=None) -> tuple[np.ndarray, dict]:
   """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch.
 
   Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations),
   ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window), and
-  ``method_stats``, what the method gathered while decoding (``CacheMethod.decode_stats``).
+  ``method_stats``, what the method gathered while decoding (``CacheMethod.decode_stats``). ``mesh``: as in
+  ``jkv.generate.generate`` (N must split over its data axis).
   """
   windows = np.asarray(windows, np.int32)
   B, W = windows.shape
@@ -143,7 +146,9 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
   if scored < 1:
     raise ValueError(f"windows of {W} tokens leave nothing to score after a context of {context}")
   cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
-  cache = KVCache.create(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl))
+  sharding.check_mesh(mesh, cfg, B)
+  params = sharding.shard_params(params, cfg, mesh)
+  cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl), mesh)
   with gen.CompileCounter() as compiles:
     cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
     jax.block_until_ready(cache)
@@ -160,17 +165,23 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
                    held=held, method_stats=method_stats)
 
 
+@sharding.under_mesh
 def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, method: CacheMethod = Dense(),
                plan: WindowPlan = WindowPlan(), progress: Optional[bool] = None,
-               attention_impl: str = "auto") -> PerplexityResult:
-  """Perplexity of ``token_ids`` under ``method``: windows per ``plan``, scored through the decode path."""
+               attention_impl: str = "auto", mesh=None) -> PerplexityResult:
+  """Perplexity of ``token_ids`` under ``method``: windows per ``plan``, scored through the decode path.
+
+  ``mesh``: as in ``jkv.generate.generate``; batches are rounded up to a multiple of its data axis (padded as
+  the last batch is)."""
   t_start = time.perf_counter()
   ids = np.asarray(token_ids, np.int32)
   if ids.ndim != 1:
     raise ValueError("token_ids must be one flat sequence of token ids")
   starts = plan.starts(len(ids))
   windows = np.stack([ids[s:s + plan.window] for s in starts])
-  B = min(plan.batch_size, plan.num_windows)
+  B = sharding.round_batch(min(plan.batch_size, plan.num_windows), mesh)
+  sharding.check_mesh(mesh, cfg)
+  params = sharding.shard_params(params, cfg, mesh)  # once, not per batch
   nlls, decode_s, rows, compile_s, first_batch, held, stats = [], 0.0, 0, 0.0, None, [], []
   bar = tqdm(total=plan.num_windows * plan.scored, desc=f"ppl {method.name}", unit="tok", leave=False,
              disable=progress is False)
@@ -179,7 +190,8 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
     real = len(batch)
     if real < B:  # pad the last batch with repeats of its first window: the same shapes, nothing to compile
       batch = np.concatenate([batch, np.repeat(batch[:1], B - real, axis=0)])
-    nll, t = window_nll(params, cfg, batch, method=method, context=plan.context, attention_impl=attention_impl)
+    nll, t = window_nll(params, cfg, batch, method=method, context=plan.context, attention_impl=attention_impl,
+                        mesh=mesh)
     nlls.append(nll[:real])
     held.append((t["held"], B))
     stats.append(t["method_stats"])
