@@ -55,3 +55,19 @@ def test_notebook_runs_on_cpu(name, tmp_path, monkeypatch):
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
   assert any("image/png" in o.get("data", {}) for o in outputs), f"{name} showed no plot"
+
+
+def test_gpu_benchmark_executed_copy_is_a_run_of_this_notebook():
+  """The committed H100 run of gpu_benchmark: the same code cells as the notebook, every one executed, no error,
+  the kernel table and the plots in its outputs."""
+  executed = nbformat.read(COLAB / "gpu_benchmark_h100_executed.ipynb", as_version=4)
+  source = _load("gpu_benchmark")
+  code = lambda nb: [c.source for c in nb.cells if c.cell_type == "code"]
+  assert code(executed) == code(source)
+  cells = [c for c in executed.cells if c.cell_type == "code"]
+  assert all(c.execution_count is not None for c in cells)
+  outputs = [o for c in cells for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "H100" in text and "| kivi2_fused |" in text.replace("| B | L | kivi2_fused |", "| kivi2_fused |")
+  assert any("image/png" in o.get("data", {}) for o in outputs)
