@@ -116,7 +116,7 @@ class Model:
                max_new_tokens: int = 64, chat: bool = True, temperature: float = 0.0,
                top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
                attention_impl: str = "auto", capacity: Optional[int] = None,
-               prefill_tokens: Optional[int] = None, **method_options) -> Generation:
+               prefill_tokens: Optional[int] = None, mesh=None, **method_options) -> Generation:
     """Generate for a batch of prompts with the KV cache method ``method`` and its options.
 
     Args:
@@ -131,6 +131,9 @@ class Model:
       attention_impl: "auto" (the Pallas kernels on a GPU of compute capability >= 8.0, XLA elsewhere),
         "pallas", "xla" or "interpret".
       capacity, prefill_tokens: cache capacity and prefill sub-batch size (default: planned from the prompts).
+      mesh: run on a device mesh: a spec such as ``"data=2,model=4"`` (sequences over data; heads, the MLP and
+        the cache's KV heads over model), a ``jax.sharding.Mesh`` from ``jkv.sharding.make_mesh``, or None (one
+        device). The tokens are the same as on one device.
       **method_options: the method's options, e.g. ``bits=2, group_size=32, residual=128`` for "kivi"; unknown
         or invalid ones raise a one-line ValueError.
     """
@@ -140,7 +143,8 @@ class Model:
     eos = self.tokenizer.eos_ids if self.tokenizer is not None else None
     res = generate_lib.generate(self.params, self.config, ids, method=method, max_new_tokens=max_new_tokens,
                                 sampler=make_sampler(temperature, top_k, top_p), seed=seed, capacity=capacity,
-                                eos_ids=eos, attention_impl=attention_impl, prefill_tokens=prefill_tokens)
+                                eos_ids=eos, attention_impl=attention_impl, prefill_tokens=prefill_tokens,
+                                mesh=mesh)
     texts = None
     if self.tokenizer is not None:
       texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
@@ -196,9 +200,11 @@ def convert(src: str, out: str, dtype: str = "float32") -> Model:
 
 def device_info() -> dict:
   """The first jax device: ``platform``, ``name``, ``compute_capability`` (None off CUDA) and ``pallas`` (True
-  where the fused Pallas kernels run: a CUDA GPU of compute capability >= 8.0; a T4 is 7.5)."""
+  where the fused Pallas kernels run: a CUDA GPU of compute capability >= 8.0; a T4 is 7.5); ``devices`` and
+  ``processes``: how many there are (a ``mesh`` spans them all)."""
   import jax
   device = jax.devices()[0]
   cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
   return dict(platform=device.platform, name=device.device_kind, compute_capability=cc,
-              pallas=pallas_gpu_available(), jax_version=jax.__version__)
+              pallas=pallas_gpu_available(), jax_version=jax.__version__, devices=jax.device_count(),
+              processes=jax.process_count())

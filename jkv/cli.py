@@ -135,6 +135,16 @@ def method_from_args(args):
   return methods.make_method(args.method, **options)
 
 
+def mesh_spec(text):
+  """An argparse type: a device mesh spec, ``data=N,model=M`` (its fit to the devices is checked at run time)."""
+  from jkv.sharding import parse_mesh
+  try:
+    parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
 def add_model_args(parser):
   parser.add_argument("--model", default="default",
                       help="'default' (SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a "
@@ -145,6 +155,38 @@ def add_model_args(parser):
                       help="decode attention: the fused Pallas kernels (GPUs of compute capability >= 8.0), plain "
                            "XLA, or the kernels in interpret mode (slow; for testing) (default: auto, the kernels "
                            "where they run)")
+  add_mesh_args(parser)
+
+
+def add_mesh_args(parser):
+  g = parser.add_argument_group("devices", "several devices, and several processes (multi-host): README, 'Sharding'")
+  g.add_argument("--mesh", default=None, type=mesh_spec, metavar="data=N,model=M",
+                 help="run on a device mesh: the batch split over data, attention heads, the MLP and the cache's KV "
+                      "heads over model; data x model must equal the devices jax sees, model must divide the KV "
+                      "heads (default: one device)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="multi-process run: address of process 0 (jax.distributed); every process runs the same "
+                      "command with its own --process-id")
+  g.add_argument("--num-processes", type=positive_int, default=None, help="multi-process run: how many processes")
+  g.add_argument("--process-id", type=int, default=None, help="multi-process run: this process's index, from 0")
+
+
+def mesh_from_args(args):
+  """Join the multi-process job when asked, then the mesh of ``--mesh`` (None without one); a mesh the devices
+  cannot hold is a one-line ValueError, before any model loads."""
+  from jkv import sharding
+  multi = (args.coordinator, args.num_processes, args.process_id)
+  if any(x is not None for x in multi):
+    if not all(x is not None for x in multi):
+      raise ValueError("a multi-process run needs --coordinator, --num-processes and --process-id together")
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+  return sharding.make_mesh(args.mesh)
+
+
+def is_lead_process() -> bool:
+  """Process 0 of a multi-process run (or the only process): the one that prints results."""
+  import jax
+  return jax.process_index() == 0
 
 
 def _progress(msg):
@@ -179,13 +221,19 @@ def cmd_generate(args):
   from jkv.load import load_model
   from jkv.sampling import make_sampler
 
+  from jkv import sharding
+
   method = method_from_args(args)
   sampler = make_sampler(args.temperature, args.top_k, args.top_p)
   prompts = _prompts(args)
   if not any(p.strip() for p in prompts):
     raise ValueError("empty prompt: give PROMPT arguments or text on standard input")
+  if args.mesh and args.stream:
+    raise ValueError("--stream runs on one device; drop --stream to generate on a --mesh")
+  mesh = mesh_from_args(args)
   _progress(f"loading model {args.model} ...")
   model = load_model(args.model, args.dtype)
+  sharding.check_mesh(mesh, model.config, len(prompts))
   tok = model.tokenizer
   if tok is None:
     raise ValueError(f"model {args.model} has no tokenizer; jkv generate needs one")
@@ -208,12 +256,14 @@ def cmd_generate(args):
   _progress(f"generating with {method.name} ...")
   res = gen.generate(model.params, model.config, ids, method=method, max_new_tokens=args.max_new_tokens,
                      sampler=sampler, seed=args.seed, capacity=args.capacity, eos_ids=tok.eos_ids,
-                     attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens)
+                     attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens, mesh=mesh)
+  if not is_lead_process():
+    return 0
   texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
   if args.json:
     single = len(texts) == 1
     print(json.dumps(dict(text=texts[0] if single else texts, tokens=res.tokens[0] if single else res.tokens,
-                          method_config=dataclasses.asdict(method), **res.stats)))
+                          method_config=dataclasses.asdict(method), mesh=sharding.mesh_label(mesh), **res.stats)))
   else:
     for t in texts:
       print(t)
@@ -241,9 +291,13 @@ def cmd_info(args):
   from jkv.cache import CacheSpec, dense_kv_bytes
   from jkv.load import load_model
 
+  from jkv import sharding
+
   method = method_from_args(args)
+  mesh = mesh_from_args(args)
   model = load_model(args.model, args.dtype)
   cfg = model.config
+  sharding.check_mesh(mesh, cfg)
   n = args.tokens
   multiple = method.capacity_multiple()
   spec = CacheSpec.for_model(cfg, 1, -(-n // multiple) * multiple)
@@ -251,15 +305,18 @@ def cmd_info(args):
   held = method.held_bytes(spec, None, np.array([n]))
   dense = dense_kv_bytes(spec, np.array([n]))
   # The largest batch of --tokens-token sequences (the prompt and what is generated) on this device, or on one of
-  # --device-gib GiB: every sequence's cache is allocated at capacity, beside the weights and one prefill.
+  # --device-gib GiB: every sequence's cache is allocated at capacity, beside the weights and one prefill. With a
+  # --mesh, every device of the mesh holds that much: its share of the weights and of the cache.
   mem = memory.device_memory()
   device_bytes = int(args.device_gib * 2**30) if args.device_gib else (mem["limit"] if mem else None)
   batch = None if device_bytes is None else memory.largest_batch(
-      cfg, method, spec.capacity, n, device_bytes=device_bytes, weight_bytes=memory.tree_bytes(model.params))
+      cfg, method, spec.capacity, n, device_bytes=device_bytes,
+      weight_bytes=sharding.param_bytes_per_device(cfg, mesh), mesh=mesh)
   info = dict(config=dataclasses.asdict(cfg), method=method.name, method_config=dataclasses.asdict(method),
               tokens=n, kv_bytes=held.device, kv_host_bytes=held.host, dense_kv_bytes=dense,
               kv_bytes_per_token=held.device / n, dense_kv_bytes_per_token=dense / n,
-              compression=dense / max(held.device, 1), device_bytes=device_bytes, largest_batch=batch)
+              compression=dense / max(held.device, 1), device_bytes=device_bytes, largest_batch=batch,
+              mesh=sharding.mesh_label(mesh))
   if args.json:
     print(json.dumps(info))
   else:
@@ -268,7 +325,8 @@ def cmd_info(args):
     print(f"{'method':>16}: {method}")
     print(f"{'kv bytes/token':>16}: {held.device / n:,.1f} at {n} tokens (dense {dense / n:,.1f}; "
           f"{dense / max(held.device, 1):.2f}x)" + (f"; host {held.host / n:,.1f}" if held.host else ""))
-    print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB"
+    per = f" per device of mesh {sharding.mesh_label(mesh)}" if mesh is not None else ""
+    print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB{per}"
                                          if batch is not None else "unknown (this device reports no memory "
                                                                    "size; give --device-gib)"))
   return 0

@@ -118,13 +118,23 @@ def _first_tokens(logits, key, *, sampler):
   return sampler.next_tokens(logits, key), ~jnp.all(jnp.isfinite(logits), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
-                   compiler_options=MODEL_COMPILER_OPTIONS)
-def _pre_decode(params, cache, first, *, cfg):
+def pre_decode_tokens(params, cache, first, *, cfg):
   """The method's pre-decode pass (``CacheMethod.pre_decode``) on the first generated tokens first [B]: returns
-  the first speculative tokens [B, 1] (its greedy output) and the cache, whose lengths do not move."""
+  the first speculative tokens [B, 1] (its greedy output) and the cache, whose lengths do not move. Traceable
+  inside a caller's jit (perplexity's scoring scan); ``_pre_decode`` is its own jitted form."""
+  check_speculative_rows(cache.method)
   logits, cache = forward(params, first[:, None], cache.lengths[:, None], cache, cfg=cfg, pre_decode=True)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+_pre_decode = jax.jit(pre_decode_tokens, static_argnames=("cfg",), donate_argnames=("cache",),
+                      compiler_options=MODEL_COMPILER_OPTIONS)
+
+
+def check_speculative_rows(method: CacheMethod) -> None:
+  if method.speculative_rows not in (0, 1):
+    raise ValueError(f"cache method {method.name!r} asks for {method.speculative_rows} speculative rows; "
+                     "decoding runs 0 or 1")
 
 
 def speculative_start(params, cfg, cache, first):
@@ -132,9 +142,6 @@ def speculative_start(params, cfg, cache, first):
   empty [B, 0] for methods without any) and the cache."""
   if cache.method.speculative_rows == 0:
     return jax.device_put(jnp.zeros((first.shape[0], 0), jnp.int32), first.sharding), cache
-  if cache.method.speculative_rows != 1:
-    raise ValueError(f"cache method {cache.method.name!r} asks for {cache.method.speculative_rows} speculative rows; "
-                     "generate runs 0 or 1")
   return _pre_decode(params, cache, first, cfg=cfg)
 
 
@@ -335,7 +342,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
           *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
       # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
       last, guess, done, bad, counts, key = sharding.rows((last, guess, done, bad, counts, key), mesh)
-      out.append(np.asarray(chunk_out))
+      out.append(np.asarray(sharding.rows(chunk_out, mesh)))
       produced += chunk
     jax.block_until_ready(cache)
     decode_s = time.perf_counter() - t1
@@ -355,6 +362,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   stats = dict(
       method=method.name,
       attention_impl=impl,
+      mesh=sharding.mesh_label(mesh),  # e.g. "data=2,model=4"; None on one device
       batch=B,
       prompt_tokens=lens,
       new_tokens=[len(t) for t in result_tokens],

@@ -10,6 +10,7 @@ from typing import Optional
 
 import jax
 
+from jkv import sharding
 from jkv.cache import CacheMethod, CacheSpec, abstract_bytes
 from jkv.config import ModelConfig
 
@@ -36,7 +37,7 @@ def prefill_bytes_per_token(cfg: ModelConfig) -> int:
 
 def device_memory(device=None) -> Optional[dict]:
   """{"limit", "in_use", "peak"} bytes of a device's memory, or None where jax does not report them (CPU)."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]  # addressable: with several processes devices()[0] may not be
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if not stats or "bytes_limit" not in stats:
     return None
@@ -54,22 +55,31 @@ def prefill_token_budget(cfg: ModelConfig, device=None) -> int:
   return max(1, (free // 2) // prefill_bytes_per_token(cfg))
 
 
-def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int) -> int:
-  """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded)."""
-  return abstract_bytes(method.abstract(CacheSpec.for_model(cfg, batch, capacity))).device + 4 * batch
+def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:
+  """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded); with a
+  mesh, what one device of it holds (each array split over the mesh axes that shard it)."""
+  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity))
+  if mesh is None:
+    return abstract_bytes(abstract).device + 4 * batch
+  return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
 
 
 def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, *, device_bytes: int,
-                  weight_bytes: int) -> int:
+                  weight_bytes: int, mesh=None) -> int:
   """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of at
-  least one prompt, and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits."""
+  least one prompt, and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits.
+
+  With a ``mesh`` (``jkv.sharding``), every device of it holds ``device_bytes``: its share of the cache beside
+  ``weight_bytes`` (then its share of the weights: ``sharding.param_bytes_per_device``), and the batch is a
+  multiple of the data axis. Prefill is counted whole on each device (an upper estimate)."""
+  step = sharding.axis_size(mesh, "data")
   free = device_bytes - weight_bytes - RESERVE_BYTES - prefill_bytes_per_token(cfg) * prompt_tokens
   if free <= 0:
     return 0
-  per_sequence = cache_bytes(method, cfg, 1, capacity)
-  batch = max(0, free // per_sequence)
-  while batch > 0 and cache_bytes(method, cfg, batch, capacity) > free:  # exact, in case bytes are not linear
-    batch -= 1
+  per_step = cache_bytes(method, cfg, step, capacity, mesh)  # one sequence per data shard
+  batch = max(0, free // per_step) * step
+  while batch > 0 and cache_bytes(method, cfg, batch, capacity, mesh) > free:  # exact, in case bytes are not linear
+    batch -= step
   return int(batch)
 
 

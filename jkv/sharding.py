@@ -102,9 +102,9 @@ def parse_mesh(text: str) -> dict:
 
 
 def mesh_label(mesh: Optional[Mesh]) -> str:
-  """``data=2,model=4`` (or ``none``)."""
+  """``data=2,model=4`` (None without a mesh)."""
   if mesh is None:
-    return "none"
+    return None
   return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
@@ -146,11 +146,10 @@ def check_mesh(mesh: Optional[Mesh], cfg: ModelConfig, batch: Optional[int] = No
   if mesh is None:
     return
   m, d = axis_size(mesh, "model"), axis_size(mesh, "data")
+  # Query heads are g per KV head, grouped by KV head: they split with the KV heads (q_heads = g * kv_heads).
   if cfg.kv_heads % m:
-    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.kv_heads} KV heads do not split over model={m} "
-                     "(the model axis must divide the KV-head count)")
-  if cfg.q_heads % m:
-    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.q_heads} query heads do not split over model={m}")
+    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.kv_heads} KV heads ({cfg.q_heads} query heads) do "
+                     f"not split over model={m} (the model axis must divide the KV-head count)")
   if batch is not None and batch % d:
     raise ValueError(f"mesh {mesh_label(mesh)}: a batch of {batch} sequences does not split over data={d} "
                      f"(give a multiple of {d})")
@@ -391,10 +390,18 @@ class PerShard(CacheMethod):
     return self.inner.advance(lengths, rows)
 
   def decode_stats(self, state) -> dict:
-    return self.inner.decode_stats(state)
+    return self.inner.decode_stats(self._readable(state))
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
-    return self.inner.held_bytes(spec, state, lengths)
+    return self.inner.held_bytes(spec, self._readable(state), lengths)
+
+  def _readable(self, state):
+    """The state as the host reads it for statistics and byte counts: across processes, the per-sequence counters
+    (axes within layers and batch) gathered to every process; the rest stays where it is, unread."""
+    if state is None or jax.process_count() == 1:
+      return state
+    counters = lambda info, x: fetch(x) if set(info.axes) <= {"layers", "batch"} else x
+    return jax.tree.map(counters, self.inner.abstract(self.spec), state, is_leaf=is_array_info)
 
 
 
@@ -433,9 +440,11 @@ def rows(tree, mesh: Optional[Mesh]):
   if mesh is None:
     return tree
   d = axis_size(mesh, "data")
+  # Across processes they are read on the host after every call (tokens, end flags): whole on every device there.
+  whole = jax.process_count() > 1
 
   def place(x):
-    split = x.ndim > 0 and x.shape[0] % d == 0
+    split = x.ndim > 0 and x.shape[0] % d == 0 and not whole
     return _place(x, NamedSharding(mesh, P("data") if split and d > 1 else P()))
   return jax.tree.map(place, tree)
 
@@ -454,3 +463,27 @@ def round_batch(batch: int, mesh: Optional[Mesh]) -> int:
   """``batch`` rounded up to a multiple of the mesh's data axis (evaluations pad their batches to it)."""
   d = axis_size(mesh, "data")
   return -(-batch // d) * d
+
+
+# ------------------------------------------------------------------------------------------------- several processes
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+  """Join a multi-process jax job (one process per host, or several on one machine): every process calls this
+  first, with the same coordinator (process 0's ``host:port``) and its own ``process_id``; ``jax.devices()`` then
+  lists every process's devices and a mesh spans them. Each process runs the same program on the same inputs (the
+  same prompts, the same checkpoint) and holds only its own devices' shards. On CPU the processes' collectives
+  run over gloo."""
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"process id {process_id} is outside [0, {num_processes})")
+  if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def fetch(x) -> np.ndarray:
+  """``np.asarray(x)``, also for an array split across processes (gathered to every process: small arrays only,
+  such as the generated tokens)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)

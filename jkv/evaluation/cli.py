@@ -87,10 +87,13 @@ def cmd_ppl(args, cli):
   method = cli.method_from_args(args)
   plan = _plan(args)
   text, source = _text(args)
+  mesh = cli.mesh_from_args(args)  # a mesh the devices cannot hold fails before the model loads
   model = _load(args)
   ids = model.tokenizer.encode(text, add_bos=False)
   res = ppl_lib.perplexity(model.params, model.config, ids, method=method, plan=plan,
-                           attention_impl=args.attention_impl)
+                           attention_impl=args.attention_impl, mesh=mesh)
+  if not cli.is_lead_process():
+    return 0
   out = dict(method=_label(args, method), method_config=dataclasses.asdict(method), text=source,
              plan=dataclasses.asdict(plan), **res.as_dict())
   if args.json:
@@ -108,9 +111,12 @@ def cmd_passkey(args, cli):
   grid = _grid(args)
   if args.plot:
     cli.check_output(args.plot)
+  mesh = cli.mesh_from_args(args)
   model = _load(args)
   res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid,
-                                attention_impl=args.attention_impl)
+                                attention_impl=args.attention_impl, mesh=mesh)
+  if not cli.is_lead_process():
+    return 0
   if args.plot:
     passkey_lib.plot_heatmap(res, args.plot, title=f"pass-key retrieval: {args.model}, "
                                                    f"{_label(args, method)}")
@@ -135,16 +141,19 @@ def cmd_compare(args, cli):
     for suffix in (".json", ".md", ".png"):
       cli.check_output(args.output + suffix)
   text, source = _text(args)
+  mesh = cli.mesh_from_args(args)
   t0 = time.perf_counter()
   model = _load(args)
   if grid is not None:
     grid.validate(model.config, model.tokenizer)  # every length, before the first method runs
   ids = model.tokenizer.encode(text, add_bos=False)
   rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline,
-                             attention_impl=args.attention_impl)
+                             attention_impl=args.attention_impl, mesh=mesh)
+  if not cli.is_lead_process():
+    return 0
   meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
               ppl=dataclasses.asdict(plan), passkey=None if grid is None else dataclasses.asdict(grid),
-              baseline=args.baseline, environment=compare_lib.environment(), seconds=time.perf_counter() - t0)
+              baseline=args.baseline, environment=compare_lib.environment(mesh), seconds=time.perf_counter() - t0)
   if args.output:
     for path in compare_lib.write_outputs(rows, meta, args.output):
       _progress(f"wrote {path}")

@@ -107,18 +107,23 @@ def parse_methods(texts: Sequence[str]) -> list:
 
 def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl: ppl_lib.WindowPlan = DEFAULT_PPL,
             passkey: Optional[passkey_lib.PasskeyGrid] = DEFAULT_PASSKEY, baseline: Optional[str] = "dense",
-            progress: Optional[bool] = None, attention_impl: str = "auto") -> list:
+            progress: Optional[bool] = None, attention_impl: str = "auto", mesh=None) -> list:
   """One row per spec (in order): KV bytes, compression, perplexity, pass-key accuracy, decode tokens/s.
 
   ``delta_ppl`` is relative to the row whose label is ``baseline`` (None when it is not among the specs).
   Every spec is checked against the model before anything runs. ``passkey=None`` skips retrieval (and then
-  the model needs no tokenizer).
+  the model needs no tokenizer). ``mesh`` (a ``Mesh`` or a spec such as ``"data=2,model=4"``) runs every
+  configuration on that device mesh (``jkv.sharding``).
   """
+  from jkv import sharding
+  mesh = sharding.make_mesh(mesh)
   cfg = model.config
   methods = [s.method() for s in specs]
   probe = CacheSpec.for_model(cfg, 1, ppl.context + ppl.scored)
   for m in methods:
     m.check(probe)
+  sharding.check_mesh(mesh, cfg)
+  params = sharding.shard_params(model.params, cfg, mesh)  # once for every configuration
   ppl.validate()
   ppl.starts(len(token_ids))
   if passkey is not None:
@@ -130,12 +135,12 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
     if progress is not False:
       print(f"[{i + 1}/{len(specs)}] {spec.label}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    p = ppl_lib.perplexity(model.params, cfg, token_ids, method=method, plan=ppl, progress=progress,
-                           attention_impl=attention_impl)
+    p = ppl_lib.perplexity(params, cfg, token_ids, method=method, plan=ppl, progress=progress,
+                           attention_impl=attention_impl, mesh=mesh)
     pk = None
     if passkey is not None:
-      pk = passkey_lib.run_passkey(model.params, cfg, model.tokenizer, method=method, grid=passkey,
-                                   progress=progress, attention_impl=attention_impl)
+      pk = passkey_lib.run_passkey(params, cfg, model.tokenizer, method=method, grid=passkey,
+                                   progress=progress, attention_impl=attention_impl, mesh=mesh)
     rows.append(dict(
         method=spec.label, name=spec.name, settings=dataclasses.asdict(method),
         kv_bytes=p.kv_bytes, kv_host_bytes=p.kv_host_bytes, dense_kv_bytes=p.dense_kv_bytes, kv_tokens=p.kv_tokens,
@@ -150,10 +155,14 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
   return rows
 
 
-def environment() -> dict:
+def environment(mesh=None) -> dict:
   dev = jax.devices()[0]
-  return dict(jax=jax.__version__, device=f"{dev.platform}: {dev.device_kind}", cpu_count=_cpu_count(),
-              python=platform.python_version(), machine=platform.machine())
+  env = dict(jax=jax.__version__, device=f"{dev.platform}: {dev.device_kind}", cpu_count=_cpu_count(),
+             python=platform.python_version(), machine=platform.machine())
+  if mesh is not None:
+    from jkv import sharding
+    env["mesh"] = sharding.mesh_label(sharding.make_mesh(mesh))
+  return env
 
 
 def _cpu_count() -> int:
