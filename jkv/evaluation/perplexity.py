@@ -115,7 +115,7 @@ def _score(params, cache, inputs, targets, *, cfg):
     cache, nll = jax.lax.scan(step, cache, (inputs.T, targets.T))
     return cache, nll.T
 
-  spec, cache = gen.speculative_start(params, cfg, cache, inputs[:, 0])
+  spec, cache = gen.pre_decode_tokens(params, cache, inputs[:, 0], cfg=cfg)
 
   def spec_step(carry, xs):
     cache, spec = carry
