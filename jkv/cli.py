@@ -263,7 +263,7 @@ def cmd_generate(args):
   if args.json:
     single = len(texts) == 1
     print(json.dumps(dict(text=texts[0] if single else texts, tokens=res.tokens[0] if single else res.tokens,
-                          method_config=dataclasses.asdict(method), mesh=sharding.mesh_label(mesh), **res.stats)))
+                          method_config=dataclasses.asdict(method), **res.stats)))  # stats name the mesh
   else:
     for t in texts:
       print(t)
