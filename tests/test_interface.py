@@ -135,7 +135,8 @@ def test_decode_step_reads_the_stacked_cache_in_place(tiny_llama, name, options)
   B, C = 2, 4096
   cache = KVCache.create(make_method(name, **options), CacheSpec.for_model(cfg, B, C), "xla")
   no = jnp.zeros((B,), bool)
-  args = (m.params, cache, jnp.zeros((B,), jnp.int32), no, no, jax.random.key(0), jnp.asarray([1]), jnp.int32(0))
+  args = (m.params, cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B, 0), jnp.int32), no, no,
+          jnp.zeros((B, 2), jnp.int32), jax.random.key(0), jnp.asarray([1]), jnp.int32(0))
   compiled = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile()
   analysis = compiled.memory_analysis()
   layer_f32 = 2 * B * cfg.kv_heads * C * cfg.head_dim * 4
