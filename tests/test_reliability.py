@@ -6,6 +6,7 @@ status and a real interpreter shutdown.
 """
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -21,6 +22,7 @@ import pytest
 
 from jkv import cli
 from jkv import load as load_lib
+from jkv import methods
 from jkv_convert import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -432,8 +434,18 @@ def test_every_option_has_help_and_method_options_name_owner_and_default():
       assert action.help, f"{parser.prog} {action.option_strings or action.dest} has no help"
   generate = next(p for p in parsers if p.prog == "jkv generate")
   helps = {a.option_strings[0]: a.help for a in generate._actions if a.option_strings}
-  assert "(method: kivi; default: 128)" in helps["--residual"]
-  assert "(methods: fakequant, kivi; default: 2)" in helps["--bits"]
+  # Each method option names every method that has it, and each one's own default, read here from the configs.
+  for flag, field in (("--residual", "residual"), ("--bits", "bits"), ("--group-size", "group_size")):
+    owners = [n for n in methods.known_methods()
+              if field in {f.name for f in dataclasses.fields(methods.method_class(n))}]
+    defaults = {n: next(f.default for f in dataclasses.fields(methods.method_class(n)) if f.name == field)
+                for n in owners}
+    assert "kivi" in owners and len(owners) > 1
+    if len(set(defaults.values())) == 1:
+      expected = f"(methods: {', '.join(owners)}; default: {defaults[owners[0]]})"
+    else:
+      expected = f"(methods: {', '.join(owners)}; default: " + ", ".join(f"{defaults[n]} for {n}" for n in owners) + ")"
+    assert expected in helps[flag], (flag, helps[flag])
   assert "(method: fakequant; default: channel)" in helps["--key-axis"]
 
 
