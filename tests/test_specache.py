@@ -7,6 +7,8 @@ takes q, k, v of p; the speculative row at p + 1 takes unrelated random ones) an
 ``gqa_attention_reference`` over exact K/V or with a ``Kivi`` run on the same rows.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from jkv.methods.kivi import Kivi
 from jkv.methods.specache import SpeCache, gather_host_rows, gather_rows_pallas
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv_kernels.quantization import dequantize, quantize
 from conftest import random_prompts
 
 H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
@@ -95,8 +98,9 @@ def _driver(method, impl="xla") -> Driver:
 
 
 def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
-  """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns the real row's output
-  per step [steps, B, H, 1, g, D] and the states after pre-decode and after each step."""
+  """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns each step's output
+  [steps, B, H, T, g, D] (T = 2 rows for SpeCache, the real one first) and the states after pre-decode and after
+  each step."""
   q, k, v = real
   sq, sk, sv = spec_rows
   lengths = np.asarray(lengths)
@@ -113,7 +117,7 @@ def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
       out, state = driver.step(state, rows(q, sq), rows(k, sk), rows(v, sv), pos)
     else:
       out, state = driver.step(state, _at(q, pos), _at(k, pos), _at(v, pos), pos)
-    outs.append(np.asarray(out[:, :, :1]))
+    outs.append(np.asarray(out))
     states.append(state)
   return np.stack(outs), states
 
@@ -133,10 +137,10 @@ def test_every_candidate_fetched_is_dense_attention():
   lengths, steps = np.array([70, 131]), 40
   outs, _ = _run(EVERY, real, spec_rows, lengths, steps)
   for t in range(steps):
-    np.testing.assert_allclose(outs[t], _dense(real, lengths + t), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(outs[t][:, :, :1], _dense(real, lengths + t), rtol=2e-5, atol=2e-5)
   # with a small k the 1-bit approximation shows (so the comparison above can fail)
   few, _ = _run(FEW, real, spec_rows, lengths, 3)
-  assert np.max(np.abs(few[-1] - _dense(real, lengths + 2))) > 1e-2
+  assert np.max(np.abs(few[-1][:, :, :1] - _dense(real, lengths + 2))) > 1e-2
 
 
 def test_k_zero_is_kivi():
@@ -147,7 +151,7 @@ def test_k_zero_is_kivi():
   lengths = np.array([45, 100])
   spe, _ = _run(SpeCache(fetch_rows=0, residual=32), real, spec_rows, lengths, 36)
   kivi, _ = _run(Kivi(bits=1, residual=32), real, spec_rows, lengths, 36)
-  np.testing.assert_allclose(spe, kivi, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(spe[:, :, :, :1], kivi, rtol=1e-6, atol=1e-6)
 
 
 def test_speculative_row_never_changes_the_real_row():
@@ -198,6 +202,48 @@ def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
     assert not np.any(np.asarray(state.host_kv[0]))  # the other layer was never written
   at_use, _ = _run(SpeCache(fetch_rows=8, residual=32, prefetch=False), real, spec_rows, lengths, 12)
   np.testing.assert_array_equal(outs, at_use)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _fake_quant(x, axis):
+  """1-bit quantize-dequantize in groups of 32 along ``axis`` (fp16 scales), as the low-bit copy stores it."""
+  codes, scale, zero = quantize(x, bits=1, axis=axis, group_size=32, meta_dtype=jnp.float16)
+  return dequantize(codes, scale, zero, axis=axis, group_size=32, dtype=jnp.float32)
+
+
+def test_partial_fetch_equals_attention_over_the_mixed_cache():
+  """Spec §8.7: with k < the candidates, both rows of every step equal one softmax over an explicitly built mixed
+  cache: each held position's key and value exact if it is among the fetched rows of its KV head or in the exact
+  window (key from bK on, value from bV on), else 1-bit quantized in one shot (keys per channel, values per
+  token); the speculative row also sees its own K/V, the real row never does."""
+  rng = np.random.default_rng(9)
+  (q, k, v), (sq, sk, sv) = _data(rng, 2, 256)
+  lengths = np.array([61, 140])
+  outs, states = _run(FEW, (q, k, v), (sq, sk, sv), lengths, 12)
+  k_hat = np.swapaxes(np.asarray(_fake_quant(jnp.asarray(np.swapaxes(k, 2, 3)), 3)), 2, 3)
+  v_hat = np.asarray(_fake_quant(jnp.asarray(v), 3))
+  R = FEW.residual
+  for t in range(12):
+    pos = lengths + t  # the real row's position; N = pos + 1 tokens are held during the step
+    idx, ok = np.asarray(states[t].fetched_idx[1]), np.asarray(states[t].fetched_ok[1])
+    keys, values, masks = [], [], []
+    for b in range(2):
+      n, b_k, b_v = pos[b] + 1, R * (pos[b] // R), max(0, pos[b] - R)
+      s = np.arange(256)
+      fetched = np.zeros((H, 256), bool)
+      for h in range(H):
+        fetched[h, idx[b, h][ok[b, h]]] = True
+      kb = np.where((fetched | (s >= b_k))[:, :, None], k[b], k_hat[b])
+      vb = np.where((fetched | (s >= b_v))[:, :, None], v[b], v_hat[b])
+      keys.append(np.concatenate([kb, sk[b, :, pos[b] + 1][:, None]], axis=1))
+      values.append(np.concatenate([vb, sv[b, :, pos[b] + 1][:, None]], axis=1))
+      held = np.concatenate([s < n, [False]])
+      masks.append(np.stack([held, np.concatenate([s < n, [True]])]))
+    rows = np.concatenate([_at(q, pos), _at(sq, pos + 1)], axis=2)
+    ref = gqa_attention_reference(jnp.asarray(rows), jnp.asarray(np.stack(keys)), jnp.asarray(np.stack(values)),
+                                  jnp.asarray(np.stack(masks)))
+    np.testing.assert_allclose(outs[t], np.asarray(ref), rtol=2e-5, atol=2e-5)
+  assert 0 < ok.sum() < H * 2 * (R * (pos.max() // R))  # some candidates fetched, not all
 
 
 def test_batch_rows_are_independent():
