@@ -10,8 +10,8 @@ one command (each fits the device tool's 10 minutes):
     --part check     the host boundary on this device, at the step's shapes: memory kinds; the Pallas gather
                      kernel reading a pinned_host operand inside jit (bit-exact against the same gather on a
                      device copy, at offsets past 2**31; its time for one layer's rows); whether the XLA host
-                     gather (the CPU path) compiles here; the in-place host row write; lax.top_k over one
-                     layer's candidates
+                     gather (the CPU path) compiles here; the row-by-row host copy (the path for GPUs without
+                     the kernel); the in-place host row write; lax.top_k over one layer's candidates
     --part step      B = 8, 32k context, the methods named by --methods (default: dense kivi2 specache1
                      specache1_sync), one record each: ms/step, device and host KV bytes, compression
 
@@ -73,7 +73,7 @@ def check_part(smoke):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jkv.methods.specache import gather_host_rows, gather_rows_pallas, host_write_rows
+  from jkv.methods.specache import gather_host_rows_one_by_one, gather_rows_pallas, host_write_rows, to_device, to_host
   device = jax.devices()[0]
   shape = SMOKE if smoke else LLAMA3_8B
   # 8 layers of B = 8, 32k rows of 256 values: 4.3e9 elements, so reading the last layer needs offsets past 2**31
@@ -112,7 +112,12 @@ def check_part(smoke):
         expect=want, nbytes=rows_bytes)
   probe("pallas_gather_device", lambda x, i: gather_rows_pallas(x, layer, i, interpret=interpret), kv_dev, idx,
         expect=want, nbytes=rows_bytes)
-  probe("xla_host_gather", lambda x, i: gather_host_rows(x, layer, i, "xla"), kv_host, idx, expect=want,
+  # The CPU path's form (a gather in host memory with host-resident indices): does XLA take it on this device?
+  flat = lambda i: (((layers - 1) * batch + jnp.arange(batch)[:, None, None]) * heads
+                    + jnp.arange(heads)[None, :, None]) * capacity + i
+  probe("xla_host_gather", lambda x, i: to_device(jnp.take(x.reshape(-1, width), to_host(flat(i)), axis=0,
+                                                           mode="clip")), kv_host, idx, expect=want, nbytes=rows_bytes)
+  probe("host_rows_one_by_one", lambda x, i: gather_host_rows_one_by_one(x, layer, i), kv_host, idx, expect=want,
         nbytes=rows_bytes)
   probe("xla_device_gather", lambda x, i: jnp.take_along_axis(x[layer], i[..., None], axis=2), kv_dev, idx,
         expect=want, nbytes=rows_bytes)

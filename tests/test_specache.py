@@ -19,7 +19,7 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
-from jkv.methods.specache import SpeCache, gather_host_rows, gather_rows_pallas
+from jkv.methods.specache import SpeCache, gather_host_rows, gather_host_rows_one_by_one, gather_rows_pallas
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 from jkv_kernels.quantization import dequantize, quantize
@@ -280,17 +280,20 @@ def test_fused_kernel_path_equals_xla_path():
 
 
 def test_fetch_paths_agree_bit_for_bit():
-  """The host-memory gather (CPU path) and the Pallas gather kernel (interpret mode, device operand) return the
-  rows of a numpy gather exactly, at any layer, with out-of-range indices clamped."""
+  """The host-memory gather (CPU path), the row-by-row host copy (GPUs without the kernel) and the Pallas gather
+  kernel (interpret mode, device operand) return the rows of a numpy gather exactly, with out-of-range indices
+  clamped."""
   rng = np.random.default_rng(6)
   kv = rng.normal(size=(3, 2, 2, 96, 2 * D)).astype(np.float32)
   idx = rng.integers(0, 96, size=(2, 2, 5)).astype(np.int32)
   idx[0, 0, 0] = 200
   want = np.take_along_axis(kv[2], np.minimum(idx, 95)[..., None], axis=2)
   host = jax.device_put(kv, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
-  got = jax.jit(lambda x, i: gather_host_rows(x, jnp.int32(2), i, "xla"))(host, jnp.asarray(idx))
-  assert got.sharding.memory_kind == "device"
-  np.testing.assert_array_equal(np.asarray(got), want)
+  for gather in (lambda x, i: gather_host_rows(x, jnp.int32(2), i, "xla"),
+                 lambda x, i: gather_host_rows_one_by_one(x, jnp.int32(2), i)):
+    got = jax.jit(gather)(host, jnp.asarray(idx))
+    assert got.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(got), want)
   np.testing.assert_array_equal(np.asarray(gather_rows_pallas(jnp.asarray(kv), 2, jnp.asarray(idx), interpret=True)),
                                 want)
 
