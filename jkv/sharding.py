@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jkv.cache import CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, is_array_info
 from jkv.config import ModelConfig
 from jkv.params import Layers, Params
+from jkv.params import abstract as param_shapes
 
 MESH_AXES = ("data", "model")
 
@@ -129,10 +130,12 @@ def make_mesh(shape: Union[str, Mapping[str, int], Mesh, None], devices: Optiona
   label = ",".join(f"{a}={s}" for a, s in sizes.items())
   if need != len(devices):
     platform = devices[0].platform if devices else "?"
-    hint = ("; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices" if platform == "cpu"
-            else "; hide the others with CUDA_VISIBLE_DEVICES to use fewer")
+    if platform == "cpu":
+      hint = f"; XLA_FLAGS=--xla_force_host_platform_device_count={need} makes {need} CPU devices"
+    else:
+      hint = "; hide the others with CUDA_VISIBLE_DEVICES" if need < len(devices) else ""
     raise ValueError(f"mesh {label} needs {need} devices (data x model), but {len(devices)} {platform} "
-                     f"device{'s are' if len(devices) != 1 else ' is'} visible{hint if need < len(devices) else ''}")
+                     f"device{'s are' if len(devices) != 1 else ' is'} visible{hint}")
   grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
   return Mesh(grid, MESH_AXES)
 
@@ -145,11 +148,15 @@ def check_mesh(mesh: Optional[Mesh], cfg: ModelConfig, batch: Optional[int] = No
   """One-line ValueError unless the model's heads split over ``model`` and the batch over ``data``."""
   if mesh is None:
     return
+  _check_split(mesh, cfg.kv_heads, cfg.q_heads, batch)
+
+
+def _check_split(mesh, kv_heads: int, q_heads: int, batch: Optional[int]) -> None:
   m, d = axis_size(mesh, "model"), axis_size(mesh, "data")
   # Query heads are g per KV head, grouped by KV head: they split with the KV heads (q_heads = g * kv_heads).
-  if cfg.kv_heads % m:
-    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {cfg.kv_heads} KV heads ({cfg.q_heads} query heads) do "
-                     f"not split over model={m} (the model axis must divide the KV-head count)")
+  if kv_heads % m:
+    raise ValueError(f"mesh {mesh_label(mesh)}: the model's {kv_heads} KV heads ({q_heads} query heads) do not "
+                     f"split over model={m} (the model axis must divide the KV-head count)")
   if batch is not None and batch % d:
     raise ValueError(f"mesh {mesh_label(mesh)}: a batch of {batch} sequences does not split over data={d} "
                      f"(give a multiple of {d})")
@@ -263,9 +270,8 @@ def _is_axes(x) -> bool:
 def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Params:
   """A ``NamedSharding`` per parameter: heads and the MLP hidden size over ``model`` (checked by ``check_mesh``),
   the vocabulary over ``model`` where it divides (else whole)."""
-  from jkv import params as params_lib
   check_mesh(mesh, cfg)
-  shapes = params_lib.abstract(cfg)
+  shapes = param_shapes(cfg)
   return jax.tree.map(lambda axes, s: NamedSharding(mesh, logical_to_spec(axes, mesh, rules, s.shape, strict=False)),
                       param_axes(cfg), shapes, is_leaf=_is_axes)
 
@@ -280,8 +286,7 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Optional[Mesh], rules: 
 
 def param_bytes_per_device(cfg: ModelConfig, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_RULES) -> int:
   """Bytes of the parameters one device holds under ``param_shardings``."""
-  from jkv import params as params_lib
-  shapes = params_lib.abstract(cfg)
+  shapes = param_shapes(cfg)
   if mesh is None:
     return int(sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
   shardings = param_shardings(cfg, mesh, rules)
@@ -318,22 +323,16 @@ class PerShard(CacheMethod):
   rules: ShardingRules = DEFAULT_RULES
 
   @property
-  def name(self) -> str:  # noqa: D102  (the inner method's registered name)
+  def name(self) -> str:
     return self.inner.name
 
   @property
-  def speculative_rows(self) -> int:  # noqa: D102
+  def speculative_rows(self) -> int:
     return self.inner.speculative_rows
 
   def check(self, spec: CacheSpec) -> None:
     self.inner.check(spec)
-    m, d = axis_size(self.mesh, "model"), axis_size(self.mesh, "data")
-    if spec.kv_heads % m:
-      raise ValueError(f"mesh {mesh_label(self.mesh)}: the model's {spec.kv_heads} KV heads do not split over "
-                       f"model={m} (the model axis must divide the KV-head count)")
-    if spec.batch % d:
-      raise ValueError(f"mesh {mesh_label(self.mesh)}: a batch of {spec.batch} sequences does not split over "
-                       f"data={d} (give a multiple of {d})")
+    _check_split(self.mesh, spec.kv_heads, spec.kv_heads * spec.q_per_kv, spec.batch)
 
   def capacity_multiple(self) -> int:
     return self.inner.capacity_multiple()
@@ -357,8 +356,7 @@ class PerShard(CacheMethod):
   # lengths and positions over batch; the layer index whole.
 
   def _specs(self):
-    spec = lambda info: logical_to_spec(info.axes, self.mesh, self.rules)
-    return jax.tree.map(spec, self.inner.abstract(self.spec), is_leaf=is_array_info)
+    return state_specs(self.inner.abstract(self.spec), self.mesh, self.rules)
 
   def _heads(self, ndim: int) -> P:
     return P(*(self.rules.batch, self.rules.kv_heads) + (None,) * (ndim - 2))
@@ -402,7 +400,6 @@ class PerShard(CacheMethod):
       return state
     counters = lambda info, x: fetch(x) if set(info.axes) <= {"layers", "batch"} else x
     return jax.tree.map(counters, self.inner.abstract(self.spec), state, is_leaf=is_array_info)
-
 
 
 def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional[Mesh],

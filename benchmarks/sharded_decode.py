@@ -1,0 +1,185 @@
+"""KIVI-2 on several GPUs: the largest batch and the decode tokens/s of ``jkv.generate`` on a device mesh, against
+one GPU.
+
+A randomly initialized Llama-3-8B-shaped model (32 layers, 32 query / 8 KV heads, D = 128, embed 4096, ffw 14336,
+vocab 128256, bf16; the weights drawn where they live, each device its own shard), random prompt tokens, greedy
+decoding with end-of-sequence disabled so every step runs, KIVI-2 (G = 32, R = 128). For each mesh: the largest
+batch whose cache fits beside each device's share of the weights (``jkv.memory.largest_batch`` with the mesh: the
+cache is split over its batch and KV-head axes, the weights over heads and the MLP) at 4096 prompt + 256 new
+tokens, then ``generate`` at that batch (so the batch is shown to fit), decode tokens/s with compilation apart.
+One mesh per command (each fits the device tool's 10 minutes):
+
+    --mesh none        one GPU, no mesh (the baseline)
+    --mesh model=2     two GPUs, tensor-parallel: half the weights and half of every sequence's KV heads each
+    --mesh data=2      two GPUs, data-parallel: the whole weights and half of the sequences each
+
+Records are merged into benchmarks/results/sharded_decode_<device>.json (``--out`` to choose); ``--table`` renders
+them, with each mesh's batch and tokens/s against the one-GPU record, into benchmarks/README.md.
+
+    python benchmarks/sharded_decode.py --mesh none && python benchmarks/sharded_decode.py --mesh model=2
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sharded_decode.py --smoke --mesh model=2
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import re
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+README = HERE / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- sharded_decode:begin -->", "<!-- sharded_decode:end -->"
+LLAMA3_8B = dict(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
+                 kv_heads=8, head_dim=128, max_position=131072, rope_theta=500000.0, dtype="bfloat16")
+SMOKE = dict(LLAMA3_8B, vocab_size=512, embed=128, ffw_size=256, num_layers=2, q_heads=4, kv_heads=2, head_dim=64,
+             dtype="float32")
+METHOD = ("kivi", {"bits": 2})
+SMOKE_DEVICE_BYTES = (6 << 30) + (24 << 20)  # CPU reports no memory: a notional device a few sequences fill
+
+
+def now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def device_slug(kind: str) -> str:
+  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
+
+
+def mesh_devices(spec: str):
+  """The mesh of ``spec`` over the first devices it needs (None and one device for "none")."""
+  import jax
+  from jkv import sharding
+  if spec == "none":
+    return None, jax.devices()[:1]
+  sizes = sharding.parse_mesh(spec)
+  n = sizes["data"] * sizes["model"]
+  if n > jax.device_count():
+    raise SystemExit(f"mesh {spec} needs {n} devices; {jax.device_count()} are visible")
+  devices = jax.devices()[:n]
+  return sharding.make_mesh(sizes, devices=devices), devices
+
+
+def random_params(cfg, mesh):
+  """Random weights made in place: on a mesh each device draws its own shard (an 8B model's 16 GB never sits
+  on one device first). The same values with or without a mesh."""
+  import jax
+  from jkv import params as params_lib
+  from jkv import sharding
+  init = lambda key: params_lib.init_random(cfg, key)
+  if mesh is None:
+    return jax.jit(init)(jax.random.key(0))
+  return jax.jit(init, out_shardings=sharding.param_shardings(cfg, mesh))(jax.random.key(0))
+
+
+def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
+  import jax
+  import numpy as np
+  from jkv import generate as gen
+  from jkv import memory, sharding
+  from jkv.config import ModelConfig
+  from jkv.methods import make_method
+  cfg = ModelConfig(**(SMOKE if smoke else LLAMA3_8B))
+  mesh, devices = mesh_devices(spec)
+  method = make_method(METHOD[0], **METHOD[1])
+  capacity = -(-(prompt_len + new_tokens) // method.capacity_multiple()) * method.capacity_multiple()
+  limit = (memory.device_memory(devices[0]) or {}).get("limit", SMOKE_DEVICE_BYTES)
+  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
+  largest = memory.largest_batch(cfg, method, capacity, prompt_len, device_bytes=limit, weight_bytes=weight_bytes,
+                                 mesh=mesh)
+  step = sharding.axis_size(mesh, "data")
+  batch = max(step, int(largest * batch_scale) // step * step)
+  if max_batch:
+    batch = min(batch, max_batch)
+  print(f"mesh {spec} on {len(devices)} x {devices[0].device_kind}: weights {weight_bytes / 2**30:.2f} GiB per "
+        f"device, largest batch {largest} at {prompt_len} + {new_tokens} tokens ({limit / 2**30:.1f} GiB per "
+        f"device); running {batch}", flush=True)
+  params = random_params(cfg, mesh)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
+  res = gen.generate(params, cfg, prompts, method=method, max_new_tokens=new_tokens, eos_ids=(), chunk=chunk,
+                     mesh=mesh)
+  s = res.stats
+  peaks = [(memory.device_memory(d) or {}).get("peak") for d in devices]
+  record = dict(
+      mesh=spec, devices=len(devices), method="kivi2", method_config=dataclasses.asdict(method), batch=batch,
+      computed_largest_batch=largest, prompt_len=prompt_len, new_tokens=new_tokens, capacity=capacity,
+      decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / (new_tokens - 1),
+      prefill_s=s["prefill_s"], prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"],
+      kv_bytes=s["kv_bytes"], allocated_kv_bytes=s["allocated_kv_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
+      weight_bytes_per_device=weight_bytes, device_limit_bytes=limit, peak_device_bytes=peaks,
+      attention_impl=s["attention_impl"], device=devices[0].device_kind, jax_version=jax.__version__, date=now(),
+      model="random Llama-3-8B shape" if not smoke else "smoke: tiny random model")
+  print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step, {s['decode_tokens_per_s']:.1f} "
+        f"decode tok/s, prefill {s['prefill_s']:.1f} s (sub-batch {s['prefill_sub_batch']}), compile "
+        f"{s['compile_s']:.1f} s, kv {s['kv_bytes'] / 2**30:.2f} GiB", flush=True)
+  return record
+
+
+def markdown_table(records) -> str:
+  base = next((r for r in records if r["mesh"] == "none"), None)
+  lines = ["| mesh | GPUs | largest batch | batch run | decode tokens/s | ms/step | largest batch vs 1 GPU | "
+           "tokens/s vs 1 GPU | prefill s | peak GiB per GPU | device |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+  for r in records:
+    ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base else "–"
+    peak = max((p for p in r["peak_device_bytes"] if p is not None), default=None)
+    lines.append(f"| {r['mesh']} | {r['devices']} | {r['computed_largest_batch']} | {r['batch']} | "
+                 f"{r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
+                 f"{ratio('computed_largest_batch')} | {ratio('decode_tokens_per_s')} | {r['prefill_s']:.1f} | "
+                 f"{'–' if peak is None else format(peak / 2**30, '.1f')} | {r['device']} |")
+  return "\n".join(lines)
+
+
+def write_readme_table(records, readme=README):
+  text = readme.read_text() if readme.exists() else ""
+  block = f"{TABLE_BEGIN}\n{markdown_table(records)}\n{TABLE_END}"
+  if TABLE_BEGIN in text:
+    text = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), lambda _: block, text, flags=re.S)
+  else:
+    text += f"\n## KIVI-2 on several GPUs (`sharded_decode.py`)\n\n{block}\n"
+  readme.write_text(text)
+
+
+def merge(path: pathlib.Path, new: list) -> list:
+  """Records already in ``path`` that the new ones do not replace (same mesh and context), then the new ones."""
+  old = json.loads(path.read_text()) if path.exists() else []
+  keys = {(r["mesh"], r["prompt_len"], r["new_tokens"]) for r in new}
+  return [r for r in old if (r["mesh"], r["prompt_len"], r["new_tokens"]) not in keys] + new
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--mesh", default="none", help="none, or a mesh spec such as model=2 or data=2")
+  parser.add_argument("--smoke", action="store_true", help="a tiny model (CPU with forced devices)")
+  parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 4096; smoke 100)")
+  parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; smoke 28)")
+  parser.add_argument("--batch-scale", type=float, default=1.0, help="run at this fraction of the largest batch")
+  parser.add_argument("--max-batch", type=int, default=None, help="run at most this batch (smoke default 4)")
+  parser.add_argument("--chunk", type=int, default=128, help="decode steps per jitted chunk")
+  parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the record into")
+  parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
+  args = parser.parse_args()
+  if args.table:
+    write_readme_table(json.loads(args.out.read_text()))
+    return
+  prompt_len = args.prompt_len or (100 if args.smoke else 4096)
+  new_tokens = args.new_tokens or (28 if args.smoke else 256)
+  max_batch = args.max_batch or (4 if args.smoke else None)
+  record = run(args.mesh, args.smoke, prompt_len=prompt_len, new_tokens=new_tokens, batch_scale=args.batch_scale,
+               max_batch=max_batch, chunk=min(args.chunk, new_tokens))
+  name = f"sharded_decode_{device_slug(record['device'])}{'_smoke' if args.smoke else ''}.json"
+  out = args.out or HERE / "results" / name
+  if os.environ.get("OUT"):  # on the device machine: also leave a copy where the tool brings files back
+    copy = pathlib.Path(os.environ["OUT"], out.name)
+    copy.write_text(json.dumps(merge(copy, [record]), indent=1))
+  out.parent.mkdir(parents=True, exist_ok=True)
+  records = merge(out, [record])
+  out.write_text(json.dumps(records, indent=1))
+  print(markdown_table(records))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

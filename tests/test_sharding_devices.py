@@ -1,0 +1,161 @@
+"""Generate on a device mesh equals generate on one device, token for token, for every method.
+
+Needs 4 devices, fixed when jax is imported: ``tests/test_sharding.py`` runs this module in a process of its own
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; in the main test process (one CPU device) it is
+skipped. Run it alone with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m pytest -q tests/test_sharding_devices.py``.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from jkv import cli
+from jkv import generate as gen
+from jkv import sharding
+from jkv.cache import CacheSpec, is_array_info
+from jkv.evaluation.compare import compare, parse_methods
+from jkv.evaluation.perplexity import WindowPlan
+from jkv.methods import make_method
+from jkv.sampling import Greedy
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices: tests/test_sharding.py runs "
+                                                               "this module with 4 forced CPU devices")
+
+# Settings under which every method's events happen within a few tokens of short prompts: KIVI flushes its key
+# ring (R = 32) as the 28- and 30-token prompts grow, ZipCache compresses its window every 8 steps, OTT quantizes
+# 8-token blocks and competes for its pool in every layer, SpeCache fetches 8 rows per head from host memory.
+METHODS = {
+    "dense": {},
+    "kivi": dict(bits=2, residual=32),
+    "fakequant": dict(bits=2),
+    "zipcache": dict(interval=8, key_group=16, random_probes=0.3),
+    "ott": dict(group_size=32, residual=8, aux_size=8, no_pool_layers=0),
+    "specache": dict(residual=32, fetch_rows=8),
+}
+LENGTHS = (5, 30, 17, 28)
+NEW_TOKENS = 10
+
+
+def _generate(model, prompts, name, mesh=None, impl="xla", **kw):
+  return gen.generate(model.params, model.config, prompts, method=make_method(name, **METHODS[name]),
+                      max_new_tokens=NEW_TOKENS, chunk=NEW_TOKENS, eos_ids=(), attention_impl=impl, mesh=mesh, **kw)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_tiny_model_on_a_data_by_model_mesh_equals_one_device(tiny_llama, name):
+  _, model = tiny_llama  # 6 query heads, 2 KV heads: data=2 x model=2 splits sequences and heads
+  prompts = random_prompts(model.config.vocab_size, LENGTHS, seed=1)
+  one = _generate(model, prompts, name)
+  sharded = _generate(model, prompts, name, mesh="data=2,model=2")
+  assert sharded.tokens == one.tokens
+  assert sharded.stats["mesh"] == "data=2,model=2" and sharded.stats["kv_bytes"] == one.stats["kv_bytes"]
+
+
+def test_pallas_kernels_run_per_shard(tiny_llama):
+  """The fused dequant-attention and quantize-pack kernels (interpret mode), each on its shard's local arrays."""
+  _, model = tiny_llama
+  prompts = random_prompts(model.config.vocab_size, LENGTHS, seed=2)
+  one = _generate(model, prompts, "kivi", impl="interpret")
+  assert _generate(model, prompts, "kivi", mesh="data=2,model=2", impl="interpret").tokens == one.tokens
+
+
+# fakequant re-quantizes the whole cache at every step, and its float16 scales round a last-bit difference of the
+# sums (the tensor-parallel all-reduce adds in another order; so does a matmul of another batch size) into another
+# 2-bit code often enough that SmolLM2 at 2 bits, already near ties, took another token by the third one (also
+# over data=2 alone); with float32 scales (or 4 bits) the tokens are equal. The other methods quantize each token
+# once and are equal as they are.
+DEFAULT_MODEL_METHODS = dict(METHODS, fakequant=dict(bits=2, meta_dtype="float32"))
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_default_model_over_its_three_kv_heads_equals_one_device(default_model, name):
+  mesh = sharding.make_mesh("model=3", devices=jax.devices()[:3])  # SmolLM2: 9 query heads, 3 KV heads
+  tok = default_model.tokenizer
+  prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    ")]
+  run = lambda mesh: gen.generate(default_model.params, default_model.config, prompts, max_new_tokens=NEW_TOKENS,
+                                  method=make_method(name, **DEFAULT_MODEL_METHODS[name]), chunk=NEW_TOKENS,
+                                  eos_ids=(), attention_impl="xla", mesh=mesh)
+  assert run(mesh).tokens == run(None).tokens
+
+
+def test_every_cache_array_is_split_by_its_axes_and_keeps_its_memory_kind(tiny_llama):
+  _, model = tiny_llama
+  mesh = sharding.make_mesh("data=2,model=2")
+  spec = CacheSpec.for_model(model.config, 4, 64)
+  for name in METHODS:
+    cache = sharding.create_cache(make_method(name, **METHODS[name]), spec, "xla", mesh)
+    abstract = cache.abstract()
+    arrays = jax.tree.leaves(cache.state)
+    infos = jax.tree.leaves(abstract, is_leaf=is_array_info)
+    assert len(arrays) == len(infos)
+    for x, info in zip(arrays, infos):
+      want = {"batch": "data", "kv_heads": "model"}
+      got = dict(zip(info.axes, tuple(x.sharding.spec) + (None,) * len(info.axes)))
+      assert all(got[a] == m for a, m in want.items() if a in info.axes), (name, info.axes, x.sharding.spec)
+      assert x.sharding.memory_kind == info.memory_kind
+      shard = x.addressable_shards[0].data.shape  # each device holds its own part only
+      assert shard == tuple(n // (2 if a in want else 1) for n, a in zip(info.shape, info.axes))
+    assert cache.lengths.sharding.spec == sharding.P("data")
+  host = sharding.create_cache(make_method("specache", **METHODS["specache"]), spec, "xla", mesh).state.host_kv
+  assert host.sharding.memory_kind == "pinned_host"
+
+
+def _collective_sizes(hlo: str) -> list:
+  """Element counts of the results of every cross-device op in compiled HLO text."""
+  sizes = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*\b(all-gather|all-to-all|collective-permute|all-reduce|"
+                  r"reduce-scatter)(-start)?\(", line)
+    if m:
+      sizes.append(int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1])))
+  return sizes
+
+
+def test_decode_moves_no_cache_array_between_devices(tiny_llama):
+  """Only activations cross devices (the tensor-parallel sums, the vocabulary's argmax): the largest array any
+  collective of the compiled decode step moves is smaller than the smallest shard of any cache array."""
+  _, model = tiny_llama
+  cfg = model.config
+  mesh = sharding.make_mesh("data=2,model=2")
+  method, B = make_method("kivi", **METHODS["kivi"]), 4
+  with sharding.use_mesh(mesh):
+    params = sharding.shard_params(model.params, cfg, mesh)
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, 256), "xla", mesh)
+    rows = lambda *xs: sharding.rows(xs, mesh)
+    args = (params, cache) + rows(jnp.zeros((B,), jnp.int32), jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), bool),
+                                  jnp.zeros((B,), bool), jnp.zeros((B, 2), jnp.int32), jax.random.key(0),
+                                  jnp.asarray([-1], jnp.int32), jnp.int32(0))
+    hlo = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile().as_text()
+  sizes = _collective_sizes(hlo)
+  assert sizes, "a tensor-parallel step must sum its partial products across the model axis"
+  smallest_shard = min(x.addressable_shards[0].data.size for x in jax.tree.leaves(cache.state))
+  assert max(sizes) < smallest_shard
+
+
+def test_perplexity_through_compare_on_a_mesh_equals_one_device(tiny_llama):
+  """``jkv compare``'s path (perplexity per method) with a mesh; 3 windows per batch are padded to 4 for data=2."""
+  _, model = tiny_llama
+  ids = random_prompts(model.config.vocab_size, [400], seed=4)[0]
+  plan = WindowPlan(context=32, scored=8, num_windows=3, batch_size=3)
+  specs = parse_methods(["kivi:bits=2,residual=32"])
+  run = lambda mesh: compare(model, specs, token_ids=ids, ppl=plan, passkey=None, progress=False,
+                             attention_impl="xla", mesh=mesh)[0]
+  one, sharded = run(None), run("data=2,model=2")
+  assert sharded["ppl"] == pytest.approx(one["ppl"], rel=1e-5)
+  assert sharded["window_nll"] == pytest.approx(one["window_nll"], rel=1e-5)
+  assert sharded["kv_bytes"] == one["kv_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--mesh", "model=4", "hi"], "the model's 3 KV heads (9 query heads) do not split over model=4"),
+    (["generate", "--mesh", "data=4", "hi"], "a batch of 1 sequences does not split over data=4 (give a multiple"),
+])
+def test_cli_mesh_that_does_not_fit_the_model_is_one_line(default_model_once, capsys, argv, message):
+  assert cli.main(argv) == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]  # after "loading model default ..."
+  assert last.startswith("jkv: error: mesh ") and message in last, last
