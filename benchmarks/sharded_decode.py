@@ -16,7 +16,13 @@ One mesh per command (each fits the device tool's 10 minutes):
 Records are merged into benchmarks/results/sharded_decode_<device>.json (``--out`` to choose); ``--table`` renders
 them, with each mesh's batch and tokens/s against the one-GPU record, into benchmarks/README.md.
 
+``--profile --batch B``: where a decode step's time goes on each device of the mesh, without prefill: a cache of B
+sequences holding ``--prompt-len`` tokens (its contents do not change the work), ``--steps`` decode steps under
+``jax.profiler.trace``, device time summed per kernel and per device (benchmarks/profile_decode_step.py's loop and
+summary), beside the step's wall time.
+
     python benchmarks/sharded_decode.py --mesh none && python benchmarks/sharded_decode.py --mesh model=2
+    python benchmarks/sharded_decode.py --profile --mesh model=2 --batch 512 --out $OUT/profile_model2.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sharded_decode.py --smoke --mesh model=2
 """
 
@@ -108,6 +114,7 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
       computed_largest_batch=largest, prompt_len=prompt_len, new_tokens=new_tokens, capacity=capacity,
       decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / (new_tokens - 1),
       prefill_s=s["prefill_s"], prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"],
+      compiles=s["compiles"],
       kv_bytes=s["kv_bytes"], allocated_kv_bytes=s["allocated_kv_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
       weight_bytes_per_device=weight_bytes, device_limit_bytes=limit, peak_device_bytes=peaks,
       attention_impl=s["attention_impl"], device=devices[0].device_kind, jax_version=jax.__version__, date=now(),
@@ -115,6 +122,65 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
   print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step, {s['decode_tokens_per_s']:.1f} "
         f"decode tok/s, prefill {s['prefill_s']:.1f} s (sub-batch {s['prefill_sub_batch']}), compile "
         f"{s['compile_s']:.1f} s, kv {s['kv_bytes'] / 2**30:.2f} GiB", flush=True)
+  return record
+
+
+def profile(spec, smoke, *, batch, context, steps, top=25):
+  """Device time per kernel and per device of ``steps`` decode steps at ``batch`` (module docstring)."""
+  import collections
+  import glob
+  import statistics
+  import tempfile
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from jax.profiler import ProfileData
+  from profile_decode_step import decode_loop, summarize
+  from jkv import sharding
+  from jkv.attention import choose_impl
+  from jkv.cache import CacheSpec
+  from jkv.config import ModelConfig
+  from jkv.methods import make_method
+  from jkv.xla_options import MODEL_COMPILER_OPTIONS
+  cfg = ModelConfig(**(SMOKE if smoke else LLAMA3_8B))
+  mesh, devices = mesh_devices(spec)
+  method = make_method(METHOD[0], **METHOD[1])
+  capacity = -(-(context + steps) // method.capacity_multiple()) * method.capacity_multiple()
+  params = random_params(cfg, mesh)
+  with sharding.use_mesh(mesh):
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
+    held = lambda: jax.device_put(jnp.full((batch,), context, jnp.int32), cache.lengths.sharding)
+    tokens = sharding.rows(jnp.ones((batch,), jnp.int32), mesh)
+    loop = decode_loop(cfg, steps, dict(MODEL_COMPILER_OPTIONS))
+    cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))  # compile
+    walls = []
+    for _ in range(2):
+      start = time.perf_counter()
+      cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))
+      walls.append((time.perf_counter() - start) / steps)
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))
+      per_device = collections.defaultdict(list)
+      for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+          if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+              if not any(s in line.name for s in ("XLA Ops", "XLA Modules", "Steps", "Source")):
+                per_device[plane.name] += [(e.name, e.duration_ns) for e in line.events]
+  wall_ms = 1e3 * statistics.median(walls)
+  record = dict(mesh=spec, devices=len(devices), batch=batch, context=context, steps=steps, wall_ms_per_step=wall_ms,
+                kv_bytes=cache.held_bytes().device, device=devices[0].device_kind, jax_version=jax.__version__,
+                date=now(), per_device={})
+  print(f"mesh {spec} B={batch} context={context}: {wall_ms:.2f} ms/step wall", flush=True)
+  for name, events in sorted(per_device.items()):
+    rows = summarize(events, steps, top)
+    busy = sum(ns for _, ns in events) / 1e6 / steps
+    record["per_device"][name] = dict(kernel_ms_per_step=busy, kernels=rows)
+    print(f"-- {name}: {busy:.2f} ms/step in kernels")
+    for r in rows:
+      print(f"{r['us_per_step']:10.1f} µs/step {r['calls_per_step']:7.1f} calls/step  {r['name'][:140]}")
   return record
 
 
@@ -159,13 +225,22 @@ def main():
   parser.add_argument("--batch-scale", type=float, default=1.0, help="run at this fraction of the largest batch")
   parser.add_argument("--max-batch", type=int, default=None, help="run at most this batch (smoke default 4)")
   parser.add_argument("--chunk", type=int, default=128, help="decode steps per jitted chunk")
-  parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the record into")
+  parser.add_argument("--profile", action="store_true", help="trace --steps decode steps at --batch instead")
+  parser.add_argument("--batch", type=int, default=256, help="--profile: sequences in the cache")
+  parser.add_argument("--steps", type=int, default=8, help="--profile: decode steps traced")
+  parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the record into (--profile: to write)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   if args.table:
     write_readme_table(json.loads(args.out.read_text()))
     return
   prompt_len = args.prompt_len or (100 if args.smoke else 4096)
+  if args.profile:
+    record = profile(args.mesh, args.smoke, batch=args.batch, context=prompt_len, steps=args.steps)
+    if args.out:
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return
   new_tokens = args.new_tokens or (28 if args.smoke else 256)
   max_batch = args.max_batch or (4 if args.smoke else None)
   record = run(args.mesh, args.smoke, prompt_len=prompt_len, new_tokens=new_tokens, batch_scale=args.batch_scale,
