@@ -38,6 +38,10 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
     the method prepares its first step (SpeCache's first top-k). Its greedy output is the first speculative token.
+``end_step(state, ctx) -> state``
+    Called once per decode step after every layer's ``step`` (not after prefill or pre-decode), with the step's
+    context: work that spans all layers, done once (SpeCache writes the step's rows to host memory in one
+    write per sequence and fetches the next step's rows for every layer in one call); default nothing.
 ``decode_stats(state) -> dict``
     Statistics the method gathered while decoding (SpeCache's speculation hit rate), read once after decoding
     and reported in generate's stats; default none.
@@ -170,6 +174,11 @@ class CacheMethod(abc.ABC):
     """Attend one unstored row before the first step; returns (out [B, H, 1, g, D], state). Only methods with
     ``speculative_rows`` > 0 are asked."""
     raise NotImplementedError(f"cache method {self.name!r} carries no speculative rows and has no pre-decode pass")
+
+  def end_step(self, state, ctx: StepContext):
+    """Once per decode step, after every layer's ``step``; returns the state (module docstring)."""
+    del ctx
+    return state
 
   def decode_stats(self, state) -> dict:
     """Statistics gathered while decoding, as Python numbers (module docstring)."""

@@ -157,6 +157,9 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     return (x, state), None
 
   (x, state), _ = jax.lax.scan(body, (x, cache.state), (params.layers, jnp.arange(cfg.num_layers)))
+  if not (prefill or pre_decode):
+    with jax.named_scope("cache_end_step"):
+      state = method.end_step(state, ctx)
   if logit_rows is not None:
     x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
   return _logits(params, x, cfg), cache.replace(state=state, lengths=lengths)

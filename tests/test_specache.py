@@ -19,7 +19,8 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
-from jkv.methods.specache import SpeCache, gather_host_rows, gather_host_rows_one_by_one, gather_rows_pallas
+from jkv.methods.specache import (SpeCache, gather_host_rows, gather_host_rows_one_by_one, gather_rows_pallas,
+                                  top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 from jkv_kernels.quantization import dequantize, quantize
@@ -73,8 +74,10 @@ class Driver:
 
     @jax.jit
     def step(state, q, k, v, held):
+      """One layer's step, then the once-per-step work (for the model, after its last layer)."""
       ctx = StepContext(lengths=held, positions=held[:, None] + jnp.arange(k.shape[2])[None], impl=impl)
-      return method.step(state, layer, q, k, v, ctx)
+      out, state = method.step(state, layer, q, k, v, ctx)
+      return out, method.end_step(state, ctx)
 
     self._prefill, self._pre_decode, self._step = prefill, pre_decode, step
 
@@ -281,21 +284,33 @@ def test_fused_kernel_path_equals_xla_path():
 
 def test_fetch_paths_agree_bit_for_bit():
   """The host-memory gather (CPU path), the row-by-row host copy (GPUs without the kernel) and the Pallas gather
-  kernel (interpret mode, device operand) return the rows of a numpy gather exactly, with out-of-range indices
-  clamped."""
+  kernel (interpret mode, device operand) return the rows of a numpy gather exactly, for a run of layers, with
+  out-of-range indices clamped."""
   rng = np.random.default_rng(6)
-  kv = rng.normal(size=(3, 2, 2, 96, 2 * D)).astype(np.float32)
-  idx = rng.integers(0, 96, size=(2, 2, 5)).astype(np.int32)
-  idx[0, 0, 0] = 200
-  want = np.take_along_axis(kv[2], np.minimum(idx, 95)[..., None], axis=2)
+  kv = rng.normal(size=(4, 2, 2, 96, 2 * D)).astype(np.float32)
+  idx = rng.integers(0, 96, size=(2, 2, 2, 5)).astype(np.int32)  # layers 1 and 2
+  idx[0, 0, 0, 0] = 200
+  want = np.stack([np.take_along_axis(kv[1 + i], np.minimum(idx[i], 95)[..., None], axis=2) for i in range(2)])
   host = jax.device_put(kv, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
-  for gather in (lambda x, i: gather_host_rows(x, jnp.int32(2), i, "xla"),
-                 lambda x, i: gather_host_rows_one_by_one(x, jnp.int32(2), i)):
-    got = jax.jit(gather)(host, jnp.asarray(idx))
+  for gather, kv_in in ((lambda x, i: gather_host_rows(x, jnp.int32(1), i, "xla"), host),
+                        (lambda x, i: gather_host_rows_one_by_one(x, jnp.int32(1), i), host),
+                        (lambda x, i: gather_rows_pallas(x, jnp.int32(1), i, interpret=True), jnp.asarray(kv))):
+    got = jax.jit(gather)(kv_in, jnp.asarray(idx))
     assert got.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(got), want)
-  np.testing.assert_array_equal(np.asarray(gather_rows_pallas(jnp.asarray(kv), 2, jnp.asarray(idx), interpret=True)),
-                                want)
+
+
+@pytest.mark.parametrize("capacity, k", [(1024, 8), (8192, 64), (192, 8)])
+def test_two_stage_top_k_is_a_top_k(capacity, k):
+  """``top_k_positions`` returns k unique positions holding the k largest scores (as ``lax.top_k`` on distinct
+  scores), also when they all sit in one block, and with masked (-1) scores among them."""
+  rng = np.random.default_rng(capacity + k)
+  scores = rng.permutation(2 * 3 * capacity).reshape(2, 3, capacity).astype(np.float32)
+  scores[0, 0, 64:64 + k] += 1e6  # every winner of one row in one block
+  scores[1, 1, capacity // 2:] = -1.0
+  got = np.asarray(top_k_positions(jnp.asarray(scores), k))
+  want = np.asarray(jax.lax.top_k(jnp.asarray(scores), k)[1])
+  np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
 
 
 def test_memory_matches_the_spec_size_column():

@@ -4,8 +4,9 @@ speculative row per decode step that chooses which 16-bit rows the next step att
 Spec: shared/specs/specache.md. What one decode step does, per layer (§2.3-2.6):
 
 - it carries two rows: the real token at position n and the speculative token at n + 1 (the greedy output of the
-  previous step's speculative row, ``CacheMethod.speculative_rows``); only the real row's K/V is stored, in the
-  low-bit copy (``Kivi`` with residual R, bits 1 or 2) and in the host copy;
+  previous step's speculative row, ``CacheMethod.speculative_rows``); only the real row's K/V is stored: in the
+  low-bit copy (``Kivi`` with residual R, bits 1 or 2) at once, and in the host copy at the end of the step
+  (``end_step``: every layer's row in one write per sequence, spec §7.2);
 - both rows attend over every held token at its best precision: the k rows per (sequence, KV head) fetched from
   the host for this step in 16 bits, the residual window in full precision, every other token dequantized; the
   fetched positions are holes in the store (or in the window, for keys quantized while their value is still exact)
@@ -25,10 +26,18 @@ device arrays is refused at trace time ("memory_space of all inputs passed to `g
 spec found on an H100; moving the indices to host memory first (``jax.device_put(idx, jax.memory.Space.Host)``)
 makes it a host-side gather that traces and returns the right rows, and ``dynamic_update_slice`` into a
 ``pinned_host`` array (donated, inside ``lax.scan`` carries too) of an update moved to host memory writes in place.
-On a GPU (impl "pallas") the fetch is a Pallas kernel reading the ``pinned_host`` operand in place (spec §7.1:
-zero-copy, bit-exact on an H100). Which is faster there, fetching for step t + 1 during step t into a device
-buffer (``prefetch=True``) or fetching at use time inside step t + 1 (``prefetch=False``), is measured by
-benchmarks/specache_decode.py; both give the same rows and outputs.
+On a GPU (impl "pallas") the fetch is a Pallas kernel reading the ``pinned_host`` operand in place (spec §7.1;
+bit-exact on the H100, 0.15 ms for one layer's 2 MiB of rows at B = 8, 13.8 GB/s:
+benchmarks/results/specache_decode_nvidia_h100_80gb_hbm3.json). On the GPU, XLA refuses the CPU path's host
+gather inside a larger program ("Bitcast cannot have different memory spaces"), so without the kernel the rows
+come one by one. Everything runs in one program on one stream, where a copy cannot overlap the layers' compute,
+so the two fetch schedules differ only in how the copies are batched: ``prefetch=True`` fetches the next step's
+rows of every layer in one kernel call at the end of a step into a device buffer (spec §7.2's pipeline);
+``prefetch=False`` fetches each layer's rows inside the layer, when it attends (synchronous, no buffer). Both
+give the same rows and outputs; benchmarks/specache_decode.py times them. The first H100 run (one gather call
+per layer in both schedules) measured 52.0 ms/step with the buffer and 45.5 ms at use (B = 8, 32k, Llama-3-8B
+shape), against 24.4 ms for KIVI-2; a top-k over each layer's 32k candidates (0.38 ms, a sort) is now two small
+ones (``top_k_positions``).
 
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
 top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
@@ -70,83 +79,104 @@ def host_write_layer(buf, layer, x):
   return jax.lax.dynamic_update_slice(buf, to_host(x[None].astype(buf.dtype)), (layer,) + (0,) * x.ndim)
 
 
-def host_write_rows(buf, layer, rows, positions):
-  """Write one row per sequence, rows [B, H, 1, W] (device), into the host array buf [L, B, H, C, W] at ``layer``,
+def host_write_rows(buf, rows, positions):
+  """Write rows [L, B, H, 1, W] (device: each layer's row of each sequence) into the host array buf [L, B, H, C, W]
   at positions [B]: one in-place ``dynamic_update_slice`` per sequence (the form verified on host arrays; a
-  scatter into host memory is not)."""
-  rows = to_host(rows.astype(buf.dtype))
-  for b in range(rows.shape[0]):
-    buf = jax.lax.dynamic_update_slice(buf, rows[b][None, None], (layer, b, 0, positions[b], 0))
+  scatter into host memory is not), each update sliced on the device before it moves (slicing a host array would
+  run as host compute)."""
+  for b in range(rows.shape[1]):
+    buf = jax.lax.dynamic_update_slice(buf, to_host(rows[:, b:b + 1].astype(buf.dtype)), (0, b, 0, positions[b], 0))
   return buf
 
 
-def gather_host_rows(host_kv, layer, idx, impl: str):
-  """Rows idx [B, H, k] int32 of the host array host_kv [L, B, H, C, 2D] at ``layer`` -> [B, H, k, 2D] on the
-  device. Indices past C are clamped (the caller masks them).
+def gather_host_rows(host_kv, first_layer, idx, impl: str):
+  """Rows idx [Lq, B, H, k] int32 of the host array host_kv [L, B, H, C, 2D], layer first_layer + i for idx[i]
+  -> [Lq, B, H, k, 2D] on the device. Indices past C are clamped (the caller masks them).
 
   impl "pallas" (a GPU): the Pallas kernel reads the pinned-host operand in place. On a CPU: one gather in host
   memory with host-resident flat row indices (the form jax traces; see the module docstring), then one
-  host-to-device copy of the k rows. Elsewhere (a GPU without the Pallas kernels, or the XLA and interpret paths
-  on a GPU): ``gather_host_rows_one_by_one``, correct but slow. Like ``cache_arrays.write_at``, this looks at the
-  backend only to pick how an array operation runs, never what it computes.
+  host-to-device copy of the rows. Elsewhere (a GPU without the Pallas kernels, or the XLA and interpret paths
+  on a GPU, where XLA refuses that gather: "Bitcast cannot have different memory spaces"):
+  ``gather_host_rows_one_by_one``, correct but slow. Like ``cache_arrays.write_at``, this looks at the backend
+  only to pick how an array operation runs, never what it computes.
   """
   if impl == "pallas":
-    return gather_rows_pallas(host_kv, layer, idx)
+    return gather_rows_pallas(host_kv, first_layer, idx)
   if jax.default_backend() != "cpu":
-    return gather_host_rows_one_by_one(host_kv, layer, idx)
+    return gather_host_rows_one_by_one(host_kv, first_layer, idx)
   L, B, H, C, W = host_kv.shape
-  flat = ((layer * B + jnp.arange(B)[:, None, None]) * H + jnp.arange(H)[None, :, None]) * C + jnp.clip(idx, 0, C - 1)
+  layers = first_layer + jnp.arange(idx.shape[0])[:, None, None, None]
+  flat = ((layers * B + jnp.arange(B)[:, None, None]) * H + jnp.arange(H)[:, None]) * C + jnp.clip(idx, 0, C - 1)
   rows = jnp.take(host_kv.reshape(L * B * H * C, W), to_host(flat.astype(jnp.int32)), axis=0, mode="clip")
   return to_device(rows)
 
 
-def gather_host_rows_one_by_one(host_kv, layer, idx):
+def gather_host_rows_one_by_one(host_kv, first_layer, idx):
   """``gather_host_rows`` as one ``dynamic_slice`` of the host array and one host-to-device copy per row (the
   spec measured that form correct on an H100, about 6 µs a row): the path for GPUs without the Pallas kernel."""
   L, B, H, C, W = host_kv.shape
-  k = idx.shape[-1]
+  Lq, k = idx.shape[0], idx.shape[-1]
   idx = jnp.clip(idx, 0, C - 1)
 
   def one(i, out):
-    b, h, j = i // (H * k), (i // k) % H, i % k
-    row = jax.lax.dynamic_slice(host_kv, (layer, b, h, idx[b, h, j], 0), (1, 1, 1, 1, W))
-    return jax.lax.dynamic_update_slice(out, to_device(row[0]), (b, h, j, 0))
+    l, b, h, j = i // (B * H * k), (i // (H * k)) % B, (i // k) % H, i % k
+    row = jax.lax.dynamic_slice(host_kv, (first_layer + l, b, h, idx[l, b, h, j], 0), (1, 1, 1, 1, W))
+    return jax.lax.dynamic_update_slice(out, to_device(row), (l, b, h, j, 0))
 
-  return jax.lax.fori_loop(0, B * H * k, one, jnp.zeros((B, H, k, W), host_kv.dtype))
+  return jax.lax.fori_loop(0, Lq * B * H * k, one, jnp.zeros((Lq, B, H, k, W), host_kv.dtype))
 
 
 def _gather_rows_kernel(
-    layer_ref,  # [1] int32
-    idx_ref,    # [k] int32 rows of this (b, h)
-    kv_ref,     # [L, C, W]: every layer of this (b, h); only the k rows are read
+    first_ref,  # [1] int32: the layer of idx[0]
+    idx_ref,    # [k] int32 rows of this (layer, b, h)
+    kv_ref,     # [L, C, W]: every layer of this (b, h); only the k rows of one layer are read
     out_ref,    # [k, W]
 ):
-  out_ref[...] = kv_ref[layer_ref[0], idx_ref[...], :]
+  out_ref[...] = kv_ref[first_ref[0] + pl.program_id(0), idx_ref[...], :]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def gather_rows_pallas(kv, layer, idx, interpret: bool = False):
-  """kv [L, B, H, C, W] (any memory kind) at ``layer``, rows idx [B, H, k] -> [B, H, k, W] (Pallas, Triton
-  lowering; grid over (B, H)). idx is clamped to [0, C) and padded to a power of two of at least 16 rows."""
+def gather_rows_pallas(kv, first_layer, idx, interpret: bool = False):
+  """kv [L, B, H, C, W] (any memory kind), rows idx [Lq, B, H, k] of layers first_layer + [0, Lq) ->
+  [Lq, B, H, k, W] (Pallas, Triton lowering; grid over (Lq, B, H), all in one call). idx is clamped to [0, C) and
+  padded to a power of two of at least 16 rows."""
   L, B, H, C, W = kv.shape
-  k = idx.shape[-1]
+  Lq, k = idx.shape[0], idx.shape[-1]
   rows = max(16, 1 << (k - 1).bit_length())
-  idx = jnp.pad(jnp.clip(idx, 0, C - 1).astype(jnp.int32), ((0, 0), (0, 0), (0, rows - k)))
+  idx = jnp.pad(jnp.clip(idx, 0, C - 1).astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, rows - k)))
   out = pl.pallas_call(
       _gather_rows_kernel,
-      grid=(B, H),
+      grid=(Lq, B, H),
       in_specs=[
-          pl.BlockSpec((1,), lambda b, h: (0,)),                                  # layer
-          pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0)),               # idx
-          pl.BlockSpec((L, None, None, C, W), lambda b, h: (0, b, h, 0, 0)),      # kv
+          pl.BlockSpec((1,), lambda l, b, h: (0,)),                                    # first layer
+          pl.BlockSpec((None, None, None, rows), lambda l, b, h: (l, b, h, 0)),        # idx
+          pl.BlockSpec((L, None, None, C, W), lambda l, b, h: (0, b, h, 0, 0)),        # kv
       ],
-      out_specs=pl.BlockSpec((None, None, rows, W), lambda b, h: (b, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, H, rows, W), kv.dtype),
+      out_specs=pl.BlockSpec((None, None, None, rows, W), lambda l, b, h: (l, b, h, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((Lq, B, H, rows, W), kv.dtype),
       compiler_params=triton_compiler_params(num_warps=4, num_stages=1),
       interpret=interpret,
       name=f"specache_gather_rows_{rows=}_{W=}",
-  )(jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1).reshape(1), idx, kv)
-  return out[:, :, :k]
+  )(jnp.clip(jnp.asarray(first_layer, jnp.int32), 0, L - Lq).reshape(1), idx, kv)
+  return out[..., :k, :]
+
+
+def top_k_positions(scores, k: int):
+  """Positions [B, H, k] of the k largest of scores [B, H, C] (a valid top k; ties in any order), in two small
+  selections instead of one over C: the k blocks (of 64 positions, or the largest power of two dividing C) with
+  the largest maxima hold a top k, since a value outside them is at most the k-th largest block maximum and each
+  of those k blocks holds a value at least that large; then the top k of those k blocks' values. (One
+  ``lax.top_k`` over C = 32832 scores, 64 rows, took 0.38 ms on an H100, per layer: a sort.)"""
+  B, H, C = scores.shape
+  block = min(64, C & -C)
+  n_blocks = C // block
+  if n_blocks <= k:
+    return jax.lax.top_k(scores, k)[1]
+  blocks = scores.reshape(B, H, n_blocks, block)
+  _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [B, H, k] block indices
+  values = jnp.take_along_axis(blocks, chosen[..., None], axis=2).reshape(B, H, k * block)
+  _, j = jax.lax.top_k(values, k)
+  return jnp.take_along_axis(chosen, j // block, axis=-1) * block + j % block
 
 
 # ------------------------------------------------------------------------------------------------- the method
@@ -163,9 +193,11 @@ def _named(check):
 class SpeCacheState:
   low: KiviState  # the low-bit copy on the device (KIVI layout; its residual window in full precision)
   host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value
+  staged_kv: jax.Array  # [L, B, H, 1, 2D] model dtype: this step's real row, written to host_kv at its end
   fetched_idx: jax.Array  # [L, B, H, k] int32: positions the next step attends from their 16-bit rows
   fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
-  fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, prefetched (None when prefetch=False)
+  fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, fetched at the end of the previous step
+                         # (None when prefetch=False: each layer fetches them when it attends)
   hit_sum: jax.Array  # [L, B] float32: per step, the fraction of the real row's top k that was fetched
   hit_steps: jax.Array  # [L, B] float32: steps counted in hit_sum
 
@@ -188,7 +220,8 @@ class SpeCache(CacheMethod):
       "help": "R: keys are quantized every R tokens; the newest R values stay in full precision"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
   prefetch: bool = dataclasses.field(default=True, metadata={
-      "help": "fetch the next step's rows during this step into a device buffer (else at use time)"})
+      "help": "fetch the next step's rows for every layer at the end of a step, in one call, into a device buffer "
+              "(else each layer fetches its own when it attends)"})
   hit_rate: bool = dataclasses.field(default=True, metadata={
       "help": "measure the speculation hit rate (one more top-k per layer and step)"})
 
@@ -232,6 +265,7 @@ class SpeCache(CacheMethod):
     return SpeCacheState(
         low=self.low_bit.abstract(spec),
         host_kv=ArrayInfo((L, B, H, C, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"), memory_kind="pinned_host"),
+        staged_kv=ArrayInfo((L, B, H, 1, 2 * D), spec.dtype, lead + ("tokens", "kv_channels")),
         fetched_idx=fetched(jnp.int32),
         fetched_ok=fetched(jnp.bool_),
         fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch else None,
@@ -257,8 +291,11 @@ class SpeCache(CacheMethod):
     own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
     out, scores = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
     if k_rows:
-      chosen = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
-      state = self._keep(state, layer, *chosen, ctx.impl)
+      idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      state = self._keep(state, layer, idx, ok)
+      if self.prefetch:  # once per generation: this layer's rows now, not all layers at the end
+        rows = gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0]
+        state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, rows))
     return out, state
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
@@ -267,23 +304,34 @@ class SpeCache(CacheMethod):
       raise ValueError(f"specache steps carry the real row and one speculative row, got {k.shape[2]} rows")
     n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
     low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl)
-    host_kv = host_write_rows(state.host_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1), n)
+    staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
     fetched = None
     if k_rows:
       idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
-      rows = state.fetched_kv[layer] if self.prefetch else gather_host_rows(host_kv, layer, idx, ctx.impl)
+      if self.prefetch:
+        rows = state.fetched_kv[layer]
+      else:  # rows at positions < bK, on the host since an earlier step ended
+        rows = gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0]
       fetched = (idx, ok, rows)
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
     mass_rows = ((0, 1) if self.hit_rate else (1,)) if k_rows else ()
     out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
-    state = state.replace(low=low, host_kv=host_kv)
+    state = state.replace(low=low, staged_kv=staged)
     if k_rows:
       if self.hit_rate:
         state = self._count_hits(state, layer, idx, ok, scores[:, :, 0], self.low_bit.key_boundary(n + 1))
-      chosen = self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows)
-      state = self._keep(state, layer, *chosen, ctx.impl)
+      state = self._keep(state, layer, *self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows))
     return out, state
+
+  def end_step(self, state, ctx: StepContext):
+    """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
+    prefetch, the next step's rows of every layer from it in one call (spec §7.2's host append; the rows chosen
+    may include the one just written)."""
+    state = state.replace(host_kv=host_write_rows(state.host_kv, state.staged_kv, ctx.lengths))
+    if self.prefetch and state.fetched_idx.shape[-1]:
+      state = state.replace(fetched_kv=gather_host_rows(state.host_kv, 0, state.fetched_idx, ctx.impl))
+    return state
 
   # ---------------------------------------------------------------------------------------------- parts
 
@@ -328,17 +376,14 @@ class SpeCache(CacheMethod):
   def _select(scores, bound, k: int):
     """Top k positions [B, H, k] of scores [B, H, C] among [0, bound) (bound [B]), and which are real."""
     candidate = jnp.arange(scores.shape[-1])[None, None, :] < bound[:, None, None]
-    _, idx = jax.lax.top_k(jnp.where(candidate, scores, -1.0), k)  # probabilities are >= 0 > -1
+    idx = top_k_positions(jnp.where(candidate, scores, -1.0), k)  # probabilities are >= 0 > -1
     return idx.astype(jnp.int32), idx < bound[:, None, None]
 
-  def _keep(self, state, layer, idx, ok, impl):
-    """Record the positions the next step attends in 16 bits and, with prefetch, fetch their rows now."""
-    state = state.replace(fetched_idx=write_layer(state.fetched_idx, layer, idx),
-                          fetched_ok=write_layer(state.fetched_ok, layer, ok))
-    if self.prefetch:
-      rows = gather_host_rows(state.host_kv, layer, idx, impl)
-      state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, rows))
-    return state
+  @staticmethod
+  def _keep(state, layer, idx, ok):
+    """Record the positions the next step attends in 16 bits."""
+    return state.replace(fetched_idx=write_layer(state.fetched_idx, layer, idx),
+                         fetched_ok=write_layer(state.fetched_ok, layer, ok))
 
   def _count_hits(self, state, layer, idx, ok, real_scores, bound):
     """Add this step's hit fraction per sequence: |fetched ∩ top k of the real row| / min(k, candidates), over
@@ -361,13 +406,14 @@ class SpeCache(CacheMethod):
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     """Device: the low-bit copy (KIVI's count at residual R), the k fetched 16-bit K/V rows per layer and KV head
-    with their positions and flags, and the hit counters; the spec's 2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer
-    plus those few index bytes. Host: every stored token's K and V in the model dtype."""
+    with their positions and flags, the step's staged row and the hit counters: the spec's
+    2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer plus those few bytes. Host: every stored token's K and V in the
+    model dtype."""
     del state
     n = np.asarray(lengths, np.int64)
     L, H, D = spec.num_layers, spec.kv_heads, spec.head_dim
     act = jnp.dtype(spec.dtype).itemsize
     low = self.low_bit.held_bytes(spec, None, n)
     fetched = L * len(n) * H * self.fetch_capacity(spec) * (2 * D * act + 4 + 1)
-    counters = L * len(n) * 2 * 4
-    return HeldBytes(device=low.device + fetched + counters, host=int(2 * L * H * D * act * n.sum()))
+    staged_and_counters = L * len(n) * (H * 2 * D * act + 2 * 4)
+    return HeldBytes(device=low.device + fetched + staged_and_counters, host=int(2 * L * H * D * act * n.sum()))
