@@ -73,7 +73,9 @@ def _grid_keys_values(rng, batch, heads, n, head_dim, group, value_group):
 
 class OracleSequence:
   """One sequence, one layer: spec §3.3-3.8 with explicit lists, per KV head. ``k`` [H, n, D] holds every
-  token the sequence will see; ``selection`` is 'oneshot' or 'sequential' (prefill)."""
+  token the sequence will see; ``selection`` is 'oneshot' or 'sequential' (prefill). A full buffer is quantized
+  when the next token arrives (as the method does; the spec quantizes right after the step that filled it
+  attends, which changes nothing that any step attends to)."""
 
   def __init__(self, k, prompt_len, *, G, R, N, A, selection):
     self.score = np.abs(k).sum(-1, dtype=np.float32)  # [H, n]
@@ -83,47 +85,33 @@ class OracleSequence:
     self.aux = [[] for _ in range(H)]
     self.holes = [set() for _ in range(H)]
     self.frozen = [False] * H
-    self.blocks = []  # (start, admitted positions per head) of every quantization event
-    n_q = G * max(0, (prompt_len - R) // G)
+    n_q = G * max(0, (prompt_len - 1 - R) // G)  # the buffer keeps R + 1 to G + R of the prompt's tokens
     self.n_q, self.fp = n_q, list(range(n_q, prompt_len))
     if selection == "oneshot" and N:
       for h in range(H):
         self.pool[h] = sorted(range(n_q), key=lambda t: (self.score[h, t], t))[:N]
         self.holes[h] = set(self.pool[h])
-      self.blocks = [(s, [sorted(set(range(s, s + G)) & self.holes[h]) for h in range(H)]) for s in range(0, n_q, G)]
     else:
       for s in range(0, n_q, G):
         self._quantize_block(list(range(s, s + G)))
 
-  def _key(self, h):
-    return lambda t: (self.score[h, t], t)
-
   def _quantize_block(self, block):
-    admitted = []
     for h in range(len(self.pool)):
-      won = []
       if self.N and not self.frozen[h]:
-        ranked = sorted(self.pool[h] + block, key=self._key(h))[:self.N]
+        ranked = sorted(self.pool[h] + block, key=lambda t: (self.score[h, t], t))[:self.N]
         self.aux[h] += [t for t in self.pool[h] if t not in ranked]
-        won = [t for t in ranked if t in block]
-        self.holes[h] |= set(won)
+        self.holes[h] |= {t for t in ranked if t in block}
         self.pool[h] = ranked
         if len(self.aux[h]) > self.A - self.N:
           self.frozen[h] = True
-      admitted.append(won)
-    self.blocks.append((block[0], admitted))
 
   def step(self, position):
-    """Append one token; returns the parts attention sees (quantized non-holes, pools, buffer); then quantize
-    if the buffer is full."""
-    self.fp.append(position)
-    seen = [(sorted(set(range(self.n_q)) - self.holes[h]), self.pool[h] + self.aux[h], list(self.fp))
-            for h in range(len(self.pool))]
+    """The token at ``position`` arrives: quantize the oldest G tokens if the buffer is full, then append."""
     if len(self.fp) == self.G + self.R:
       self._quantize_block(self.fp[:self.G])
       self.fp = self.fp[self.G:]
       self.n_q += self.G
-    return seen
+    self.fp.append(position)
 
 
 def _host(state, layer):
@@ -136,8 +124,8 @@ def _check_state_against_oracle(method, host, b, oracle, n):
   """Pools, holes, counters, the schedule and the partition (spec §9.7, 9.10, 9.12, 9.15) for sequence b holding
   n tokens; ``host`` from ``_host``."""
   G, R, N = method.group_size, method.residual, method.pool_size
-  n_q = G * max(0, (n - R) // G)
-  assert n_q == oracle.n_q and n - n_q == len(oracle.fp)
+  n_q = G * max(0, (n - 1 - R) // G)
+  assert n_q == oracle.n_q and n - n_q == len(oracle.fp) and min(n, R + 1) <= n - n_q <= G + R
   pos = host["pool_pos"][b]
   for h in range(pos.shape[0]):
     pool, aux = pos[h, :N], pos[h, N:]
@@ -271,7 +259,7 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
   for t in range(steps):
     held = lengths + t
     out, state = _step(method, state, 1, _rows(q, held), _rows(k, held), _rows(v, held), jnp.asarray(held, jnp.int32))
-    n_q = G * (np.maximum(held - R, 0) // G)  # at attention: q(tokens before this step)
+    n_q = G * (np.maximum(held - R, 0) // G)  # at attention, holding held + 1 tokens
     quantized = (np.arange(n)[None] < n_q[:, None])[:, None, :, None]
     keys, values = np.where(quantized, k_hat, k), np.where(quantized, v_hat, v)
     mask = np.arange(n)[None, None, :] <= held[:, None, None]
@@ -280,7 +268,7 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
   per_row = lambda x: np.asarray(x).reshape(2, 2, *x.shape[1:])
   kc, ks, kz, vc, vs, vz = map(per_row, (kc, ks, kz, vc, vs, vz))
   for b in range(2):
-    n_q = G * max(0, (held[b] + 1 - R) // G)
+    n_q = G * max(0, (held[b] - R) // G)  # at rest with held + 1 tokens
     np.testing.assert_array_equal(np.asarray(unpack(state.k_codes[1, b], bits=bits, axis=2))[:, :, :n_q],
                                   kc[b, :, :, :n_q])
     np.testing.assert_array_equal(np.asarray(state.k_scale[1, b, :, :, :n_q // G]), ks[b, :, :, :n_q // G])
@@ -316,7 +304,7 @@ def test_planted_outliers_are_found_and_their_channels_quantize_10x_better():
   k, v, channels = _planted(rng, n, D, planted)
   methods = {s: Ott(prefill_selection=s) for s in ("oneshot", "sequential")}
   states = {s: _prefill(m, m.init(_spec(1, n, head_dim=D)), 2, k, v, [n]) for s, m in methods.items()}
-  n_q = G * ((n - 32) // G)
+  n_q = G * ((n - 1 - 32) // G)
   for s, state in states.items():
     pos = np.asarray(state.pool_pos[2, 0])
     for h in range(2):
@@ -349,7 +337,7 @@ def test_forced_overflow_freezes_after_ten_evicting_events():
   lost, and the blocks after the freeze are bit-identical to KIVI quantization of their raw rows."""
   G, R, D, blocks = 16, 8, 32, 13
   method = Ott(group_size=G, residual=R, pool_size=3, aux_size=32, prefill_selection="sequential")
-  n = blocks * G + R
+  n = blocks * G + R + 1  # the buffer keeps R + 1 tokens: all 13 blocks are quantized
   rng = np.random.default_rng(1)
   k = (rng.normal(size=(1, 1, n, D)) + 3.0).astype(np.float32)
   v = rng.normal(size=(1, 1, n, D)).astype(np.float32)
@@ -413,7 +401,7 @@ def test_batch_rows_are_independent():
   pos = np.asarray(state.pool_pos)
   assert (pos[2, :, :, 3:] >= 0).any()  # evictions happened
   n = lengths + steps
-  n_q = G * (np.maximum(n - R, 0) // G)
+  n_q = G * (np.maximum(n - 1 - R, 0) // G)
   pooled = int((pos >= 0).sum())
   expected = (3 * 2 * np.sum(n_q * (2 * 2 / 8 * 64 + 2 * 2 * 64 / G + 2 * 2 * 64 / min(G, 64) + 1) + (n - n_q) * 2 * 4 * 64)
               + pooled * (2 * 4 * 64 + 4) + int((pos[..., :3] >= 0).sum()) * 4 + 1 * 2 * 3 * 5 + 4 * 3)
@@ -436,6 +424,7 @@ class TestOttKernelInterpret:
     rng = np.random.default_rng(11)
     q, k, v = _random_qkv(rng, 2, 6 * G, head_dim)
     lengths = np.array([3 * G + R - 1, 5 * G + 3])  # the first sequence's buffer fills before the second row
+    k[0, :, 2 * G + 22] = 0.0  # the lowest norm: the event of block [2G, 3G) must admit it
     T = int(lengths.max())
     prefilled = _prefill(method, method.init(_spec(2, 6 * G, head_dim=head_dim)), 2, k[:, :, :T], v[:, :, :T],
                          lengths)
@@ -445,8 +434,9 @@ class TestOttKernelInterpret:
       runs[impl] = _step(method, prefilled, 2, rows(q), rows(k), rows(v), jnp.asarray(lengths, jnp.int32), impl)
     (ref, ref_state), (out, state) = runs["xla"], runs[self.IMPL]
     assert (np.asarray(ref_state.pool_pos[2])[..., 3:] >= 0).any() and not np.asarray(ref_state.valid[2]).all()
-    # The event quantized the first sequence's block [2G, 3G) between its two rows.
-    assert np.any(np.asarray(ref_state.k_scale[2, 0, :, :, 2]) != np.asarray(prefilled.k_scale[2, 0, :, :, 2]))
+    # The event of the first sequence's block [2G, 3G) ran between its two rows.
+    assert (np.asarray(ref_state.pool_pos[2, 0, :, 0]) == 2 * G + 22).all()
+    assert not (np.asarray(prefilled.pool_pos[2, 0]) == 2 * G + 22).any()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4)
     for name, array in vars(ref_state).items():  # the quantize-and-pack kernel is bit-exact
       np.testing.assert_array_equal(np.asarray(getattr(state, name)), np.asarray(array), err_msg=name)
@@ -470,7 +460,7 @@ def test_memory_matches_the_first_principles_count():
                    dtype=jnp.float16)
   heads = 32 * 32
   for n in (100, 1000, 4096, 32768):
-    n_q = 128 * ((n - 32) // 128)
+    n_q = 128 * max(0, (n - 1 - 32) // 128)
     pooled, aux = min(3, n_q), min(32, max(n_q - 3, 0))
     plain = heads * (72 * n_q + 512 * (n - n_q)) + 4
     with_pool = plain + heads * n_q + 30 * 32 * (pooled * 520 + aux * 516 + 5)

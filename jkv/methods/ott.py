@@ -1,11 +1,12 @@
 """``ott``: KIVI plus a full-precision pool of outlier tokens (OTT, Su et al. 2025; spec shared/specs/ott.md).
 
 Schedule (spec §3.3, §8.7). New keys and values wait in a full-precision buffer of G + R slots (slot p mod
-(G + R)). When G + R tokens have gathered, the oldest G become one quantized block (keys per channel over the G
-tokens, values per token in groups of Gv channels, KIVI's quantizer and layouts) and R stay. At rest a sequence
-of n tokens therefore holds q(n) = G*floor(max(0, n - R)/G) quantized tokens. Like KIVI's boundaries, this is a
-function of the length alone: every sequence of a batch reaches its block events at its own steps, and no
-counter is stored.
+(G + R)). Once G + R tokens have gathered and the step holding them has attended, the oldest G become one
+quantized block (keys per channel over the G tokens, values per token in groups of Gv channels, KIVI's
+quantizer and layouts) and R stay. jkv runs that event when the next token arrives, before storing it (see
+``Ott.quantized``), so between steps a sequence of n tokens holds q(n) = G*floor(max(0, n - 1 - R)/G)
+quantized tokens. Like KIVI's boundaries, this is a function of the length alone: every sequence of a batch
+reaches its block events at its own steps, and no counter is stored.
 
 A block event (spec §3.4) runs a competition per KV head. The G tokens compete with the layer's outlier pool
 (N slots) by the L1 norm of their unquantized post-RoPE key, and the N smallest hold the pool (ties go to the
@@ -31,7 +32,7 @@ from flax import struct
 
 from jkv.attention import QuantizedStore, decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.cache_arrays import write_at, write_layer
 from jkv.config import DTYPES
 from jkv.methods.kivi import KIVI_BITS
 from jkv.methods.registry import register
@@ -169,9 +170,14 @@ class Ott(CacheMethod):
     return self.group_size
 
   def quantized(self, n):
-    """q(n): tokens held quantized by a sequence of n tokens between steps."""
+    """q(n) = G*floor(max(0, n - 1 - R)/G): tokens held quantized by a sequence of n tokens between steps.
+
+    A full buffer (G + R tokens) gives up its oldest G when the next token arrives, before that token is
+    stored (as KIVI's flush), not right after the step that filled it attends (spec §3.8). Every step attends
+    over the same tokens either way, and the store's arrays are written before attention reads them in the
+    step, which lets XLA update them in place (a write after the read costs a copy of each array)."""
     G, R = self.group_size, self.residual
-    return G * (jnp.maximum(n - R, 0) // G)
+    return G * (jnp.maximum(n - 1 - R, 0) // G)
 
   def layer_capacity(self, layer):
     """N_l: outlier-pool slots that ``layer`` (traced int32) uses."""
@@ -246,28 +252,25 @@ class Ott(CacheMethod):
   # ---------------------------------------------------------------------------------------------- decode
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
-    """Append the T rows (a block event first wherever the buffer is full), attend, then run the event of any
-    sequence whose buffer has just filled (spec §3.8: attend, then quantize)."""
+    """Store the T rows, each after the block event its arrival completes, then attend (spec §3.8)."""
     T = k.shape[2]
     if T > self.residual + 2:
       raise ValueError(f"ott steps of {T} rows need residual >= {T - 2} (got {self.residual}): a row must not see "
                        "quantized tokens of later rows")
     n = ctx.lengths
     for t in range(T):  # T is 1..4 at decode: a short static loop
-      if t:
-        state = self._event_if_due(state, layer, n + t, ctx.impl)
+      state = self._event_if_due(state, layer, n + t, ctx.impl)
       slot = (n + t) % self.window
       state = state.replace(k_fp=write_at(state.k_fp, layer, k[:, :, t:t + 1], slot, axis=2),
                             v_fp=write_at(state.v_fp, layer, v[:, :, t:t + 1], slot, axis=2))
-    out = self._attend(state, layer, q, ctx.positions, n + T, ctx.impl)
-    return out, self._event_if_due(state, layer, n + T, ctx.impl)
+    return self._attend(state, layer, q, ctx.positions, n + T, ctx.impl), state
 
-  def _event_if_due(self, state, layer, held, impl):
-    """The block event of the sequences whose buffer holds G + R tokens at ``held`` [B] tokens: positions
-    [held - R - G, held - R) leave the buffer."""
+  def _event_if_due(self, state, layer, position, impl):
+    """The block event of the sequences whose buffer is full (G + R tokens) when the token at ``position`` [B]
+    arrives: positions [position - R - G, position - R) leave the buffer before that token takes a slot."""
     G, R = self.group_size, self.residual
-    due = (held >= G + R) & ((held - R) % G == 0)
-    start = jnp.maximum(held - R - G, 0)
+    due = (position >= G + R) & ((position - R) % G == 0)
+    start = self.quantized(position)  # = position - R - G where due; elsewhere the first slot not yet quantized
     slots = ((start[:, None] + jnp.arange(G)[None]) % self.window)[:, None, :, None]  # [B, 1, G, 1]
     rows = lambda x: jnp.take_along_axis(x[layer], slots, axis=2)
     return jax.lax.cond(
@@ -281,12 +284,16 @@ class Ott(CacheMethod):
 
   def _compress(self, state, layer, k, v, start, count, impl):
     """Quantize rows k, v [B, H, M, D] (M a multiple of G; positions start [B] + [0, M)) into the store, where
-    their first count[b] tokens (a multiple of G) compete for the outlier pool first. Sequences with count 0
-    are left untouched. Rows past count (the prompt's tail) are quantized too: nothing reads their slots before
-    the event that quantizes them rewrites them."""
+    their first count[b] tokens (a multiple of G) compete for the outlier pool first.
+
+    Every sequence's rows are written, with no read of what was there: ``start`` must be the sequence's first
+    slot not yet quantized (a multiple of G), so rows past ``count`` (a sequence with no event now, or the
+    prompt's tail) land in slots that nothing reads before the event that quantizes them rewrites them. The
+    capacity is a multiple of G above every held position, so such a write always fits without clamping. Not
+    reading the old slots keeps the stacked arrays in place (a per-sequence read of them is a transpose on CPU).
+    """
     B, H, M, D = k.shape
     G, N, Gv = self.group_size, self.pool_size, self.value_group_for(D)
-    due = count > 0  # [B]
     pos = start[:, None] + jnp.arange(M)[None]  # [B, M]
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     admitted = jnp.zeros((B, H, M), bool)
@@ -301,11 +308,7 @@ class Ott(CacheMethod):
     kc, ks, kz = quant(kq, G, -2)  # [B, H, D, M/Pk], [B, H, D, M/G]
     vc, vs, vz = quant(vq, Gv, -1)  # [B, H, M, D/Pv], [B, H, M, D/Gv]
 
-    def put(buf, new, offset, axis):
-      old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
-      keep = due.reshape((B,) + (1,) * (new.ndim - 1))
-      return write_at(buf, layer, jnp.where(keep, new, old), offset, axis=axis)
-
+    put = lambda buf, new, offset, axis: write_at(buf, layer, new, offset, axis=axis)
     per_word = 32 // self.bits
     state = state.replace(
         k_codes=put(state.k_codes, kc, start // per_word, 3), k_scale=put(state.k_scale, ks, start // G, 3),
@@ -367,8 +370,8 @@ class Ott(CacheMethod):
 
   def _attend(self, state, layer, q, q_positions, held, impl):
     """One softmax over the store (holes masked), the pools and the buffer (spec §3.6), for held [B] tokens
-    (the step's rows included): the store holds q(held - 1) tokens at this point."""
-    n_q = self.quantized(held - 1)
+    (the step's rows included)."""
+    n_q = self.quantized(held)
     fp_pos = self._fp_positions(held)  # [B, W]
     fp_mask = ((fp_pos >= n_q[:, None]) & (fp_pos >= 0))[:, None, :] & (fp_pos[:, None, :] <= q_positions[:, :, None])
     D = q.shape[-1]
