@@ -186,8 +186,10 @@ class Ott(CacheMethod):
   # ---------------------------------------------------------------------------------------------- state
 
   def abstract(self, spec: CacheSpec) -> OttState:
-    L, B, H, C, D = spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim
+    L, B, H, D = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim
     G, Gv, per_word = self.group_size, self.value_group_for(D), 32 // self.bits
+    # Whole key groups, so the block after the last quantized one always fits (``_compress`` writes there).
+    C = -(-spec.capacity // G) * G
     N, P = self.pool_size, self.pool_slots
     lead = ("layers", "batch", "kv_heads")
     by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, lead + ("head_dim", "token_groups"))
@@ -289,7 +291,7 @@ class Ott(CacheMethod):
     Every sequence's rows are written, with no read of what was there: ``start`` must be the sequence's first
     slot not yet quantized (a multiple of G), so rows past ``count`` (a sequence with no event now, or the
     prompt's tail) land in slots that nothing reads before the event that quantizes them rewrites them. The
-    capacity is a multiple of G above every held position, so such a write always fits without clamping. Not
+    store's capacity is a multiple of G above every held position, so such a write always fits unclamped. Not
     reading the old slots keeps the stacked arrays in place (a per-sequence read of them is a transpose on CPU).
     """
     B, H, M, D = k.shape
