@@ -384,6 +384,15 @@ class PerShard(CacheMethod):
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     return self._per_shard(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
 
+  def end_step(self, state, ctx: StepContext):
+    impl, state_spec, rows = ctx.impl, self._specs(), P(self.rules.batch)
+
+    def body(state, lengths, positions):
+      return self.inner.end_step(state, StepContext(lengths=lengths, positions=positions, impl=impl))
+
+    run = shard_map(body, mesh=self.mesh, in_specs=(state_spec, rows, rows), out_specs=state_spec)
+    return run(state, ctx.lengths, ctx.positions)
+
   def advance(self, lengths, rows: int):
     return self.inner.advance(lengths, rows)
 

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jkv import cli, sharding
 from jkv import generate as gen
-from jkv.cache import CacheSpec
+from jkv.cache import CacheMethod, CacheSpec
 from jkv.config import ModelConfig
 from jkv.memory import largest_batch
 from jkv.methods import make_method
@@ -86,6 +86,13 @@ def test_parameters_split_over_heads_and_the_mlp():
   assert spec(axes.layers.q) == P(None, None, "model") and spec(axes.layers.o) == P(None, "model")
   assert spec(axes.layers.w_gate) == P(None, None, "model") and spec(axes.layers.w_down) == P(None, "model")
   assert spec(axes.layers.attn_norm) == P()
+
+
+def test_per_shard_forwards_every_cache_call():
+  """A cache call PerShard does not define would run the interface's default on the sharded state (a no-op
+  end_step left SpeCache's host copy unwritten on a mesh): every call of the interface is its own."""
+  calls = {n for n, f in vars(CacheMethod).items() if callable(f) and not n.startswith("_")}
+  assert calls <= set(vars(sharding.PerShard)), sorted(calls - set(vars(sharding.PerShard)))
 
 
 def test_every_method_state_names_batch_and_kv_heads():
