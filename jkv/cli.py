@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import typing
+import warnings
 
 DTYPES = ["float32", "bfloat16", "float16"]
 MAX_SEED = 2 ** 63 - 1  # jax.random.key takes a signed 64-bit seed
@@ -420,6 +421,14 @@ def _importing(frame) -> bool:
   return False
 
 
+def _say_interrupted():
+  """The one line of an interrupted run. Warnings are silenced first: an interrupted checkpoint save abandons
+  orbax's coroutines, and their 'never awaited' RuntimeWarning, printed whenever they are collected, would come
+  after the line."""
+  warnings.simplefilter("ignore")
+  _say("jkv: interrupted")
+
+
 class _ProgramInterrupts:
   """Ctrl-C while ``jkv`` runs as a program.
 
@@ -463,7 +472,7 @@ class _ProgramInterrupts:
     else:
       self.count += 1
       if self.count > 1:
-        _say("jkv: interrupted")
+        _say_interrupted()
         os._exit(130)
     if _importing(frame):
       self._raise_later()
@@ -504,7 +513,7 @@ def _run(argv) -> int:
     return e.code
   except BaseException as e:
     if _caused_by_interrupt(e):
-      _say("jkv: interrupted")
+      _say_interrupted()
       return 130
     if isinstance(e, MemoryError):
       _say(f"jkv: error: out of host memory{': ' + _first_line(e) if str(e) else ''}")
@@ -527,7 +536,7 @@ def main(argv=None) -> int:
   with _ProgramInterrupts() as interrupts:
     rc = _run(None)
     if rc != 130 and interrupts.count:  # an interrupt was dropped and the command ran to its end
-      _say("jkv: interrupted")
+      _say_interrupted()
       rc = 130
   if rc == 130:
     sys.stdout.flush()

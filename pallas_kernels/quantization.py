@@ -104,7 +104,9 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
   else:
     scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
     zero = lo.astype(meta_dtype)
-  # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
+  # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid; the
+  # barrier's outputs are also what is returned, so that a caller dequantizing in the same jit (fake
+  # quantization, a test's oracle) reads the rounded values too.
   stored = jax.lax.optimization_barrier((scale, zero)) if xla else (scale, zero)
   s = stored[0].astype(jnp.float32)[..., None]
   z = stored[1].astype(jnp.float32)[..., None]
@@ -113,7 +115,7 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
     codes = jnp.where(x - z >= 0.5 * s, 1.0, 0.0)
   else:
     codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
-  return codes.astype(jnp.uint32), scale, zero
+  return codes.astype(jnp.uint32), stored[0], stored[1]
 
 
 def _group_view(x, axis: int, group_size: int):

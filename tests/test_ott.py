@@ -19,6 +19,7 @@ from jkv.methods import make_method
 from jkv.methods.ott import Ott, compete
 from jkv_kernels.attention_reference import gqa_attention_reference
 from jkv_kernels.quantization import dequantize, quantize, unpack
+import quant_oracle
 from conftest import has_pallas_gpu
 
 
@@ -224,15 +225,15 @@ def test_lossless_quantizer_equals_dense_attention_and_the_oracle(pool_size, sel
 # ------------------------------------------------------------------------------------------------ KIVI
 
 
-@functools.partial(jax.jit, static_argnames=("n_q", "G", "Gv", "bits"))
 def _kivi_blocks(k, v, n_q, G, Gv, bits):
-  """Independent KIVI quantization of positions [0, n_q) of one sequence (k, v [H, n, D]): keys per channel over
-  groups of G tokens, values per token over Gv channels. Returns (codes, scale, zero) for keys [H, D, n_q] and
-  values [H, n_q, D], and the dequantized k, v [H, n_q, D]."""
-  kq = quantize(jnp.swapaxes(k[:, :n_q], 1, 2), bits=bits, axis=2, group_size=G)
-  vq = quantize(v[:, :n_q], bits=bits, axis=2, group_size=Gv)
-  k_hat = jnp.swapaxes(dequantize(*kq, axis=2, group_size=G, dtype=jnp.float32), 1, 2)
-  return kq, vq, k_hat, dequantize(*vq, axis=2, group_size=Gv, dtype=jnp.float32)
+  """Independent KIVI quantization of positions [0, n_q) of one sequence (k, v [H, n, D]; the numpy oracle): keys
+  per channel over groups of G tokens, values per token over Gv channels. Returns (codes, scale, zero) for keys
+  [H, D, n_q] and values [H, n_q, D], and the dequantized k, v [H, n_q, D] (float64)."""
+  k_t = np.swapaxes(np.asarray(k)[:, :n_q], 1, 2)
+  kq = quant_oracle.quantize(k_t, bits=bits, axis=2, group_size=G)
+  vq = quant_oracle.quantize(np.asarray(v)[:, :n_q], bits=bits, axis=2, group_size=Gv)
+  k_hat = np.swapaxes(quant_oracle.fake_quant(k_t, bits=bits, axis=2, group_size=G), 1, 2)
+  return kq, vq, k_hat, quant_oracle.fake_quant(np.asarray(v)[:, :n_q], bits=bits, axis=2, group_size=Gv)
 
 
 def test_pool_size_zero_is_kivi_on_otts_schedule():
@@ -256,6 +257,7 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
   pad = lambda x: np.pad(np.asarray(x).reshape(2, 2, whole, D), ((0, 0), (0, 0), (0, n - whole), (0, 0)))
   k_hat, v_hat = pad(k_hat), pad(v_hat)
   reference = jax.jit(gqa_attention_reference)
+  outs, refs = [], []
   for t in range(steps):
     held = lengths + t
     out, state = _step(method, state, 1, _rows(q, held), _rows(k, held), _rows(v, held), jnp.asarray(held, jnp.int32))
@@ -263,8 +265,9 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
     quantized = (np.arange(n)[None] < n_q[:, None])[:, None, :, None]
     keys, values = np.where(quantized, k_hat, k), np.where(quantized, v_hat, v)
     mask = np.arange(n)[None, None, :] <= held[:, None, None]
-    ref = reference(_rows(q, held), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(mask))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    outs.append(np.asarray(out))
+    refs.append(np.asarray(reference(_rows(q, held), jnp.asarray(keys, jnp.float32), jnp.asarray(values, jnp.float32),
+                                     jnp.asarray(mask))))
   per_row = lambda x: np.asarray(x).reshape(2, 2, *x.shape[1:])
   kc, ks, kz, vc, vs, vz = map(per_row, (kc, ks, kz, vc, vs, vz))
   for b in range(2):
@@ -277,6 +280,9 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
                                   vc[b, :, :n_q])
     np.testing.assert_array_equal(np.asarray(state.v_scale[1, b, :, :n_q]), vs[b, :, :n_q])
     np.testing.assert_array_equal(np.asarray(state.v_zero[1, b, :, :n_q]), vz[b, :, :n_q])
+  # The store holds the oracle's codes and metadata (above), so every step reads the oracle's values.
+  for t, (out, ref) in enumerate(zip(outs, refs)):
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5, err_msg=f"step {t}")
 
 
 # ------------------------------------------------------------------------------------------------ outliers

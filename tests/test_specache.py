@@ -23,7 +23,7 @@ from jkv.methods.specache import (SpeCache, gather_host_rows, gather_host_rows_o
                                   top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
-from jkv_kernels.quantization import dequantize, quantize
+import quant_oracle
 from conftest import random_prompts
 
 H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
@@ -207,11 +207,10 @@ def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
   np.testing.assert_array_equal(outs, at_use)
 
 
-@functools.partial(jax.jit, static_argnames=("axis",))
 def _fake_quant(x, axis):
-  """1-bit quantize-dequantize in groups of 32 along ``axis`` (fp16 scales), as the low-bit copy stores it."""
-  codes, scale, zero = quantize(x, bits=1, axis=axis, group_size=32, meta_dtype=jnp.float16)
-  return dequantize(codes, scale, zero, axis=axis, group_size=32, dtype=jnp.float32)
+  """1-bit quantize-dequantize in groups of 32 along ``axis`` (fp16 scales), as the low-bit copy stores it (the
+  numpy oracle)."""
+  return quant_oracle.fake_quant(x, bits=1, axis=axis, group_size=32).astype(np.float32)
 
 
 def test_partial_fetch_equals_attention_over_the_mixed_cache():
@@ -223,8 +222,8 @@ def test_partial_fetch_equals_attention_over_the_mixed_cache():
   (q, k, v), (sq, sk, sv) = _data(rng, 2, 256)
   lengths = np.array([61, 140])
   outs, states = _run(FEW, (q, k, v), (sq, sk, sv), lengths, 12)
-  k_hat = np.swapaxes(np.asarray(_fake_quant(jnp.asarray(np.swapaxes(k, 2, 3)), 3)), 2, 3)
-  v_hat = np.asarray(_fake_quant(jnp.asarray(v), 3))
+  k_hat = np.swapaxes(_fake_quant(np.swapaxes(k, 2, 3), 3), 2, 3)
+  v_hat = _fake_quant(v, 3)
   R = FEW.residual
   for t in range(12):
     pos = lengths + t  # the real row's position; N = pos + 1 tokens are held during the step

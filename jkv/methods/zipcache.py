@@ -264,6 +264,9 @@ class ZipCache(CacheMethod):
     real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
     v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
     channel_scale = jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)).astype(self.meta)  # [B, H, D]
+    # Divide by the stored (rounded) c, as decode does: XLA on a GPU may otherwise drop the round trip through
+    # the meta dtype in some fusions and not others (values quantized differently in a batch than alone).
+    channel_scale = jax.lax.optimization_barrier(channel_scale)
     zeros = jnp.zeros_like(n)
 
     def fill(pool, src, bits, real_rows, width):
