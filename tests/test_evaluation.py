@@ -127,7 +127,8 @@ def test_compare_returns_every_requested_row_tiny(tiny_llama):
   _, m = tiny_llama
   ids = np.random.default_rng(1).integers(2, m.config.vocab_size, 2000).tolist()
   texts = ["dense", "kivi:bits=4,residual=32", "kivi:bits=2,residual=32",
-           "fakequant:bits=2,key_axis=channel,value_axis=token", "fakequant:bits=2,key_axis=token,value_axis=channel"]
+           "fakequant:bits=2,key_axis=channel,value_axis=token", "fakequant:bits=2,key_axis=token,value_axis=channel",
+           "specache:fetch_rows=8,residual=32"]
   plan = ppl_lib.WindowPlan(context=70, scored=12, num_windows=2, batch_size=2)
   rows = compare_lib.compare(m, compare_lib.parse_methods(texts), token_ids=ids, ppl=plan, passkey=None,
                              progress=False)
@@ -140,6 +141,11 @@ def test_compare_returns_every_requested_row_tiny(tiny_llama):
   assert rows[0]["compression"] == 1.0 and rows[0]["delta_ppl"] == 0.0
   assert rows[2]["compression"] > rows[1]["compression"] > 1.0
   assert all(np.isfinite(r["ppl"]) for r in rows)
+  # Host-held bytes get their own column only when a method holds some, and decode statistics are reported.
+  assert [r["kv_host_bytes"] > 0 for r in rows] == [False] * 5 + [True]
+  assert "host KV bytes" in compare_lib.markdown_table(rows)
+  assert "host KV bytes" not in compare_lib.markdown_table(rows[:5])
+  assert 0.0 <= rows[5]["method_stats"]["speculation_hit_rate"] <= 1.0
   # Dense here is the same computation as the dense perplexity run alone.
   alone = ppl_lib.perplexity(m.params, m.config, ids, plan=plan, progress=False)
   assert rows[0]["ppl"] == pytest.approx(alone.ppl, rel=1e-6)

@@ -148,7 +148,7 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
         passkey_acc=None if pk is None else pk.mean_accuracy,
         passkey_accuracy=None if pk is None else pk.accuracy,
         passkey_answers=None if pk is None else [a["answer"] for a in pk.answers],
-        decode_tokens_per_s=p.decode_tokens_per_s, seconds=time.perf_counter() - t0))
+        decode_tokens_per_s=p.decode_tokens_per_s, method_stats=p.method_stats, seconds=time.perf_counter() - t0))
   base = next((r for r in rows if r["method"] == baseline), None)
   for r in rows:
     r["delta_ppl"] = None if base is None else r["ppl"] - base["ppl"]
@@ -174,10 +174,14 @@ def _fmt(x, spec):
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-  lines = ["| method | KV bytes | dense KV bytes | compression | ppl | Δppl | pass-key acc | decode tokens/s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  """One line per row; a host-bytes column only when some method holds KV in host memory (SpeCache)."""
+  host = any(r.get("kv_host_bytes") for r in rows)
+  lines = ["| method | KV bytes | " + ("host KV bytes | " if host else "") + "dense KV bytes | compression | ppl | Δppl "
+           "| pass-key acc | decode tokens/s |",
+           "| --- | ---: | " + ("---: | " if host else "") + "---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in rows:
-    lines.append(f"| `{r['method']}` | {r['kv_bytes']:,} | {r['dense_kv_bytes']:,} | {r['compression']:.2f}x "
+    lines.append(f"| `{r['method']}` | {r['kv_bytes']:,} | " + (f"{r['kv_host_bytes']:,} | " if host else "")
+                 + f"{r['dense_kv_bytes']:,} | {r['compression']:.2f}x "
                  f"| {r['ppl']:.3f} | {_fmt(r['delta_ppl'], '+.3f')} | {_fmt(r['passkey_acc'], '.2f')} "
                  f"| {r['decode_tokens_per_s']:.1f} |")
   return "\n".join(lines)
@@ -200,6 +204,10 @@ def markdown_report(rows: Sequence[dict], meta: dict) -> str:
   out.append(f"- decode tokens/s: batch rows x decode steps per second in the perplexity scan, compilation "
              f"excluded; {meta['environment']['device']}, {meta['environment']['cpu_count']} cores, "
              f"jax {meta['environment']['jax']}.")
+  stats = [f"`{r['method']}`: " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.3f')}" for k, v in r["method_stats"].items())
+           for r in rows if r.get("method_stats")]
+  if stats:
+    out.append("- decode statistics of the perplexity scan: " + "; ".join(stats) + ".")
   out.append(f"- wall time: {meta['seconds']:.0f} s for the whole run.")
   return "\n".join(out) + "\n"
 
