@@ -54,6 +54,9 @@ def test_tiny_model_on_a_data_by_model_mesh_equals_one_device(tiny_llama, name):
   sharded = _generate(model, prompts, name, mesh="data=2,model=2")
   assert sharded.tokens == one.tokens
   assert sharded.stats["mesh"] == "data=2,model=2" and sharded.stats["kv_bytes"] == one.stats["kv_bytes"]
+  # Statistics gathered while decoding count every shard (SpeCache's hit rate over all KV heads).
+  hit_rates = [r.stats["method_stats"].get("speculation_hit_rate") for r in (sharded, one)]
+  assert hit_rates == [None, None] if name != "specache" else hit_rates[0] == pytest.approx(hit_rates[1], rel=1e-6)
 
 
 def test_pallas_kernels_run_per_shard(tiny_llama):

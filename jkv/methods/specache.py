@@ -199,8 +199,9 @@ class SpeCacheState:
   fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
   fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, fetched at the end of the previous step
                          # (None when prefetch=False: each layer fetches them when it attends)
-  hit_sum: jax.Array  # [L, B] float32: per step, the fraction of the real row's top k that was fetched
-  hit_steps: jax.Array  # [L, B] float32: steps counted in hit_sum
+  hit_sum: jax.Array  # [L, B, H] float32: per step, the fraction of the real row's top k that was fetched
+  hit_steps: jax.Array  # [L, B, H] float32: steps counted in hit_sum (per KV head, so a mesh that splits the
+                        # heads counts every shard's)
 
 
 @register
@@ -262,7 +263,7 @@ class SpeCache(CacheMethod):
     lead = ("layers", "batch", "kv_heads")
     fetched = lambda dtype, *channels: ArrayInfo((L, B, H, k) + channels, dtype,
                                                  lead + ("fetched",) + ("kv_channels",) * len(channels))
-    counter = ArrayInfo((L, B), jnp.float32, ("layers", "batch"))
+    counter = ArrayInfo((L, B, H), jnp.float32, lead)
     return SpeCacheState(
         low=self.low_bit.abstract(spec),
         host_kv=ArrayInfo((L, B, H, C, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"), memory_kind="pinned_host"),
@@ -388,12 +389,12 @@ class SpeCache(CacheMethod):
 
   def _count_hits(self, state, layer, idx, ok, real_scores, bound):
     """Add this step's hit fraction per sequence: |fetched ∩ top k of the real row| / min(k, candidates), over
-    the candidates the fetched set was chosen from (this step's [0, bK)), averaged over KV heads."""
+    the candidates the fetched set was chosen from (this step's [0, bK)), per KV head."""
     top, top_ok = self._select(real_scores, bound, idx.shape[-1])
     hits = jnp.sum((idx[..., :, None] == top[..., None, :]) & ok[..., :, None] & top_ok[..., None, :], axis=(-2, -1))
     slots = jnp.sum(top_ok, axis=-1)  # [B, H], equal across heads
-    counted = slots[:, 0] > 0
-    frac = jnp.mean(hits / jnp.maximum(slots, 1), axis=1)
+    counted = slots > 0
+    frac = hits / jnp.maximum(slots, 1)
     return state.replace(hit_sum=state.hit_sum.at[layer].add(jnp.where(counted, frac, 0.0)),
                          hit_steps=state.hit_steps.at[layer].add(counted.astype(jnp.float32)))
 
@@ -416,5 +417,5 @@ class SpeCache(CacheMethod):
     act = jnp.dtype(spec.dtype).itemsize
     low = self.low_bit.held_bytes(spec, None, n)
     fetched = L * len(n) * H * self.fetch_capacity(spec) * (2 * D * act + 4 + 1)
-    staged_and_counters = L * len(n) * (H * 2 * D * act + 2 * 4)
+    staged_and_counters = L * len(n) * H * (2 * D * act + 2 * 4)
     return HeldBytes(device=low.device + fetched + staged_and_counters, host=int(2 * L * H * D * act * n.sum()))
