@@ -24,20 +24,20 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import pathlib
 import re
 import statistics
 import sys
 import time
 
+from records import save, write_readme_section
+
 HERE = pathlib.Path(__file__).resolve().parent
-README = HERE / "README.md"
-TABLE_BEGIN, TABLE_END = "<!-- generate_decode:begin -->", "<!-- generate_decode:end -->"
 LLAMA3_8B = dict(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
                  kv_heads=8, head_dim=128, max_position=131072, rope_theta=500000.0, dtype="bfloat16")
 SMOKE = dict(LLAMA3_8B, vocab_size=512, embed=128, ffw_size=256, num_layers=2, q_heads=4, kv_heads=2, head_dim=64,
              dtype="float32")
+RECORD_KEY = lambda r: (r["impl"], r["batch"], r["context"])  # a rerun replaces these records
 METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4})}
 
 
@@ -197,23 +197,6 @@ def markdown_table(records) -> str:
   return "\n".join(lines)
 
 
-def write_readme_table(records, readme=README):
-  text = readme.read_text() if readme.exists() else ""
-  block = f"{TABLE_BEGIN}\n{markdown_table(records)}\n{TABLE_END}"
-  if TABLE_BEGIN in text:
-    text = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), lambda _: block, text, flags=re.S)
-  else:
-    text += f"\n## Generate: decode tokens/s\n\n{block}\n"
-  readme.write_text(text)
-
-
-def merge(path: pathlib.Path, new: list) -> list:
-  """Records already in ``path`` that the new ones do not replace (same impl and batch), then the new ones."""
-  old = json.loads(path.read_text()) if path.exists() else []
-  keys = {(r["impl"], r["batch"], r["context"]) for r in new}
-  return [r for r in old if (r["impl"], r["batch"], r["context"]) not in keys] + new
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--part", choices=["b8", "maxbatch", "hf"], default="b8")
@@ -224,15 +207,12 @@ def main():
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   if args.table:
-    write_readme_table(json.loads(args.out.read_text()))
+    write_readme_section("generate_decode", markdown_table(json.loads(args.out.read_text())),
+                         "## Generate: decode tokens/s")
     return
   records = hf_part(args.smoke) if args.part == "hf" else jkv_part(args.part, args.smoke, args.batch_scale)
   out = args.out or HERE / "results" / f"generate_decode_{device_slug(records[0]['device'])}.json"
-  if os.environ.get("OUT"):  # on the device machine: also leave a copy where the tool brings files back
-    pathlib.Path(os.environ["OUT"], out.name).write_text(json.dumps(merge(pathlib.Path(os.environ["OUT"], out.name),
-                                                                          records), indent=1))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(merge(out, records), indent=1))
+  save(out, records, RECORD_KEY)
   print(markdown_table(records))
 
 

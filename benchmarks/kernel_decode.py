@@ -61,10 +61,11 @@ import numpy as np
 
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
+from records import README, merge_file, write_readme_section
 
 HERE = pathlib.Path(__file__).resolve().parent
-README = HERE / "README.md"
-TABLE_BEGIN, TABLE_END = "<!-- kernel_decode:begin -->", "<!-- kernel_decode:end -->"
+# A rerun replaces the records of the same configuration.
+RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
 L2_BYTES = 50 * 2**20  # H100 L2; input sets rotate through at least twice this
 RESIDUAL = 128
 GROUP_SIZE = 32
@@ -487,27 +488,9 @@ def markdown_table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def write_readme_table(records: list[dict], readme: pathlib.Path = README):
-  """Rewrites the marked kernel_decode section of the benchmarks README (appending it the first time)."""
-  section = f"{TABLE_BEGIN}\n{markdown_table(records)}\n{TABLE_END}"
-  text = readme.read_text() if readme.exists() else "# Benchmarks\n"
-  if TABLE_BEGIN in text:
-    text = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), lambda _: section, text, flags=re.S)
-  else:
-    text = text.rstrip("\n") + "\n\n## Decode attention (`kernel_decode.py`)\n\n" + section + "\n"
-  readme.write_text(text)
-
-
 def default_out(device) -> pathlib.Path:
   slug = re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
   return HERE / "results" / f"kernel_decode_{slug}.json"
-
-
-def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
-  """``new`` replaces the records of ``old`` with the same (impl, batch, seq_len, config)."""
-  key = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
-  replaced = {key(r) for r in new}
-  return [r for r in old if key(r) not in replaced] + new
 
 
 def main():
@@ -523,7 +506,8 @@ def main():
   device = jax.devices()[0]
   out = args.out or default_out(device)
   if args.table:
-    write_readme_table(json.loads(out.read_text()))
+    write_readme_section("kernel_decode", markdown_table(json.loads(out.read_text())),
+                         "## Decode attention (`kernel_decode.py`)")
     print(f"wrote {README}")
     return
   settings = SMOKE if args.smoke else Settings()
@@ -540,8 +524,8 @@ def main():
     check_fused_against_reference(settings, tuned)
     records += tune_records
   records += sweep(device, settings, tuned)
-  if args.append and out.exists():
-    records = merge_records(json.loads(out.read_text()), records)
+  if args.append:
+    records = merge_file(out, records, RECORD_KEY)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(records, indent=1) + "\n")
   print(f"\nwrote {out}\n\n{markdown_table(records)}")

@@ -28,30 +28,17 @@ summary), beside the step's wall time.
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import pathlib
-import re
 import sys
 
+from generate_decode import LLAMA3_8B, SMOKE, device_slug, now
+from records import save, write_readme_section
+
 HERE = pathlib.Path(__file__).resolve().parent
-README = HERE / "README.md"
-TABLE_BEGIN, TABLE_END = "<!-- sharded_decode:begin -->", "<!-- sharded_decode:end -->"
-LLAMA3_8B = dict(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
-                 kv_heads=8, head_dim=128, max_position=131072, rope_theta=500000.0, dtype="bfloat16")
-SMOKE = dict(LLAMA3_8B, vocab_size=512, embed=128, ffw_size=256, num_layers=2, q_heads=4, kv_heads=2, head_dim=64,
-             dtype="float32")
+RECORD_KEY = lambda r: (r["mesh"], r["prompt_len"], r["new_tokens"])  # a rerun replaces these records
 METHOD = ("kivi", {"bits": 2})
 SMOKE_DEVICE_BYTES = (6 << 30) + (24 << 20)  # CPU reports no memory: a notional device a few sequences fill
-
-
-def now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def device_slug(kind: str) -> str:
-  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
 
 
 def mesh_devices(spec: str):
@@ -199,23 +186,6 @@ def markdown_table(records) -> str:
   return "\n".join(lines)
 
 
-def write_readme_table(records, readme=README):
-  text = readme.read_text() if readme.exists() else ""
-  block = f"{TABLE_BEGIN}\n{markdown_table(records)}\n{TABLE_END}"
-  if TABLE_BEGIN in text:
-    text = re.sub(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END), lambda _: block, text, flags=re.S)
-  else:
-    text += f"\n## KIVI-2 on several GPUs (`sharded_decode.py`)\n\n{block}\n"
-  readme.write_text(text)
-
-
-def merge(path: pathlib.Path, new: list) -> list:
-  """Records already in ``path`` that the new ones do not replace (same mesh and context), then the new ones."""
-  old = json.loads(path.read_text()) if path.exists() else []
-  keys = {(r["mesh"], r["prompt_len"], r["new_tokens"]) for r in new}
-  return [r for r in old if (r["mesh"], r["prompt_len"], r["new_tokens"]) not in keys] + new
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--mesh", default="none", help="none, or a mesh spec such as model=2 or data=2")
@@ -232,7 +202,8 @@ def main():
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   if args.table:
-    write_readme_table(json.loads(args.out.read_text()))
+    write_readme_section("sharded_decode", markdown_table(json.loads(args.out.read_text())),
+                         "## KIVI-2 on several GPUs (`sharded_decode.py`)")
     return
   prompt_len = args.prompt_len or (100 if args.smoke else 4096)
   if args.profile:
@@ -247,12 +218,7 @@ def main():
                max_batch=max_batch, chunk=min(args.chunk, new_tokens))
   name = f"sharded_decode_{device_slug(record['device'])}{'_smoke' if args.smoke else ''}.json"
   out = args.out or HERE / "results" / name
-  if os.environ.get("OUT"):  # on the device machine: also leave a copy where the tool brings files back
-    copy = pathlib.Path(os.environ["OUT"], out.name)
-    copy.write_text(json.dumps(merge(copy, [record]), indent=1))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  records = merge(out, [record])
-  out.write_text(json.dumps(records, indent=1))
+  records = save(out, [record], RECORD_KEY)
   print(markdown_table(records))
 
 

@@ -29,7 +29,6 @@ the next method runs.
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -38,7 +37,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from generate_decode import LLAMA3_8B, SMOKE, device_slug, now  # noqa: E402
+from records import save  # noqa: E402
 
+RECORD_KEY = lambda r: (r["part"], r.get("impl"), r.get("probe"), r["device"])  # a rerun replaces these records
 SPECACHE = dict(group_size=64, residual=64, fetch_rows=64, hit_rate=False)
 METHODS = {
     "dense": ("dense", {}),
@@ -200,14 +201,6 @@ def step_part(labels, smoke):
 # ------------------------------------------------------------------------------------------------- results
 
 
-def merge(path: pathlib.Path, new: list) -> list:
-  """Records already in ``path`` that the new ones do not replace (same part, impl or probe), then the new ones."""
-  key = lambda r: (r["part"], r.get("impl"), r.get("probe"), r["device"])
-  old = json.loads(path.read_text()) if path.exists() else []
-  keys = {key(r) for r in new}
-  return [r for r in old if key(r) not in keys] + new
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--part", choices=["check", "step"], default="step")
@@ -217,11 +210,7 @@ def main():
   args = parser.parse_args()
   records = check_part(args.smoke) if args.part == "check" else step_part(args.methods, args.smoke)
   out = args.out or HERE / "results" / f"specache_decode_{device_slug(records[0]['device'])}.json"
-  if os.environ.get("OUT"):  # on the device machine: also leave a copy where the tool brings files back
-    copy = pathlib.Path(os.environ["OUT"], out.name)
-    copy.write_text(json.dumps(merge(copy, records), indent=1))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(merge(out, records), indent=1))
+  save(out, records, RECORD_KEY)
 
 
 if __name__ == "__main__":
