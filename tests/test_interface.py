@@ -23,6 +23,10 @@ from jkv_kernels.attention_reference import gqa_attention_reference
 from conftest import random_prompts
 
 METHODS = [("dense", {}), ("kivi", dict(bits=2, residual=32)), ("fakequant", dict(bits=2))]
+# The methods built on interface v2, with settings that make each do its work inside a 64-token cache.
+V2_METHODS = [("zipcache", dict(interval=8, key_group=16, random_probes=0.3)),
+              ("ott", dict(group_size=32, residual=8, aux_size=8, no_pool_layers=0)),
+              ("specache", dict(residual=32, fetch_rows=8))]
 
 
 # ------------------------------------------------------------------------------------------------- a new method
@@ -154,7 +158,7 @@ def test_decode_step_reads_the_stacked_cache_in_place(tiny_llama, name, options)
 
 # ------------------------------------------------------------------------------------------------- prefill
 
-@pytest.mark.parametrize("name, options", METHODS)
+@pytest.mark.parametrize("name, options", METHODS + V2_METHODS)
 def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
   """Prefill of 5 prompts in sub-batches of 2 (the last one overlapping) leaves the same cache, bit for bit,
   and the same logits, as one call; so generation is unchanged."""
