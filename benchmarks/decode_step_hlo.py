@@ -2,6 +2,9 @@
 its largest buffers: what the compiled step copies, fuses or writes in place.
 
     python benchmarks/decode_step_hlo.py dense /tmp/dense_hlo.txt
+    python benchmarks/decode_step_hlo.py specache:bits=1,fetch_rows=64 /tmp/specache_hlo.txt
+
+The method is a spec as ``jkv compare`` takes it (NAME or NAME:OPTION=VALUE,...; plain ``kivi`` is KIVI-2).
 """
 
 import re
@@ -16,21 +19,23 @@ from jkv import params as params_lib
 from jkv.attention import choose_impl
 from jkv.cache import CacheSpec, KVCache
 from jkv.config import ModelConfig
-from jkv.methods import make_method
+from jkv.evaluation.compare import MethodSpec
 from jkv.sampling import Greedy
 
 SIZES = {"f32": 4, "bf16": 2, "f16": 2, "u32": 4, "s32": 4, "pred": 1, "u8": 1, "s8": 1}
 
 
-def main(name, out, batch=8, capacity=8320):
+def main(method_spec, out, batch=8, capacity=8320):
   cfg = ModelConfig(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
                     kv_heads=8, head_dim=128, max_position=131072, dtype="bfloat16")
   params = jax.eval_shape(lambda: params_lib.init_random(cfg, jax.random.key(0)))
-  method = make_method(name, **({"bits": 2} if name == "kivi" else {}))
-  cache = jax.eval_shape(lambda: KVCache.create(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl()))
+  method = MethodSpec.parse("kivi:bits=2" if method_spec == "kivi" else method_spec).method()
+  # A real cache (zeros), not shapes: a traced shape carries no memory kind, and SpeCache's host copy needs one.
+  cache = KVCache.create(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl())
   no = jax.ShapeDtypeStruct((batch,), bool)
-  args = (params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), no, no, jax.eval_shape(lambda: jax.random.key(0)),
-          jnp.asarray([1]), jnp.int32(0))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = (params, cache, i32(batch), i32(batch, method.speculative_rows), no, no, i32(batch, 2),
+          jax.eval_shape(lambda: jax.random.key(0)), jnp.asarray([1]), jnp.int32(0))
   compiled = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=1).compile()
   text = compiled.as_text()
   open(out, "w").write(text)
