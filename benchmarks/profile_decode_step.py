@@ -9,6 +9,7 @@ and reported per step beside the step's wall time and its floor (weights + the c
 copy rate), so the gap between the two has names.
 
     python benchmarks/profile_decode_step.py --method dense --out $OUT/profile_dense.json   # on the GPU
+    python benchmarks/profile_decode_step.py --method specache1 --context 32704 --out $OUT/profile_specache1.json
     python benchmarks/profile_decode_step.py --smoke                                         # any machine
 """
 
@@ -25,7 +26,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from generate_decode import LLAMA3_8B, METHODS, SMOKE, copy_rate
+import generate_decode
+import specache_decode
+from generate_decode import LLAMA3_8B, SMOKE, copy_rate
 from jkv import memory
 from jkv import params as params_lib
 from jkv.attention import choose_impl
@@ -36,13 +39,21 @@ from jkv.model import forward
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
+METHODS = {**generate_decode.METHODS, **specache_decode.METHODS}  # dense, KIVI-2/4 and the SpeCache variants
+
+
 def decode_loop(cfg, steps, compiler_options):
-  """``steps`` greedy decode steps of every sequence in one scan, the cache donated (jkv.generate's shape)."""
+  """``steps`` greedy decode steps of every sequence in one scan, the cache donated (jkv.generate's shape).
+
+  tokens [B, r]: each step's rows at positions n, n + 1, ...: r = 1, or 2 for a method with a speculative row
+  (the real token and the speculative one; each row's greedy output is the next step's token in that row).
+  """
   def run(params, cache, tokens):
     def step(carry, _):
       cache, tokens = carry
-      logits, cache = forward(params, tokens[:, None], cache.lengths[:, None], cache, cfg=cfg)
-      return (cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)), None
+      positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+      logits, cache = forward(params, tokens, positions, cache, cfg=cfg)
+      return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
     (cache, tokens), _ = jax.lax.scan(step, (cache, tokens), None, length=steps)
     return cache, tokens
   return jax.jit(run, donate_argnums=1, compiler_options=compiler_options or None)
@@ -104,7 +115,7 @@ def main():
     key, value = item.split("=", 1)
     compiler_options[key] = {"true": True, "false": False}.get(value.lower(), value)
   loop = decode_loop(cfg, steps, compiler_options)
-  tokens = jnp.ones((batch,), jnp.int32)
+  tokens = jnp.ones((batch, 1 + method.speculative_rows), jnp.int32)
 
   cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=cache.lengths), tokens))  # compile
   walls = []
