@@ -76,6 +76,14 @@ def _nearest_code(d, s, qmax: int):
   return jnp.clip(_correct_code(c0, d, s), 0.0, float(qmax))
 
 
+def as_stored(x, dtype):
+  """x rounded to ``dtype`` as it will be stored, for use in the same XLA program: XLA on a GPU may drop an
+  f32 -> f16 -> f32 round trip (it allows excess precision), in some fusions and not others, so a value computed
+  and then used at higher precision could differ from the stored one; an optimization barrier keeps the rounding.
+  (Not inside a Triton kernel: no such rewrite there, and no lowering for the barrier.)"""
+  return jax.lax.optimization_barrier(jax.tree.map(lambda a: a.astype(dtype), x))
+
+
 def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
   """Quantizes each row of the last axis as one group.
 
@@ -83,10 +91,9 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
     x: [..., G] values; every slice along the last axis is one group.
     bits: code width.
     meta_dtype: dtype in which scale and zero are stored.
-    xla: this runs under XLA (the reference, or a kernel in interpret mode), not inside a compiled Triton kernel.
-      XLA on a GPU may drop an f32 -> f16 -> f32 round trip (it allows excess precision), which would compute
-      the codes from an unrounded scale and zero; an optimization barrier between the two converts keeps the
-      stored values. Triton has no such rewrite (and no lowering for the barrier).
+    xla: this runs under XLA (the reference, or a kernel in interpret mode), not inside a compiled Triton kernel:
+      scale and zero go through ``as_stored``, so the codes, and a caller dequantizing in the same program
+      (fake quantization, a test's oracle), use the rounded values.
 
   Returns:
     codes [..., G] uint32, scale [...] and zero [...] in ``meta_dtype``.
@@ -99,23 +106,19 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
     # SpeCache's 1-bit quantizer (its Eq. 3): the two levels are the quarter points (3 min + max) / 4 and
     # (min + 3 max) / 4, not min and max (which inflate every magnitude). Scaling by 1/4 and 1/2 is exact, so
     # no backend can round these differently.
-    scale = ((hi - lo) * jnp.float32(0.5)).astype(meta_dtype)
-    zero = (lo + (hi - lo) * jnp.float32(0.25)).astype(meta_dtype)
+    scale, zero = (hi - lo) * jnp.float32(0.5), lo + (hi - lo) * jnp.float32(0.25)
   else:
-    scale = ((hi - lo) * jnp.float32(1.0 / qmax)).astype(meta_dtype)
-    zero = lo.astype(meta_dtype)
-  # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid; the
-  # barrier's outputs are also what is returned, so that a caller dequantizing in the same jit (fake
-  # quantization, a test's oracle) reads the rounded values too.
-  stored = jax.lax.optimization_barrier((scale, zero)) if xla else (scale, zero)
-  s = stored[0].astype(jnp.float32)[..., None]
-  z = stored[1].astype(jnp.float32)[..., None]
+    scale, zero = (hi - lo) * jnp.float32(1.0 / qmax), lo
+  # Codes from the stored (rounded) scale and zero, so that dequantize(quantize(x)) uses the same grid.
+  scale, zero = as_stored((scale, zero), meta_dtype) if xla else (scale.astype(meta_dtype), zero.astype(meta_dtype))
+  s = scale.astype(jnp.float32)[..., None]
+  z = zero.astype(jnp.float32)[..., None]
   if bits == 1:
     # The nearer of the two stored levels, the midpoint going up (spec: round half up); 0.5 * s is exact.
     codes = jnp.where(x - z >= 0.5 * s, 1.0, 0.0)
   else:
     codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)
-  return codes.astype(jnp.uint32), stored[0], stored[1]
+  return codes.astype(jnp.uint32), scale, zero
 
 
 def _group_view(x, axis: int, group_size: int):

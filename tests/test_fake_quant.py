@@ -2,7 +2,8 @@
 
 The oracle is written from the spec (KIVI §2.1 quantizer, §2.2 grouping axes, §7.15 fake-quant protocol) and the
 method's docstring, not from ``jkv_kernels.quantization``: for each sequence, quantize-dequantize its first N
-tokens (per-channel groups of G tokens zero-padded past N; per-token groups of G channels), then softmax attention.
+tokens (per-channel groups of G tokens zero-padded past N; per-token groups of G channels; the numpy quantizer
+of ``quant_oracle``, which every method test shares), then softmax attention in float64.
 """
 
 import json
@@ -15,6 +16,7 @@ from jkv import cli
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.methods import make_method
 from jkv.methods.fake_quant import FakeQuant
+import quant_oracle
 
 G = 32
 H, QPK, D = 2, 2, 64  # KV heads, query heads per KV head, head dim
@@ -47,12 +49,9 @@ def oracle_groups(x, n, axis):
 
 
 def oracle_scale_zero(groups, bits):
-  """Per group: scale (max - min) / (2^b - 1) and zero min, both rounded to fp16 (as stored), back in float64."""
-  qmax = 2**bits - 1
-  lo, hi = groups.min(axis=1), groups.max(axis=1)
-  scale = ((hi - lo) / qmax).astype(np.float16).astype(np.float64)
-  zero = lo.astype(np.float16).astype(np.float64)
-  return scale, zero
+  """Per group: scale (max - min) / (2^b - 1) and zero min as stored in fp16 (``quant_oracle``), in float64."""
+  _, scale, zero = quant_oracle.quantize_groups(groups, bits)
+  return scale.astype(np.float64), zero.astype(np.float64)
 
 
 def oracle_codes_real(groups, scale, zero, bits):
@@ -64,9 +63,13 @@ def oracle_codes_real(groups, scale, zero, bits):
 def oracle_fake_quant(x, n, axis, bits):
   """Quantize-dequantize the first n rows of x [N_any, D] with the given grouping; returns [n, D] float64."""
   groups, unflatten = oracle_groups(x, n, axis)
-  scale, zero = oracle_scale_zero(groups, bits)
-  codes = np.round(oracle_codes_real(groups, scale, zero, bits))  # numpy rounds half to even
-  return unflatten(codes * scale[:, None] + zero[:, None])
+  return unflatten(oracle_dequantized(groups, bits))
+
+
+def oracle_dequantized(groups, bits):
+  """[n_groups, G] -> quantized and dequantized, float64."""
+  codes, scale, zero = quant_oracle.quantize_groups(groups, bits)
+  return codes * scale.astype(np.float64)[:, None] + zero.astype(np.float64)[:, None]
 
 
 def oracle_attention(q, k, v, q_pos):
@@ -229,10 +232,7 @@ def test_partial_channel_groups_are_zero_padded(key_axis, value_axis):
     out = np.empty_like(x)
     for start in range(0, n, G):
       block = x[start:start + G]  # [<= G, D]: one group per channel
-      groups = block.T
-      scale, zero = oracle_scale_zero(groups, bits)
-      codes = np.round(oracle_codes_real(groups, scale, zero, bits))
-      out[start:start + G] = (codes * scale[:, None] + zero[:, None]).T
+      out[start:start + G] = oracle_dequantized(block.T, bits).T
     return out
 
   other = np.zeros(q.shape)

@@ -45,6 +45,7 @@ from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
                                   prefill_probes, probe_counts, probe_mass, saliency_scores, split_by_score)
+from jkv_kernels.quantization import as_stored
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
 ZIPCACHE_BITS = (2, 4, 8)
@@ -263,10 +264,8 @@ class ZipCache(CacheMethod):
     high_src, low_src = split_by_score(score, n_high, n, rows_high, rows_low)
     real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
     v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
-    channel_scale = jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)).astype(self.meta)  # [B, H, D]
-    # Divide by the stored (rounded) c, as decode does: XLA on a GPU may otherwise drop the round trip through
-    # the meta dtype in some fusions and not others (values quantized differently in a batch than alone).
-    channel_scale = jax.lax.optimization_barrier(channel_scale)
+    # Divide by c as stored, as decode does (else a batch and a sequence alone could quantize differently on a GPU).
+    channel_scale = as_stored(jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)), self.meta)  # [B, H, D]
     zeros = jnp.zeros_like(n)
 
     def fill(pool, src, bits, real_rows, width):
