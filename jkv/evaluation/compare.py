@@ -176,8 +176,8 @@ def _fmt(x, spec):
 def markdown_table(rows: Sequence[dict]) -> str:
   """One line per row; a host-bytes column only when some method holds KV in host memory (SpeCache)."""
   host = any(r.get("kv_host_bytes") for r in rows)
-  lines = ["| method | KV bytes | " + ("host KV bytes | " if host else "") + "dense KV bytes | compression | ppl | Δppl "
-           "| pass-key acc | decode tokens/s |",
+  lines = ["| method | KV bytes | " + ("host KV bytes | " if host else "")
+           + "dense KV bytes | compression | ppl | Δppl | pass-key acc | decode tokens/s |",
            "| --- | ---: | " + ("---: | " if host else "") + "---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in rows:
     lines.append(f"| `{r['method']}` | {r['kv_bytes']:,} | " + (f"{r['kv_host_bytes']:,} | " if host else "")
@@ -204,8 +204,8 @@ def markdown_report(rows: Sequence[dict], meta: dict) -> str:
   out.append(f"- decode tokens/s: batch rows x decode steps per second in the perplexity scan, compilation "
              f"excluded; {meta['environment']['device']}, {meta['environment']['cpu_count']} cores, "
              f"jax {meta['environment']['jax']}.")
-  stats = [f"`{r['method']}`: " + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.3f')}" for k, v in r["method_stats"].items())
-           for r in rows if r.get("method_stats")]
+  said = lambda items: ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.3f')}" for k, v in items)
+  stats = [f"`{r['method']}`: {said(r['method_stats'].items())}" for r in rows if r.get("method_stats")]
   if stats:
     out.append("- decode statistics of the perplexity scan: " + "; ".join(stats) + ".")
   out.append(f"- wall time: {meta['seconds']:.0f} s for the whole run.")
