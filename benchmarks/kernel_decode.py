@@ -19,9 +19,12 @@ layouts the other methods hand it (LAYOUTS; L tokens in all, every store full):
     zipcache_pools       ZipCache: a 4-bit pool with 60% of the quantized tokens and a 2-bit pool with 40%, keys
                          in groups of 32 tokens, values per token over all D channels with a value channel scale,
                          per-step holes (5%), plus a 100-token bf16 window
-    ott2                 OTT: a KIVI-2 store, keys in groups of G = 128 tokens, values over min(G, D) = D
-                         channels, with stacked holes (outlier placeholders, 1%), a 3-token outlier pool and a
-                         32-token auxiliary pool (stacked, per-head masks), plus KIVI's 128-token window
+    ott2                 OTT (jkv/methods/ott.py ``Ott._attend``, sizes from ``Ott()``'s defaults): one 2-bit
+                         store, keys in groups of G = 128 tokens, values in groups of min(G, D) channels, with
+                         stacked holes (one per pooled token: N + A = 35 per KV head), then two stacked segments
+                         in the method's order: the full-precision buffer of G + R = 160 slots (mask [B, T, S])
+                         and the pool segment of N + A = 35 slots (the 3-slot outlier pool, then the 32-slot
+                         auxiliary pool; per-head mask [B, H, T, S])
     specache1            SpeCache: a 1-bit store with G = 32 and per-step holes (the fetched rows, 64 per head),
                          the 64 fetched bf16 rows (a per-step segment, per-head mask), the 128-token window; two
                          query rows (the step's token and the speculative one, whose token mass the method reads)
@@ -53,12 +56,13 @@ import re
 import statistics
 import time
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.methods.ott import Ott
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
 from records import README, merge_file, write_readme_section
@@ -194,13 +198,14 @@ def dense_bytes(shape: Shape) -> int:
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
   """One quantized store of a layout: its share of the quantized tokens, widths, groupings (v_group None: all D
-  channels); ``holes``: None (no holes array), the fraction of slots that are holes, or (>= 1) their count per
-  (b, h) (at most half the slots); whether the holes are stacked (else per step); a value channel scale or not."""
+  channels; a callable: a function of D, as OTT's min(G, D)); ``holes``: None (no holes array), the fraction of
+  slots that are holes, or (>= 1) their count per (b, h) (at most half the slots); whether the holes are stacked
+  (else per step); a value channel scale or not."""
   share: float
   k_bits: int
   v_bits: int
   k_group: int
-  v_group: Optional[int] = None
+  v_group: Union[int, Callable[[int], int], None] = None
   holes: Optional[float] = None
   stacked_holes: bool = False
   channel_scale: bool = False
@@ -217,11 +222,23 @@ class Layout:
   call: tuple[tuple[str, object], ...] = ()
 
 
+def ott_layout(method: Ott = Ott()) -> Layout:
+  """What ``Ott._attend`` hands decode_attention (spec shared/specs/ott.md §3.6): one store of ``bits``-bit keys
+  in groups of G tokens and values in groups of ``value_group_for(D)`` channels, whose stacked ``valid`` mask
+  (state [L, B, H, C]) has a hole per pooled token (the pool and auxiliary positions, N + A per KV head once the
+  pools are full; no mask without a pool); then the stacked full-precision buffer of G + R slots (mask
+  [B, T, S]) and, with a pool, the stacked pool segment of N + A slots (per-head mask [B, H, T, S])."""
+  bits, G = method.bits, method.group_size
+  store = PoolSpec(1.0, bits, bits, G, method.value_group_for, holes=method.pool_slots if method.pool_size else None,
+                   stacked_holes=True)
+  segments = ((method.window, True, False),) + (((method.pool_slots, True, True),) if method.pool_slots else ())
+  return Layout((store,), segments)
+
+
 LAYOUTS = {
     "zipcache_pools": Layout((PoolSpec(0.6, 4, 4, 32, holes=0.05, channel_scale=True),
                               PoolSpec(0.4, 2, 2, 32, holes=0.05, channel_scale=True)), ((100, True, False),)),
-    "ott2": Layout((PoolSpec(1.0, 2, 2, 128, holes=0.01, stacked_holes=True),),  # v_group min(G, D) = D
-                   ((3, True, True), (32, True, True), (RESIDUAL, True, False))),
+    "ott2": ott_layout(),  # OTT at its defaults (G = 128, R = 32, N = 3, A = 32, 2 bits)
     "specache1": Layout((PoolSpec(1.0, 1, 1, 32, 32, holes=64),), ((64, False, True), (RESIDUAL, True, False)),
                         t_rows=2, call=(("token_mass_rows", (1,)),)),
 }
@@ -245,7 +262,7 @@ def layout_inputs(shape: Shape, name: str, seed: int, *, quantized_from_data: bo
   for pool in layout.pools:
     multiple = max(64, pool.k_group)
     capacity = -(-math.ceil(pool.share * quantized) // multiple) * multiple
-    v_group = pool.v_group or d
+    v_group = pool.v_group(d) if callable(pool.v_group) else pool.v_group or d
     arrays = store_arrays(next(keys), shape, capacity, k_bits=pool.k_bits, v_bits=pool.v_bits,
                           k_group=pool.k_group, v_group=v_group, quantized_from_data=quantized_from_data,
                           num_layers=num_layers)
@@ -448,11 +465,6 @@ def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
       records.append(record(impl, batch, seq_len, median_us, set_bytes, device, config=config, compile_s=compile_s))
       print(f"{impl:>20} B={batch:<3} L={seq_len:<6} {median_us:9.1f} µs  {records[-1]['gbps']:7.1f} GB/s")
   return records
-
-
-def generate_throughput(*args, **kwargs):
-  """End-to-end generate tokens/s with each cache method; added separately, not called by this script yet."""
-  raise NotImplementedError("generate_throughput is a hook for the end-to-end benchmark")
 
 
 # ----------------------------------------------------------------------------------------------------------------
