@@ -2,11 +2,15 @@
 
 A randomly initialized Llama-3-8B-shaped model (as in generate_decode.py), a cache of one method at batch B holding
 ``--context`` tokens per sequence (the cache's contents do not change the work), and ``--steps`` greedy decode steps
-in one jitted ``lax.scan`` with the cache donated, compiled with jkv's MODEL_COMPILER_OPTIONS, as ``jkv.generate``
-runs them (``--xla-defaults`` for XLA's own options). The scan is compiled and run
-once, then run again under ``jax.profiler.trace``; the device events of that second run are grouped by kernel name
-and reported per step beside the step's wall time and its floor (weights + the cache's held bytes at the device
-copy rate), so the gap between the two has names.
+run by ``jkv.generate``'s own decode chunk (``jkv.generate._decode_chunk``: one ``lax.scan``, the cache donated; a
+method with a speculative row steps [real, speculative] rows after its pre-decode pass), compiled with jkv's
+MODEL_COMPILER_OPTIONS (``--xla-defaults`` for XLA's own options). The cache and every argument are built and
+committed as generate builds them (``jkv.sharding.create_cache``, ``jkv.generate.committed``), so a method's
+host-resident arrays (SpeCache's 16-bit copy, ``pinned_host``) stay in host memory; the script checks that the
+compiled step takes and returns each cache array in the memory kind its abstract state declares. The chunk is
+compiled once and run, then run again under ``jax.profiler.trace``; the device events of that second run are
+grouped by kernel name and reported per step beside the step's wall time and its floor (weights + the cache's held
+bytes at the device copy rate), so the gap between the two has names.
 
     python benchmarks/profile_decode_step.py --method dense --out $OUT/profile_dense.json   # on the GPU
     python benchmarks/profile_decode_step.py --method specache1 --context 32704 --out $OUT/profile_specache1.json
@@ -29,34 +33,55 @@ import jax.numpy as jnp
 import generate_decode
 import specache_decode
 from generate_decode import LLAMA3_8B, SMOKE, copy_rate
+from jkv import generate as gen
 from jkv import memory
 from jkv import params as params_lib
+from jkv import sharding
 from jkv.attention import choose_impl
-from jkv.cache import CacheSpec, KVCache
+from jkv.cache import CacheSpec, is_array_info
 from jkv.config import ModelConfig
 from jkv.methods import make_method
-from jkv.model import forward
+from jkv.sampling import Greedy
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
 METHODS = {**generate_decode.METHODS, **specache_decode.METHODS}  # dense, KIVI-2/4 and the SpeCache variants
 
 
-def decode_loop(cfg, steps, compiler_options):
-  """``steps`` greedy decode steps of every sequence in one scan, the cache donated (jkv.generate's shape).
+def compile_step(args, cfg, steps, compiler_options, xla_defaults):
+  """jkv.generate's decode chunk (``_decode_chunk``: ``steps`` greedy steps in one scan, the cache donated; tokens
+  [B] and, for a speculative method, its speculative tokens [B, 1], as generate feeds them) compiled ahead of time
+  for ``args``. Calling the result runs that one executable: an argument placed otherwise than at compilation (its
+  memory kind, whether it is committed) is an error, never a second, different compilation.
 
-  tokens [B, r]: each step's rows at positions n, n + 1, ...: r = 1, or 2 for a method with a speculative row
-  (the real token and the speculative one; each row's greedy output is the next step's token in that row).
+  ``compiler_options`` are added to (or override) the MODEL_COMPILER_OPTIONS the chunk is jitted with;
+  ``xla_defaults`` jits the same function again without those (options can be overridden at compilation, not
+  removed).
   """
-  def run(params, cache, tokens):
-    def step(carry, _):
-      cache, tokens = carry
-      positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
-      logits, cache = forward(params, tokens, positions, cache, cfg=cfg)
-      return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
-    (cache, tokens), _ = jax.lax.scan(step, (cache, tokens), None, length=steps)
-    return cache, tokens
-  return jax.jit(run, donate_argnums=1, compiler_options=compiler_options or None)
+  fn = gen._decode_chunk
+  if xla_defaults:
+    fn = jax.jit(fn.__wrapped__, static_argnames=("cfg", "sampler", "steps"), donate_argnames=("cache",))
+  return fn.lower(*args, cfg=cfg, sampler=Greedy(), steps=steps).compile(compiler_options or None)
+
+
+def check_memory_kinds(cache, step):
+  """{memory kind: [state array names]} of the cache as its method's abstract state declares it; raises unless
+  every array as passed, as the compiled ``step`` takes it and as it returns it lives in that kind. A host-resident
+  array (SpeCache's 16-bit copy, 32 GiB at B=8, 32k) that lands on the device takes its whole size there, twice
+  when its donated input and its output cannot share a buffer."""
+  declared = jax.tree_util.tree_flatten_with_path(cache.abstract(), is_leaf=is_array_info)[0]
+  seen = dict(passed=[x.sharding for x in jax.tree.leaves(cache.state)],
+              taken=jax.tree.leaves(step.input_shardings[0][1].state),
+              returned=jax.tree.leaves(step.output_shardings[0].state))
+  kinds = collections.defaultdict(list)
+  for i, (path, info) in enumerate(declared):
+    name = jax.tree_util.keystr(path).lstrip(".")
+    kinds[info.memory_kind].append(name)
+    for where, shardings in seen.items():
+      if shardings[i].memory_kind != info.memory_kind:
+        raise RuntimeError(f"cache array {name} is {where} in {shardings[i].memory_kind} memory; its method "
+                           f"declares {info.memory_kind}")
+  return dict(kinds)
 
 
 def device_events(trace_dir):
@@ -102,32 +127,47 @@ def main():
   batch, context, steps = (2, 64, 4) if args.smoke else (args.batch, args.context, args.steps)
   name, options = METHODS[args.method]
   method = make_method(name, **options)
-  multiple = method.capacity_multiple()
-  capacity = -(-(context + steps) // multiple) * multiple
+  capacity = gen.round_up(context + steps, method.capacity_multiple())
   params = params_lib.init_random(cfg, jax.random.key(0))
-  cache = KVCache.create(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl())
-  cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+  # The cache allocated and everything committed as jkv.generate does it: each array in its declared memory kind,
+  # and the step compiled for committed arguments, as generate's are (its outputs are committed).
+  cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), None)
+  params, cache = gen.committed((params, cache))
+  held = lambda: gen.committed(jnp.full((batch,), context, jnp.int32))  # [B]; donated with the cache: a new one a run
+  cache = cache.replace(lengths=held())
+  first, no, counts, rng, eos, pad = gen.committed((
+      jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.int32), jax.random.key(0),
+      jnp.asarray((-1,), jnp.int32), jnp.int32(0)))  # eos -1: no sequence ever stops, every step runs
+  # spec [B, S]: a speculative method's pre-decode pass (SpeCache's first top-k and fetch) gives its first
+  # speculative tokens, as in generate; [B, 0] for the others.
+  spec, cache = gen.speculative_start(params, cfg, cache, first)
+  decode_args = lambda cache, last, spec: (params, cache, last, spec, no, no, counts, rng, eos, pad)
   weight_bytes = memory.tree_bytes(params)
-  kv_bytes = cache.held_bytes(jnp.full((batch,), context + steps // 2)).device
+  kv = cache.held_bytes(jnp.full((batch,), context + steps // 2))
+  kv_bytes = kv.device  # the floor's: a step reads of the host copy only the rows it fetches
   rate = 1e10 if args.smoke else copy_rate()
   compiler_options = {} if args.xla_defaults else dict(MODEL_COMPILER_OPTIONS)
+  extra = {}
   for item in args.compiler_option:
     key, value = item.split("=", 1)
-    compiler_options[key] = {"true": True, "false": False}.get(value.lower(), value)
-  loop = decode_loop(cfg, steps, compiler_options)
-  tokens = jnp.ones((batch, 1 + method.speculative_rows), jnp.int32)
+    extra[key] = {"true": True, "false": False}.get(value.lower(), value)
+  compiler_options.update(extra)
+  step = compile_step(decode_args(cache, first, spec), cfg, steps, extra, args.xla_defaults)
+  kinds = check_memory_kinds(cache, step)
+  print("cache memory kinds (declared, passed, taken and returned by the step):",
+        {kind: names if kind != "device" else f"{len(names)} arrays" for kind, names in kinds.items()})
 
-  cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=cache.lengths), tokens))  # compile
+  cache, last, spec = jax.block_until_ready(step(*decode_args(cache, first, spec)))[:3]  # first run
   walls = []
   for _ in range(3):
-    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+    cache = cache.replace(lengths=held())
     start = time.perf_counter()
-    cache, tokens = jax.block_until_ready(loop(params, cache, tokens))
+    cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
     walls.append((time.perf_counter() - start) / steps)
-  cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+  cache = cache.replace(lengths=held())
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
-      cache, tokens = jax.block_until_ready(loop(params, cache, tokens))
+      cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
     lines = device_events(trace_dir)
 
   summaries = ("XLA Ops", "XLA Modules", "Steps", "Source")
@@ -146,7 +186,8 @@ def main():
       print(f"{r['us_per_step']:10.1f} µs/step {r['calls_per_step']:7.1f} calls/step  {r['name'][:150]}")
   record = dict(method=args.method, method_config=options, compiler_options=compiler_options, batch=batch, context=context, steps=steps,
                 wall_ms_per_step=wall_ms, kernel_ms_per_step=kernel_ms, floor_ms_per_step=floor_ms,
-                weight_bytes=weight_bytes, kv_bytes=kv_bytes, copy_rate=rate, kernels=rows, xla_ops=op_rows,
+                weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_host_bytes=kv.host, cache_memory_kinds=kinds,
+                copy_rate=rate, kernels=rows, xla_ops=op_rows,
                 device_lines={name: len(events) for name, events in lines.items()},
                 device=jax.devices()[0].device_kind, jax_version=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
