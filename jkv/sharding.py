@@ -361,37 +361,35 @@ class PerShard(CacheMethod):
   def _heads(self, ndim: int) -> P:
     return P(*(self.rules.batch, self.rules.kv_heads) + (None,) * (ndim - 2))
 
-  def _per_shard(self, fn, state, layer, q, k, v, ctx: StepContext, returns_out: bool):
-    impl = ctx.impl
+  def _per_shard(self, fn, args, in_specs, out_specs, ctx: StepContext):
+    """fn(*args, ctx) run per shard through ``shard_map``: args split by in_specs, ctx's lengths and positions over
+    batch, the result joined by out_specs."""
+    impl, rows = ctx.impl, P(self.rules.batch)
+
+    def body(*shard_args):
+      *shard_args, lengths, positions = shard_args
+      return fn(*shard_args, StepContext(lengths=lengths, positions=positions, impl=impl))
+
+    run = shard_map(body, mesh=self.mesh, in_specs=(*in_specs, rows, rows), out_specs=out_specs)
+    return run(*args, ctx.lengths, ctx.positions)
+
+  def _layer_call(self, fn, state, layer, q, k, v, ctx: StepContext, returns_out: bool):
     state_spec = self._specs()
-    rows = P(self.rules.batch)
-
-    def body(state, layer, q, k, v, lengths, positions):
-      return fn(state, layer, q, k, v, StepContext(lengths=lengths, positions=positions, impl=impl))
-
     out_specs = (self._heads(q.ndim), state_spec) if returns_out else state_spec
-    run = shard_map(body, mesh=self.mesh, out_specs=out_specs,
-                    in_specs=(state_spec, P(), self._heads(q.ndim), self._heads(k.ndim), self._heads(v.ndim), rows,
-                              rows))
-    return run(state, layer, q, k, v, ctx.lengths, ctx.positions)
+    in_specs = (state_spec, P(), self._heads(q.ndim), self._heads(k.ndim), self._heads(v.ndim))
+    return self._per_shard(fn, (state, layer, q, k, v), in_specs, out_specs, ctx)
 
   def prefill(self, state, layer, q, k, v, ctx: StepContext):
-    return self._per_shard(self.inner.prefill, state, layer, q, k, v, ctx, returns_out=False)
+    return self._layer_call(self.inner.prefill, state, layer, q, k, v, ctx, returns_out=False)
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
-    return self._per_shard(self.inner.step, state, layer, q, k, v, ctx, returns_out=True)
+    return self._layer_call(self.inner.step, state, layer, q, k, v, ctx, returns_out=True)
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
-    return self._per_shard(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
+    return self._layer_call(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
 
   def end_step(self, state, ctx: StepContext):
-    impl, state_spec, rows = ctx.impl, self._specs(), P(self.rules.batch)
-
-    def body(state, lengths, positions):
-      return self.inner.end_step(state, StepContext(lengths=lengths, positions=positions, impl=impl))
-
-    run = shard_map(body, mesh=self.mesh, in_specs=(state_spec, rows, rows), out_specs=state_spec)
-    return run(state, ctx.lengths, ctx.positions)
+    return self._per_shard(self.inner.end_step, (state,), (self._specs(),), self._specs(), ctx)
 
   def advance(self, lengths, rows: int):
     return self.inner.advance(lengths, rows)
