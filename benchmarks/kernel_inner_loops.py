@@ -69,7 +69,7 @@ def magic(c):
 
 
 def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, l_ref,
-                        m_ref, *, ng, kbits, vbits, gv, blocks_per_split, sm_scale, values, unroll):
+                        m_ref, *, ng, kbits, vbits, gv, blocks_per_split, sm_scale, variant, unroll):
   """Blocks of ng key groups of V tokens, visited by offset within the group (module docstring); one program
   writes the unnormalized partial (o [rows, D], l, m) of its blocks."""
   layer = layer_ref[0]
@@ -94,9 +94,9 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
     def sub_body(sub, carry):
       words = pl.ds(start // pk + sub, ng, stride=V // pk)
       kw = kc_ref[layer, :, words]  # [D, ng]
-      if values == "tokens":
+      if variant == "tokens":
         vws = [vc_ref[layer, pl.ds(cg * gv, gv), words] for cg in range(ncg)]  # [gv, ng] each
-      elif values.startswith("tokens_deq"):
+      elif variant.startswith("tokens_deq"):
         vw = vc_ref[layer, :, words]  # [D, ng]
 
       def off_body(j, carry):
@@ -104,7 +104,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
         off = sub * pk + j
         shift = (j * kbits).astype(jnp.uint32) if not isinstance(j, int) else jnp.uint32(j * kbits)
         k_hat = (magic((kw >> shift) & kmask) * ks + kz).astype(dt)
-        if values == "tokens_deq_swap":
+        if variant == "tokens_deq_swap":
           s = _dot(k_hat, q, trans_a=True, trans_b=True) * sm_scale  # [ng, rows]
           valid_t = (V * lax.broadcasted_iota(jnp.int32, (ng, 1), 0) + (start + off)) < bound
           m_next = jnp.maximum(m, jnp.max(jnp.where(valid_t, s, MASK_VALUE), axis=0, keepdims=True))
@@ -125,13 +125,13 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
         p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
         tokens = pl.ds(start + off, ng, stride=V)
-        if values == "rows":
+        if variant == "rows":
           v_hat = quantization.dequantize_packed_last_axis(
               vc_ref[layer, tokens, :], vs_ref[layer, tokens, :], vz_ref[layer, tokens, :], bits=vbits,
               group_size=gv, dtype=dt)  # [ng, D]
           v_hat = jnp.where(jnp.reshape(valid, (ng, 1)), v_hat, 0)
           o = o * alpha[:, None] + _dot(p.astype(dt), v_hat)
-        elif values == "tokens":
+        elif variant == "tokens":
           new = []
           for cg in range(ncg):
             cv = magic((vws[cg] >> shift) & vmask).astype(dt)
@@ -157,7 +157,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
 
     return lax.fori_loop(0, V // pk, sub_body, carry)
 
-  if values == "tokens_deq_swap":
+  if variant == "tokens_deq_swap":
     o, m, l = lax.fori_loop(0, n_blocks, block_body, (
         jnp.zeros((D, rows), jnp.float32), jnp.full((1, rows), MASK_VALUE, jnp.float32),
         jnp.zeros((1, rows), jnp.float32)))
@@ -165,13 +165,13 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
     l_ref[...] = jnp.reshape(l, (rows,))
     m_ref[...] = jnp.reshape(m, (rows,))
     return
-  if values == "tokens":
+  if variant == "tokens":
     o0 = tuple(jnp.zeros((rows, gv), jnp.float32) for _ in range(ncg))
   else:
     o0 = jnp.zeros((rows, D), jnp.float32)
   o, m, l = lax.fori_loop(0, n_blocks, block_body, (o0, jnp.full((rows,), MASK_VALUE, jnp.float32),
                                                       jnp.zeros((rows,), jnp.float32)))
-  if values == "tokens":
+  if variant == "tokens":
     for cg in range(ncg):
       o_ref[:, pl.ds(cg * gv, gv)] = o[cg]
   else:
@@ -236,15 +236,15 @@ def contiguous_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_re
 
 
 @functools.partial(jax.jit, static_argnames=["kbits", "vbits", "gv", "ng", "splits", "num_warps", "num_stages",
-                                             "values", "interpret", "unroll"])
+                                             "variant", "interpret", "unroll"])
 def attend(q, layer, kc, ks, kz, vc, vs, vz, length, *, kbits, vbits, gv, ng, splits, num_warps, num_stages,
-           values, interpret=False, unroll=False):
+           variant, interpret=False, unroll=False):
   """One variant's decode attention of q [B, H, 1, g, D] over one store (stacked [1, B, H, ...] arrays, key groups
   of V tokens, values in the variant's layout) holding ``length`` [B] tokens -> o [B, H, 1, g, D].
 
   ng: key groups per block (group-offset variants) or tokens per block (``lib*``); splits: programs per (b, h).
   """
-  if kbits != vbits and not values.startswith("lib"):
+  if kbits != vbits and not variant.startswith("lib"):
     raise ValueError(f"the group-offset variants read keys and values with one word pattern: kbits {kbits} must "
                      f"equal vbits {vbits}")
   B, H, T, g, D = q.shape
@@ -253,7 +253,7 @@ def attend(q, layer, kc, ks, kz, vc, vs, vz, length, *, kbits, vbits, gv, ng, sp
   rows = 16
   n = T * g
   q_rows = jnp.pad(q.reshape(B, H, n, D), ((0, 0), (0, 0), (0, rows - n), (0, 0)))
-  lib = values.startswith("lib")
+  lib = variant.startswith("lib")
   block = ng if lib else ng * V
   n_blocks = -(-C // block)
   bps = -(-n_blocks // splits)
@@ -263,9 +263,9 @@ def attend(q, layer, kc, ks, kz, vc, vs, vz, length, *, kbits, vbits, gv, ng, sp
   arrays = [kc, ks, kz, vc, vs, vz]
   o, l, m = pl.pallas_call(
       functools.partial(contiguous_kernel, block=block, kbits=kbits, vbits=vbits, gk=V, gv=gv, blocks_per_split=bps,
-                        sm_scale=D**-0.5, swap=values == "lib_swap") if lib else
+                        sm_scale=D**-0.5, swap=variant == "lib_swap") if lib else
       functools.partial(group_offset_kernel, ng=ng, kbits=kbits, vbits=vbits, gv=gv, blocks_per_split=bps,
-                        sm_scale=D**-0.5, values=values, unroll=unroll),
+                        sm_scale=D**-0.5, variant=variant, unroll=unroll),
       grid=(B, H, splits),
       in_specs=[pl.BlockSpec((1,), lambda b, h, s: (0,)),
                 pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, 0)),
@@ -345,7 +345,7 @@ def check(variants, unrolls, interpret):
       args = for_variant((*inputs[:7], length), variant, bits)
       got = np.asarray(attend(args[0], 0, *args[1:], kbits=bits, vbits=bits, gv=32,
                               ng=64 if variant.startswith("lib") else 16, splits=2, num_warps=4, num_stages=1,
-                              values=variant, unroll=unroll, interpret=interpret), np.float64)
+                              variant=variant, unroll=unroll, interpret=interpret), np.float64)
       error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
       print(f"check {bits}-bit {variant} unroll={unroll}: relative error {error:.2e}", flush=True)
       if not error < 2e-2:
@@ -384,7 +384,7 @@ def run(variants, unrolls, seconds, out):
       if time.perf_counter() > deadline:
         break
       config = dict(ng=ng, splits=splits, num_warps=warps, num_stages=stages)
-      fn = jax.jit(functools.partial(attend, kbits=2, vbits=2, gv=32, values=variant, unroll=unroll, **config))
+      fn = jax.jit(functools.partial(attend, kbits=2, vbits=2, gv=32, variant=variant, unroll=unroll, **config))
       call = lambda q, *rest: fn(q, 0, *rest)
       try:
         us = median_us(call, [for_variant(s, variant, 2) for s in sets[2]], reps=10)
@@ -396,7 +396,7 @@ def run(variants, unrolls, seconds, out):
         best[variant, unroll] = (us, config)
   for (variant, unroll), (_, config) in sorted(best.items(), key=lambda kv: kv[1][0])[:3]:
     for bits in (4, 1):
-      fn = jax.jit(functools.partial(attend, kbits=bits, vbits=bits, gv=32, values=variant, unroll=unroll, **config))
+      fn = jax.jit(functools.partial(attend, kbits=bits, vbits=bits, gv=32, variant=variant, unroll=unroll, **config))
       call = lambda q, *rest: fn(q, 0, *rest)
       keep(variant, median_us(call, [for_variant(s, variant, bits) for s in sets[bits]]), bits=bits,
            unroll=unroll, config=config)
