@@ -170,6 +170,9 @@ def main():
       cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
     lines = device_events(trace_dir)
 
+  # Device memory the process reached (a host-resident array copied to the device would show here whole).
+  stats = jax.devices()[0].memory_stats() or {}
+  device_peak = stats.get("peak_bytes_in_use")
   summaries = ("XLA Ops", "XLA Modules", "Steps", "Source")
   kernels = [e for name, events in lines.items() if not any(s in name for s in summaries) for e in events]
   ops = [e for name, events in lines.items() if "XLA Ops" in name for e in events]
@@ -178,6 +181,9 @@ def main():
   floor_ms = 1e3 * (weight_bytes + kv_bytes) / rate
   print(f"{args.method} B={batch} context={context}: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step in kernels, "
         f"floor {floor_ms:.2f} ms ({(weight_bytes + kv_bytes) / 2**30:.2f} GiB at {rate / 1e12:.2f} TB/s)")
+  if device_peak is not None:
+    print(f"device memory peak {device_peak / 2**30:.2f} GiB (weights {weight_bytes / 2**30:.2f} GiB, "
+          f"device KV {kv_bytes / 2**30:.2f} GiB, host KV {kv.host / 2**30:.2f} GiB)")
   print("device lines:", {name: len(events) for name, events in lines.items()})
   rows, op_rows = summarize(kernels, steps, args.top), summarize(ops, steps, args.top)
   for title, table in (("kernels", rows), ("XLA ops", op_rows)):
@@ -187,6 +193,7 @@ def main():
   record = dict(method=args.method, method_config=options, compiler_options=compiler_options, batch=batch, context=context, steps=steps,
                 wall_ms_per_step=wall_ms, kernel_ms_per_step=kernel_ms, floor_ms_per_step=floor_ms,
                 weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_host_bytes=kv.host, cache_memory_kinds=kinds,
+                device_peak_bytes=device_peak,
                 copy_rate=rate, kernels=rows, xla_ops=op_rows,
                 device_lines={name: len(events) for name, events in lines.items()},
                 device=jax.devices()[0].device_kind, jax_version=jax.__version__,

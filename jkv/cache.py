@@ -59,6 +59,7 @@ Methods never look at the device themselves.
 
 import abc
 import dataclasses
+import functools
 from typing import Any, ClassVar, Optional
 
 import jax
@@ -189,12 +190,32 @@ class CacheMethod(abc.ABC):
     """Bytes held for these lengths (codes, scales, full-precision parts, pools, counters)."""
 
 
-def allocate(info: ArrayInfo):
-  x = jnp.zeros(info.shape, info.dtype)
-  if info.memory_kind != "device":
-    device = jax.devices()[0]
-    x = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=info.memory_kind))
-  return x
+def allocate(info: ArrayInfo, sharding: Optional[jax.sharding.Sharding] = None):
+  """Zeros for one state array in its memory kind, placed by ``sharding`` (default: the first device; a device
+  array with no sharding stays uncommitted); a sharded device array is made shard by shard on its devices.
+
+  A host-resident array is made from host zeros: ``jnp.zeros`` placed in host memory (by ``device_put`` or a jitted
+  function's out_shardings) is made whole on the device first, a transient the size of the host copy (8 GiB of
+  device memory for an 8 GiB ``pinned_host`` array on an H100; SpeCache's 32 GiB host copy at B = 8, 32k did not
+  fit beside the weights). Inside a jitted function (a prefill sub-batch's empty state) the zeros are traced and
+  ``device_put`` gives them their memory kind.
+  """
+  if sharding is None and info.memory_kind != "device":
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=info.memory_kind)
+  if _tracing():
+    zeros = jnp.zeros(info.shape, info.dtype)
+    return zeros if sharding is None else jax.device_put(zeros, sharding)
+  if info.memory_kind == "device":
+    if sharding is None:
+      return jnp.zeros(info.shape, info.dtype)
+    return jax.jit(functools.partial(jnp.zeros, info.shape, info.dtype), out_shardings=sharding)()
+  # From numpy, not make_array_from_callback: its arrays do not carry the host memory space into jit.
+  return jax.device_put(np.zeros(info.shape, info.dtype), sharding)
+
+
+def _tracing() -> bool:
+  """Whether this runs under a jax transformation (jit), where arrays are traced, not made."""
+  return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
 
 
 def abstract_bytes(abstract) -> HeldBytes:

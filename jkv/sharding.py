@@ -27,11 +27,10 @@ import functools
 from typing import Mapping, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jkv.cache import CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, is_array_info
+from jkv.cache import CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, allocate, is_array_info
 from jkv.config import ModelConfig
 from jkv.params import Layers, Params
 from jkv.params import abstract as param_shapes
@@ -345,12 +344,7 @@ class PerShard(CacheMethod):
 
   def init(self, spec: CacheSpec):
     """Zeros made where they live: each device allocates its own shard (the whole cache may not fit on one)."""
-    abstract, shardings = self.abstract(spec), self.shardings(spec)
-    # device_put inside: a traced array knows its memory kind only from it (SpeCache's host copy), so that the
-    # zeros of a prefill sub-batch, made inside a jitted function, live in host memory too.
-    zeros = lambda: jax.tree.map(lambda i, s: jax.device_put(jnp.zeros(i.shape, i.dtype), s), abstract, shardings,
-                                 is_leaf=is_array_info)
-    return jax.jit(zeros, out_shardings=shardings)()
+    return jax.tree.map(allocate, self.abstract(spec), self.shardings(spec), is_leaf=is_array_info)
 
   # Cache calls: q [B, H, T, g, D] and k, v [B, H, T, D] split over (batch, KV heads), like the state; ctx's
   # lengths and positions over batch; the layer index whole.

@@ -34,10 +34,10 @@ come one by one. Everything runs in one program on one stream, where a copy cann
 so the two fetch schedules differ only in how the copies are batched: ``prefetch=True`` fetches the next step's
 rows of every layer in one kernel call at the end of a step into a device buffer (spec §7.2's pipeline);
 ``prefetch=False`` fetches each layer's rows inside the layer, when it attends (synchronous, no buffer). Both
-give the same rows and outputs; benchmarks/specache_decode.py times them. The first H100 run (one gather call
-per layer in both schedules) measured 52.0 ms/step with the buffer and 45.5 ms at use (B = 8, 32k, Llama-3-8B
-shape), against 24.4 ms for KIVI-2; a top-k over each layer's 32k candidates (0.38 ms, a sort) is now two small
-ones (``top_k_positions``).
+give the same rows and outputs; benchmarks/specache_decode.py times them: 34.8 ms/step with the buffer against
+24.3 ms for KIVI-2 in one H100 run (B = 8, 32k, Llama-3-8B shape; benchmarks/README.md and the profile in
+benchmarks/results name the parts). A top-k over each layer's 32k candidates (0.38 ms, a sort) is two small ones
+(``top_k_positions``).
 
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
 top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
