@@ -32,6 +32,10 @@ layouts the other methods hand it (LAYOUTS; L tokens in all, every store full):
 The kernel reads a cache stacked over layers at a traced layer index; here every stacked array has one layer (a
 leading axis of size 1) and the layer index is 0, so the bytes read are those of one layer's cache.
 
+With ``--orientations``, every fused implementation above (kivi2_fused, kivi4_fused, jkv_dense and the layouts)
+is also timed with each tile orientation forced (``decode_attention(tokens_major=False / True)``, rows
+``<impl>_rows_major`` and ``<impl>_tokens_major``), in the same run: the measurement behind the kernel's choice.
+
 Before timing, the fused kernel is checked against the reference on the device (the script fails if they
 disagree; the kernel with no store too, at DENSE_CONFIG, and every layout the sweep times), and a small autotune over
 block_k / k_splits / num_warps at B = 8, L = 32768 picks the configuration the kivi and layout rows then use.
@@ -40,6 +44,7 @@ the 50 MB L2 does not flatter small sizes), after a warm-up; compile time is rep
 benchmarks/results/kernel_decode_<device>.json; ``--table`` renders them into benchmarks/README.md.
 
     python benchmarks/kernel_decode.py                      # on the GPU
+    python benchmarks/kernel_decode.py --batches 8 --seq-lens 32768 --no-autotune --orientations
     python benchmarks/kernel_decode.py --smoke --out /tmp/x.json   # tiny, interpret mode, any machine
     python benchmarks/kernel_decode.py --table [--out results.json]
 """
@@ -418,8 +423,13 @@ def autotune(device, settings: Settings) -> tuple[dict, list[dict]]:
   return best["config"], records
 
 
-def attention_impls(device, settings: Settings, tuned: dict) -> dict:
-  """impl -> (make inputs (shape, seed), bytes read (shape), jitted fn, config)."""
+ORIENTED = ("kivi2_fused", "kivi4_fused", "jkv_dense", *LAYOUTS)  # what --orientations times both ways
+ORIENTATIONS = {"rows_major": False, "tokens_major": True}
+
+
+def attention_impls(device, settings: Settings, tuned: dict, orientations: bool = False) -> dict:
+  """impl -> (make inputs (shape, seed), bytes read (shape), jitted fn, config); with ``orientations``, every
+  impl in ORIENTED also as ``<impl>_rows_major`` and ``<impl>_tokens_major``."""
   kivi = lambda bits: (lambda shape, seed: kivi_inputs(shape, bits, seed), lambda shape: kivi_bytes(shape, bits))
   dense = lambda implementation: jax.jit(
       lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation))
@@ -436,17 +446,23 @@ def attention_impls(device, settings: Settings, tuned: dict) -> dict:
     config = layout_config(tuned, name)
     impls[name] = (lambda shape, seed, name=name: layout_inputs(shape, name, seed),
                    lambda shape, name=name: layout_bytes(shape, name), fused(config, settings.interpret), config)
+  if orientations:
+    for name in ORIENTED:
+      make, nbytes, _, config = impls[name]
+      for suffix, tokens_major in ORIENTATIONS.items():
+        oriented = {**config, "tokens_major": tokens_major}
+        impls[f"{name}_{suffix}"] = (make, nbytes, fused(oriented, settings.interpret), oriented)
   if device.platform != "gpu":  # cuDNN attention exists only on NVIDIA GPUs
     del impls["cudnn_dense"]
   return impls
 
 
-def sweep(device, settings: Settings, tuned: dict) -> list[dict]:
+def sweep(device, settings: Settings, tuned: dict, orientations: bool = False) -> list[dict]:
   records = []
   for batch, seq_len in itertools.product(settings.batches, settings.seq_lens):
     shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
-    for impl, (make, nbytes, fn, config) in attention_impls(device, settings, tuned).items():
-      if impl in LAYOUTS and (batch not in settings.layout_batches or seq_len > settings.layout_max_seq_len):
+    for impl, (make, nbytes, fn, config) in attention_impls(device, settings, tuned, orientations).items():
+      if impl.removesuffix("_rows_major").removesuffix("_tokens_major") in LAYOUTS and (batch not in settings.layout_batches or seq_len > settings.layout_max_seq_len):
         continue
       set_bytes = nbytes(shape)
       sets = input_set_count(set_bytes, settings)
@@ -497,6 +513,16 @@ def markdown_table(records: list[dict]) -> str:
     row = [f"{cells[i, batch, seq_len]['median_us']:.1f} µs ({cells[i, batch, seq_len]['gbps']:.0f} GB/s)"
            if (i, batch, seq_len) in cells else "–" for i in impls]
     lines.append(f"| {batch} | {seq_len} | " + " | ".join(row) + " |")
+  oriented = [(i, b, n) for i in ORIENTED for b, n in keys
+              if all((f"{i}_{suffix}", b, n) in cells for suffix in ORIENTATIONS)]
+  if oriented:
+    lines += ["", "Tile orientation, forced each way in the same run (`--orientations`); the kernel's own choice "
+              "(tokens_major=None) is tokens-major exactly when a store has holes:", "",
+              "| impl | B | L | rows-major | tokens-major | tokens / rows |", "|---|---|---|---|---|---|"]
+    for impl, batch, seq_len in oriented:
+      rows_us, tokens_us = (cells[f"{impl}_{suffix}", batch, seq_len]["median_us"] for suffix in ORIENTATIONS)
+      lines.append(f"| {impl} | {batch} | {seq_len} | {rows_us:.1f} µs | {tokens_us:.1f} µs | "
+                   f"{tokens_us / rows_us:.2f} |")
   return "\n".join(lines)
 
 
@@ -513,6 +539,8 @@ def main():
   parser.add_argument("--batches", type=int, nargs="+", help="override the batch sizes")
   parser.add_argument("--seq-lens", type=int, nargs="+", help="override the sequence lengths")
   parser.add_argument("--no-autotune", action="store_true", help="time the kernel's default config only")
+  parser.add_argument("--orientations", action="store_true",
+                      help="also time each fused implementation with each tile orientation forced")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   device = jax.devices()[0]
@@ -535,7 +563,7 @@ def main():
     tuned, tune_records = autotune(device, settings)
     check_fused_against_reference(settings, tuned)
     records += tune_records
-  records += sweep(device, settings, tuned)
+  records += sweep(device, settings, tuned, args.orientations)
   if args.append:
     records = merge_file(out, records, RECORD_KEY)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -184,26 +184,33 @@ class _Source:
     return self.store.n_arrays if self.store is not None else 3
 
 
-def _online_softmax_step(carry, logits, valid, v, precision):
-  """One flash-decoding update with a block of n tokens.
+def _online_softmax_step(carry, logits, valid, v, precision, tokens_major):
+  """One flash-decoding update with a block of n tokens, in either tile orientation.
 
   Args:
-    carry: (o [M, D] f32 unnormalized output, m [M] running max, l [M] running sum).
-    logits: [M, n] f32, already scaled.
-    valid: [M or 1, n] bool.
+    carry: rows-major: (o [M, D] f32 unnormalized output, m [M] running max, l [M] running sum); tokens-major:
+      (o [D, M], m [1, M], l [1, M]).
+    logits: [M, n] f32 (tokens-major: [n, M]), already scaled.
+    valid: [M or 1, n] bool (tokens-major: [n, M or 1]).
     v: [n, D] value tile in the dot dtype.
     precision: dot precision (HIGHEST for fp32 inputs, where Triton would otherwise use TF32).
+    tokens_major: the orientation (see ``decode_attention``'s ``tokens_major``).
   """
   o, m, l = carry
-  m_next = jnp.maximum(m, jnp.max(jnp.where(valid, logits, MASK_VALUE), axis=1))
+  token_axis, row_axis = (0, 1) if tokens_major else (1, 0)
+  block_max = jnp.max(jnp.where(valid, logits, MASK_VALUE), axis=token_axis, keepdims=tokens_major)
+  m_next = jnp.maximum(m, block_max)
   alpha = jnp.exp(m - m_next)
   # Masked entries are zeroed, not just made small: a block where a row has no valid token has m_next = MASK_VALUE.
-  p = jnp.where(valid, jnp.exp(logits - m_next[:, None]), 0.0)
+  p = jnp.where(valid, jnp.exp(logits - (m_next if tokens_major else m_next[:, None])), 0.0)
   # Slots that no row attends may hold garbage (even NaN): 0 * NaN would leak through the dot.
-  slot_valid = jnp.max(valid.astype(jnp.int32), axis=0) > 0
-  v = jnp.where(slot_valid[:, None], v, 0)
-  o = o * alpha[:, None] + _dot(p.astype(v.dtype), v, precision=precision)
-  return o, m_next, l * alpha + jnp.sum(p, axis=1)
+  slot_valid = jnp.max(valid.astype(jnp.int32), axis=row_axis, keepdims=tokens_major) > 0
+  v = jnp.where(slot_valid if tokens_major else slot_valid[:, None], v, 0)
+  if tokens_major:
+    o = o * alpha + _dot(v, p.astype(v.dtype), trans_a=True, precision=precision)  # [D, M]
+  else:
+    o = o * alpha[:, None] + _dot(p.astype(v.dtype), v, precision=precision)      # [M, D]
+  return o, m_next, l * alpha + jnp.sum(p, axis=token_axis, keepdims=tokens_major)
 
 
 def _decode_attention_kernel(
@@ -223,6 +230,7 @@ def _decode_attention_kernel(
     sm_scale: float,
     sources: tuple[_Source, ...],
     mass_rows: tuple[int, ...],
+    tokens_major: bool,
 ):
   source_refs = []
   for source in sources:
@@ -240,13 +248,19 @@ def _decode_attention_kernel(
   q = plgpu.load(q_ref, mask=jnp.broadcast_to(real_row[:, None], (rows, head_dim)), other=0)  # padding rows: 0
   row_position = row // q_per_kv  # query position t of row r = t * g + i
   mass_row = functools.reduce(jnp.logical_or, [row_position == t for t in mass_rows], row < 0)
-  init = (jnp.zeros((rows, head_dim), jnp.float32),
-          jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+  # Tiles are [M, n] (rows-major) or [n, M] (tokens-major); these place a row or a token vector along its axis.
+  along_rows = lambda x: x[None, :] if tokens_major else x[:, None]
+  along_tokens = lambda x: x[:, None] if tokens_major else x[None, :]
+  stat_shape = (1, rows) if tokens_major else (rows,)
+  init = (jnp.zeros((head_dim, rows) if tokens_major else (rows, head_dim), jnp.float32),
+          jnp.full(stat_shape, MASK_VALUE, jnp.float32),
+          jnp.zeros(stat_shape, jnp.float32))
 
   def write_partials(carry):
     # Only the T*g real rows are written: the padding rows would multiply the partials' traffic by M / (T*g).
     o, m, l = carry
+    if tokens_major:
+      o, m, l = o.T, m[0], l[0]
     plgpu.store(o_ref, o, mask=real_row[:, None])
     plgpu.store(l_ref, l, mask=real_row)
     plgpu.store(m_ref, m, mask=real_row)
@@ -256,8 +270,9 @@ def _decode_attention_kernel(
     if not mass_rows:
       return
     mask = mass_row[:, None] & (in_range[None, :] if in_range is not None else True)
-    mask = jnp.broadcast_to(mask, logits.shape)
-    plgpu.store(logit_refs[index].at[:, pl.ds(start, block)], jnp.where(valid, logits, MASK_VALUE), mask=mask)
+    logits = jnp.where(valid, logits, MASK_VALUE)
+    logits = logits.T if tokens_major else logits
+    plgpu.store(logit_refs[index].at[:, pl.ds(start, block)], logits, mask=jnp.broadcast_to(mask, logits.shape))
 
   def run(index, source):
     """Programs [first, first + splits) walk this source's blocks, stopping at the last block that can be valid."""
@@ -272,17 +287,18 @@ def _decode_attention_kernel(
       if source.store is not None and source.store.channel_scale:
         # Values are v_hat[s, d] * c[d], so sum_s p[s] v[s, d] = c[d] * sum_s p[s] v_hat[s, d]: the channel
         # scale multiplies this program's partial o once (it covers this store only), not every value it reads.
-        o = o * source_refs[index][-1][layer, :].astype(jnp.float32)[None, :]
+        channel_scale = source_refs[index][-1][layer, :].astype(jnp.float32)  # [D]
+        o = o * (channel_scale[:, None] if tokens_major else channel_scale[None, :])
       write_partials((o, m, l))
 
   def store_block(index, source, refs, start, carry):
     """Tokens [start, start + block) of one quantized store."""
     store, block = source.store, source.block
     k_codes_ref, k_scale_ref, k_zero_ref, v_codes_ref, v_scale_ref, v_zero_ref = refs[:6]
-    valid = (start + lax.broadcasted_iota(jnp.int32, (1, block), 1)) < bounds_ref[index]
+    valid = along_tokens(start + lax.broadcasted_iota(jnp.int32, (block,), 0)) < bounds_ref[index]
     if store.holes:  # the block's slice of the holes mask (Triton reads a bool ref through an int8 pointer)
       holes_at = layer if store.holes_stacked else jnp.int32(0)
-      valid = valid & refs[6][holes_at, pl.ds(start, block)][None, :]
+      valid = valid & along_tokens(refs[6][holes_at, pl.ds(start, block)])
     # The whole key tile is dequantized in registers and meets the query in one dot: every load is a 2-D tile
     # whose rows are contiguous. (Folding each group's key scales into the query instead costs block_k / G small
     # dots and column-wise scale loads; it measured 1.4x slower on an H100.) The block holds whole key groups
@@ -293,13 +309,16 @@ def _decode_attention_kernel(
         k_codes_ref[layer, :, pl.ds(start // k_per_word, block // k_per_word)],
         k_scale_ref[layer, :, groups], k_zero_ref[layer, :, groups],
         bits=store.k_bits, group_size=store.k_group, dtype=dot_dtype)  # [D, block]
-    logits = _dot(q, k_hat, precision=precision) * sm_scale  # [M, block] f32
+    if tokens_major:
+      logits = _dot(k_hat, q, trans_a=True, trans_b=True, precision=precision) * sm_scale  # [block, M] f32
+    else:
+      logits = _dot(q, k_hat, precision=precision) * sm_scale  # [M, block] f32
     write_logits(index, start, block, logits, valid, None)
     tokens = pl.ds(start, block)
     v_hat = dequantize_packed_last_axis(
         v_codes_ref[layer, tokens, :], v_scale_ref[layer, tokens, :], v_zero_ref[layer, tokens, :],
         bits=store.v_bits, group_size=store.v_group, dtype=dot_dtype)  # [block, D], before the channel scale
-    return _online_softmax_step(carry, logits, valid, v_hat, precision)
+    return _online_softmax_step(carry, logits, valid, v_hat, precision, tokens_major)
 
   def segment_block(index, source, refs, start, carry):
     """Tokens [start, start + block) of one full-precision segment."""
@@ -319,11 +338,15 @@ def _decode_attention_kernel(
       k, v = k_ref[at, tokens, :], v_ref[at, tokens, :]
       position_masks = [mask_ref[t, tokens] for t in range(t_rows)]
     # Row r = t * g + i sees key s iff mask[t, s]; padding rows (t >= T) see nothing.
-    valid = functools.reduce(jnp.logical_or, [(row_position == t)[:, None] & (mask_t != 0)[None, :]
-                                              for t, mask_t in enumerate(position_masks)])  # [M, block]
-    logits = _dot(q, k.astype(dot_dtype), trans_b=True, precision=precision) * sm_scale  # [M, block] f32
+    valid = functools.reduce(jnp.logical_or, [along_rows(row_position == t) & along_tokens(mask_t != 0)
+                                              for t, mask_t in enumerate(position_masks)])  # [M, block] or [block, M]
+    k = k.astype(dot_dtype)
+    if tokens_major:
+      logits = _dot(k, q, trans_b=True, precision=precision) * sm_scale  # [block, M] f32
+    else:
+      logits = _dot(q, k, trans_b=True, precision=precision) * sm_scale  # [M, block] f32
     write_logits(index, start, block, logits, valid, in_range)
-    return _online_softmax_step(carry, logits, valid, v.astype(dot_dtype), precision)
+    return _online_softmax_step(carry, logits, valid, v.astype(dot_dtype), precision, tokens_major)
 
   for index, source in enumerate(sources):
     run(index, source)
@@ -345,6 +368,7 @@ def _decode_attention_partials(
     t_rows: int,
     sm_scale: float,
     mass_rows: tuple[int, ...],
+    tokens_major: bool,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -403,7 +427,8 @@ def _decode_attention_partials(
       out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, n_rows, source.length), jnp.float32))
 
   kernel = functools.partial(_decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows,
-                             sm_scale=sm_scale, sources=tuple(sources), mass_rows=mass_rows)
+                             sm_scale=sm_scale, sources=tuple(sources), mass_rows=mass_rows,
+                             tokens_major=tokens_major)
   return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, partials),
@@ -412,7 +437,7 @@ def _decode_attention_partials(
       out_shape=out_shape,
       compiler_params=triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"decode_attention_rows{rows}{name}_{num_warps=}_{num_stages=}",
+      name=f"decode_attention_rows{rows}{name}{'_tokens_major' if tokens_major else ''}_{num_warps=}_{num_stages=}",
   )(*arrays)
 
 
@@ -551,7 +576,7 @@ def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
 @functools.partial(
     jax.jit,
     static_argnames=["sm_scale", "return_lse", "token_mass_rows", "block_k", "k_splits", "block_s", "s_splits",
-                     "num_warps", "num_stages", "interpret"])
+                     "tokens_major", "num_warps", "num_stages", "interpret"])
 def decode_attention(
     q,              # [B, Hkv, T, g, D]
     layer,          # int32 scalar (traced); None when nothing is stacked
@@ -565,6 +590,7 @@ def decode_attention(
     k_splits: int = 16,
     block_s: int = 64,
     s_splits: int = 16,
+    tokens_major: Optional[bool] = None,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
@@ -589,6 +615,13 @@ def decode_attention(
     k_splits: programs per (batch row, KV head) along each store (flash-decoding), clamped to its block count.
     block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
     s_splits: programs per (batch row, KV head) along each segment, clamped to its block count.
+    tokens_major: the orientation of the score tiles. Rows-major computes logits [M, block] = q @ K^T and
+      o [M, D] += p @ V; tokens-major computes their transposes, logits [block, M] = K @ q^T and o [D, M] +=
+      V^T @ p, with the row statistics along the minor axis. Same arithmetic, different register layouts and
+      reductions in Triton. None chooses by layout, as measured on an H100 at B=8, L=32768
+      (benchmarks/kernel_decode.py --orientations): tokens-major when a store has holes (SpeCache's, OTT's and
+      ZipCache's layouts, 15-31% faster), rows-major otherwise (KIVI-2 and dense, where tokens-major was 13-17%
+      slower).
     num_warps, num_stages: Triton launch and software-pipelining parameters.
     interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
@@ -604,6 +637,8 @@ def decode_attention(
   if block_s != _next_power_of_2(block_s) or block_s < 16:
     raise ValueError(f"block_s {block_s} must be a power of two >= 16")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  if tokens_major is None:
+    tokens_major = any(store.valid is not None for store in stores)
   num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
 
@@ -638,8 +673,8 @@ def decode_attention(
   q_rows = q.reshape(batch, kv_heads, n_rows, head_dim)
   o, l, m, *logits = _decode_attention_partials(
       layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, tuple(inputs), sources=tuple(sources),
-      q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, num_warps=num_warps,
-      num_stages=num_stages, interpret=interpret)
+      q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, tokens_major=tokens_major,
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
   # Exact softmax merge of the partials; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)

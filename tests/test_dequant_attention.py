@@ -79,6 +79,7 @@ class Case:
   block_s: int = 64
   s_splits: int = 16
   mass_rows: tuple[int, ...] = ()
+  tokens_major: bool | None = None  # the kernel's tile orientation (None: its choice by layout)
 
   @property
   def batch(self):
@@ -88,7 +89,8 @@ class Case:
     return (f"{'+'.join(map(str, self.stores)) or 'dense'}_L{self.num_layers}_D{self.head_dim}_g{self.q_per_kv}_"
             f"T{self.t_rows}_seg{'-'.join(map(str, self.segments)) or 0}_{jnp.dtype(self.dtype).name}_"
             f"bk{self.block_k}_ks{self.k_splits}_bs{self.block_s}_ss{self.s_splits}"
-            f"{'_mass' + '-'.join(map(str, self.mass_rows)) if self.mass_rows else ''}")
+            f"{'_mass' + '-'.join(map(str, self.mass_rows)) if self.mass_rows else ''}"
+            f"{'' if self.tokens_major is None else '_tokens' if self.tokens_major else '_rows'}")
 
 
 # A deliberate sweep, without the full product that interpret mode cannot afford: stores or not (dense); L in
@@ -98,20 +100,23 @@ class Case:
 # Then the layouts of the other methods: two stores of different widths (ZipCache's pools, holes per step, value
 # channel scale, v_group = D); OTT's KIVI-2 G=128 store read in blocks of 64 (a key group spans two blocks) with
 # stacked holes beside its pools; key groups of 16 inside blocks of 64 (k_group != v_group); SpeCache's 1-bit
-# store with per-step holes beside its fetched rows (a per-step segment with a per-head mask).
+# store with per-step holes beside its fetched rows (a per-step segment with a per-head mask). The kernel picks
+# tokens-major tiles for stores with holes and rows-major otherwise; cases marked _tokens / _rows force the other
+# orientation, so each runs on stores, dense segments, ragged tails, holes, channel scales and the token mass.
 CAUSAL = (1, 3, 63, 65, 256)
 CASES = [
     # KIVI: the store plus its exact window (a per-step segment)
     Case(3, 64, 4, 1, (Store(2, (1, 31, 256)),), (Seg(40, stacked=False),), mass_rows=(0,)),
     Case(1, 128, 3, 2, (Store(4, (100, 0), capacity=512),), (Seg(65, per_head=True), Seg(5, stacked=False)),
-         dtype=jnp.bfloat16, k_splits=3, s_splits=2),
+         dtype=jnp.bfloat16, k_splits=3, s_splits=2, tokens_major=True),
     Case(3, 64, 8, 2, (Store(8, (256, 17)),), (Seg(128, stacked=False), Seg(20, per_head=True)), dtype=jnp.float16,
-         block_k=64, k_splits=4, mass_rows=(1,)),
+         block_k=64, k_splits=4, mass_rows=(1,), tokens_major=True),
     # dense: stacked segments only, causal lengths, split over programs
     Case(3, 64, 4, 1, segments=(Seg(256, valid=CAUSAL),), dtype=jnp.bfloat16, block_s=32, s_splits=3),
-    Case(1, 128, 1, 2, segments=(Seg(256, valid=CAUSAL),), block_s=64, s_splits=16, mass_rows=(0, 1)),
+    Case(1, 128, 1, 2, segments=(Seg(256, valid=CAUSAL),), block_s=64, s_splits=16, mass_rows=(0, 1),
+         tokens_major=True),
     Case(3, 64, 3, 2, segments=(Seg(200, per_head=True, valid=(200, 3, 64)), Seg(3, stacked=False)),
-         dtype=jnp.float16, block_s=32, s_splits=4),
+         dtype=jnp.float16, block_s=32, s_splits=4, tokens_major=True),
     # ZipCache: a 4-bit and a 2-bit pool (holes per step, channel scale, v_group = D), a window; mass over both
     Case(2, 64, 4, 1, (Store(4, (200, 70), k_group=32, v_group=64, holes="step", channel_scale=True),
                        Store(2, (128, 33), capacity=128, k_group=32, v_group=64, holes="step", channel_scale=True)),
@@ -119,10 +124,10 @@ CASES = [
     # OTT: KIVI-2 G=128 in blocks of 64 with stacked holes (outlier placeholders), its pools and window
     Case(2, 128, 2, 1, (Store(2, (384, 130), capacity=384, k_group=128, v_group=64, holes="stacked"),),
          (Seg(3, per_head=True), Seg(32, per_head=True), Seg(16, stacked=False)), dtype=jnp.float16,
-         block_k=64, k_splits=3),
+         block_k=64, k_splits=3, tokens_major=False),
     # key groups of 16 inside blocks of 64, 2-bit keys and 4-bit values grouped by 32, a channel scale
     Case(2, 64, 3, 2, (Store(2, (256, 45), v_bits=4, k_group=16, channel_scale=True),), (Seg(10, stacked=False),),
-         block_k=64),
+         block_k=64, tokens_major=True),
     # SpeCache: 1-bit G=32 with per-step holes (rows attended from their fetched copy), the fetched rows (per-step,
     # per-head mask), the window; two query rows (the speculative one's mass)
     Case(2, 64, 4, 2, (Store(1, (256, 100), holes="step"),),
@@ -230,7 +235,8 @@ class TestDecodeAttentionInterpret:
 
   def _run(self, q, layer, stores, segments, case: Case, **kwargs):
     return decode_attention(q, layer, stores, segments, block_k=case.block_k, k_splits=case.k_splits,
-                            block_s=case.block_s, s_splits=case.s_splits, interpret=self.INTERPRET, **kwargs)
+                            block_s=case.block_s, s_splits=case.s_splits, tokens_major=case.tokens_major,
+                            interpret=self.INTERPRET, **kwargs)
 
   @pytest.mark.parametrize("case", CASES, ids=str)
   def test_matches_reference(self, case):
@@ -260,10 +266,11 @@ class TestDecodeAttentionInterpret:
           attended = np.asarray(store.slot_mask(layer))[:, :, None, :]
           assert np.all(np.asarray(got)[~np.broadcast_to(attended, got.shape)] == 0)
 
-  def test_rows_without_keys_give_zero(self):
+  @pytest.mark.parametrize("tokens_major", [False, True], ids=["rows", "tokens"])
+  def test_rows_without_keys_give_zero(self, tokens_major):
     """k_bits != v_bits; rows with no valid key anywhere (a store of length 0, a store whose slots are all holes,
     the segment masked) return exactly 0, with lse = MASK_VALUE and zero token mass; a dense-only call where a
-    whole batch row is masked does the same."""
+    whole batch row is masked does the same. In both tile orientations."""
     case = Case(1, 64, 4, 2, (Store(4, (0, 77), v_bits=2), Store(2, (64, 30), capacity=64, holes="step")),
                 (Seg(16, stacked=False),), block_k=64)
     q, (store, holed), ((seg_k, seg_v, mask),) = make_inputs(case, 0)
@@ -272,7 +279,8 @@ class TestDecodeAttentionInterpret:
     seg_k = seg_k.at[0].set(jnp.where(mask[0].any(0)[None, :, None], seg_k[0], jnp.nan))
     args = (q, jnp.int32(0), (store, holed), ((seg_k, seg_v, mask),))
     stats = dict(return_lse=True, token_mass_rows=(1,))
-    o, lse, mass = decode_attention(*args, **stats, block_k=64, k_splits=2, interpret=self.INTERPRET)
+    o, lse, mass = decode_attention(*args, **stats, block_k=64, k_splits=2, tokens_major=tokens_major,
+                                    interpret=self.INTERPRET)
     ref_o, ref_lse, ref_mass = decode_attention_reference(*args, **stats)
     np.testing.assert_array_equal(np.asarray(o[0, :, 1]), 0.0)
     np.testing.assert_array_equal(np.asarray(lse[0, :, 1]), np.float32(MASK_VALUE))
@@ -285,7 +293,8 @@ class TestDecodeAttentionInterpret:
 
     dense = Case(3, 64, 2, 1, segments=(Seg(64, valid=(0, 5)),))
     q, _, segments = make_inputs(dense, 2)
-    o, lse = decode_attention(q, jnp.int32(2), (), segments, return_lse=True, interpret=self.INTERPRET)
+    o, lse = decode_attention(q, jnp.int32(2), (), segments, return_lse=True, tokens_major=tokens_major,
+                              interpret=self.INTERPRET)
     np.testing.assert_array_equal(np.asarray(o[0]), 0.0)
     np.testing.assert_array_equal(np.asarray(lse[0]), np.float32(MASK_VALUE))
     assert np.all(np.asarray(lse[1]) > -1e3)
