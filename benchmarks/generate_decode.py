@@ -80,8 +80,7 @@ def run_jkv(cfg, label, batch, prompt_len, new_tokens, *, rate, params, weight_b
   prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
   res = gen.generate(params, cfg, prompts, method=method, max_new_tokens=new_tokens, eos_ids=(), chunk=chunk)
   s = res.stats
-  steps = new_tokens - 1
-  ms_per_step = 1e3 * s["decode_s"] / steps
+  ms_per_step = 1e3 * s["decode_s"] / s["decode_steps"]
   # What one step must read: every weight once, and the cache as held at the middle of the decode.
   floor_ms = 1e3 * (weight_bytes + s["kv_bytes"]) / rate
   record = dict(

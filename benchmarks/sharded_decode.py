@@ -99,7 +99,7 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
   record = dict(
       mesh=spec, devices=len(devices), method="kivi2", method_config=dataclasses.asdict(method), batch=batch,
       computed_largest_batch=largest, prompt_len=prompt_len, new_tokens=new_tokens, capacity=capacity,
-      decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / (new_tokens - 1),
+      decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
       prefill_s=s["prefill_s"], prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"],
       compiles=s["compiles"],
       kv_bytes=s["kv_bytes"], allocated_kv_bytes=s["allocated_kv_bytes"], dense_kv_bytes=s["dense_kv_bytes"],

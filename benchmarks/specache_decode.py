@@ -15,20 +15,28 @@ one command (each fits the device tool's 10 minutes):
     --part step      B = 8, 32k context, the methods named by --methods (default: dense kivi2 specache1
                      specache1_sync), one record each: ms/step, device and host KV bytes, compression
 
+Step times are ``jkv.generate``'s ``decode_s`` over the steps it ran (``decode_steps``); SpeCache's pre-decode
+pass (once per generation, before the first step) is timed apart and recorded as ``pre_decode_s``. Dense needs
+the preallocated pool above: with on-demand allocation (XLA_PYTHON_CLIENT_PREALLOCATE=false) its two 16 GiB cache
+arrays did not find a free block on the H100 after the random weights' initialization (out of memory with about
+47 GiB in use). Each record names the XLA_PYTHON_CLIENT_* settings it ran under; ``peak_device_bytes`` is the
+process's peak so far (the methods run one after another in one process).
+
 Methods: dense; kivi2 (KIVI-2, G = 32, R = 128); specache1 (1-bit, G = 64, R = 64, k = 64, prefetch: the rows
 for step t + 1 are fetched during step t into a device buffer); specache1_sync (the same, rows fetched at use
 time, on the step's critical path); specache2 (2-bit, G = 64). A failure is recorded with its first line and
 the next method runs.
 
     python benchmarks/specache_decode.py --part check                          # on the GPU
-    python benchmarks/specache_decode.py --part step --methods dense kivi2     # on the GPU
-    python benchmarks/specache_decode.py --part step --methods specache1 specache1_sync
+    XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+        python benchmarks/specache_decode.py --part step --methods dense kivi2 specache1 specache1_sync
     python benchmarks/specache_decode.py --smoke                               # a tiny model, any machine
 """
 
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -159,6 +167,7 @@ def run_method(cfg, label, batch, prompt_len, new_tokens, params, chunk):
   record = dict(part="step", impl=f"jkv_{label}", batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                 context=prompt_len + new_tokens, method_config=dataclasses.asdict(method),
                 device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now(),
+                xla_client_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("XLA_PYTHON_CLIENT")},
                 model="random Llama-3-8B shape")
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
@@ -169,8 +178,9 @@ def run_method(cfg, label, batch, prompt_len, new_tokens, params, chunk):
     print(f"{record['impl']:>16} failed: {record['error']}", flush=True)
     return record
   s = res.stats
-  ms = 1e3 * s["decode_s"] / (new_tokens - 1)
+  ms = 1e3 * s["decode_s"] / s["decode_steps"]
   record.update(decode_ms_per_step=ms, decode_tokens_per_s=s["decode_tokens_per_s"], prefill_s=s["prefill_s"],
+                pre_decode_s=s["pre_decode_s"], decode_steps=s["decode_steps"],
                 compile_s=s["compile_s"], kv_bytes=s["kv_bytes"], kv_host_bytes=s["kv_host_bytes"],
                 dense_kv_bytes=s["dense_kv_bytes"], compression=s["dense_kv_bytes"] / s["kv_bytes"],
                 allocated_kv_bytes=s["allocated_kv_bytes"], allocated_kv_host_bytes=s["allocated_kv_host_bytes"],
@@ -178,7 +188,7 @@ def run_method(cfg, label, batch, prompt_len, new_tokens, params, chunk):
                 method_stats=s["method_stats"])
   print(f"{record['impl']:>16} B={batch} {ms:8.2f} ms/step  device KV {s['kv_bytes'] / 2**30:.3f} GiB "
         f"({record['compression']:.2f}x smaller than dense)  host KV {s['kv_host_bytes'] / 2**30:.2f} GiB  "
-        f"prefill {s['prefill_s']:.1f} s", flush=True)
+        f"prefill {s['prefill_s']:.1f} s  pre-decode {1e3 * s['pre_decode_s']:.1f} ms", flush=True)
   return record
 
 

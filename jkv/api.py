@@ -41,7 +41,7 @@ class Stats:
   kv_host_bytes: int  # bytes it holds in host memory (0 for every method that keeps nothing there)
   dense_kv_bytes: int  # bytes a dense cache in the model dtype would hold for the same tokens
   prefill_s: float  # prompt processing, up to the first token
-  decode_s: float  # every token after the first
+  decode_s: float  # every token after the first (a speculative method's pre-decode pass: raw["pre_decode_s"])
   decode_tokens_per_s: float  # generated tokens per second over the batch while decoding
   compile_s: float  # tracing and compiling (near zero once the shapes were seen)
   peak_device_bytes: Optional[int]  # the device's peak memory where jax reports it, else None

@@ -275,7 +275,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
   tokens, the allocated bytes, prefill/decode times with compilation counted apart, and the device's peak
   memory where jax reports it. A method that carries a speculative row (``CacheMethod.speculative_rows``) gets its
-  pre-decode pass before the first step. ``method_stats`` holds what the method gathered while decoding
+  pre-decode pass before the first step, timed apart (``pre_decode_s``, once per call, like prefill; ``decode_s``
+  is the decode steps alone). ``method_stats`` holds what the method gathered while decoding
   (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a speculative method,
   ``speculative_token_match`` (how often the speculative token was the real next token). Non-finite logits raise
   a one-line ValueError naming the sequences.
@@ -332,11 +333,15 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
     done = jnp.isin(first, eos_arr)
     out = [np.asarray(first)[:, None]]
+    t_pre = time.perf_counter()
+    guess, cache = speculative_start(params, cfg, cache, first)
+    guess = sharding.rows(guess, mesh)
+    if S:
+      jax.block_until_ready((guess, cache))
+    pre_decode_s = time.perf_counter() - t_pre
     t1 = time.perf_counter()
     produced = 1
     last, counts = first, zero_counts
-    guess, cache = speculative_start(params, cfg, cache, first)
-    guess = sharding.rows(guess, mesh)
     while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
       cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
           *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
@@ -374,7 +379,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       allocated_kv_host_bytes=allocated.host,
       prefill_sub_batch=rows,
       prefill_s=prefill_s,
-      decode_s=run_decode_s,
+      pre_decode_s=pre_decode_s,  # a speculative method's pre-decode pass (once, before the first step)
+      decode_s=run_decode_s,  # the decode steps
+      decode_steps=produced - 1,  # steps run: whole chunks, so the last may run past max_new_tokens
       decode_tokens_per_s=(B * decoded_steps / run_decode_s) if decoded_steps else 0.0,
       compile_s=compile_s,  # tracing and compiling (near zero when every shape was seen before)
       compiles=compiles.count,

@@ -369,6 +369,7 @@ def test_generate_and_perplexity_through_the_model(tiny_llama):
   assert stats["method_stats"]["speculation_hit_rate"] == 1.0
   assert 0.0 <= stats["method_stats"]["speculative_token_match"] <= 1.0
   assert stats["kv_host_bytes"] == stats["dense_kv_bytes"] and 0 < stats["kv_bytes"]
+  assert stats["decode_steps"] == 24 and stats["pre_decode_s"] > 0  # 3 chunks of 8 after the first token
 
   ids = np.random.default_rng(1).integers(2, cfg.vocab_size, 400).tolist()
   plan = ppl_lib.WindowPlan(context=70, scored=20, num_windows=2, batch_size=2)

@@ -34,9 +34,10 @@ come one by one. Everything runs in one program on one stream, where a copy cann
 so the two fetch schedules differ only in how the copies are batched: ``prefetch=True`` fetches the next step's
 rows of every layer in one kernel call at the end of a step into a device buffer (spec §7.2's pipeline);
 ``prefetch=False`` fetches each layer's rows inside the layer, when it attends (synchronous, no buffer). Both
-give the same rows and outputs; benchmarks/specache_decode.py times them: 34.8 ms/step with the buffer against
-24.3 ms for KIVI-2 in one H100 run (B = 8, 32k, Llama-3-8B shape; benchmarks/README.md and the profile in
-benchmarks/results name the parts). A top-k over each layer's 32k candidates (0.38 ms, a sort) is two small ones
+give the same rows and outputs; benchmarks/specache_decode.py times them in one H100 run (B = 8, 32k, Llama-3-8B
+shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KIVI-2 and 19.94 ms for dense
+(benchmarks/README.md and the profile in benchmarks/results name the parts). The two schedules are equal within
+1% (no overlap to win on one stream); the buffer stays the default, as the spec's pipeline. A top-k over each layer's 32k candidates (0.38 ms, a sort) is two small ones
 (``top_k_positions``).
 
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
