@@ -102,21 +102,21 @@ def _driver(method, impl="xla") -> Driver:
 
 def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
   """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns each step's output
-  [steps, B, H, T, g, D] (T = 2 rows for SpeCache, the real one first) and the states after pre-decode and after
-  each step."""
+  [steps, B, H, T, g, D] (T = 2 rows for a speculative method, the real one first) and the states after
+  pre-decode and after each step."""
   q, k, v = real
   sq, sk, sv = spec_rows
   lengths = np.asarray(lengths)
   B = len(lengths)
   driver = _driver(method, impl)
   state = driver.start(_spec(B, capacity), k[:, :, :lengths.max()], v[:, :, :lengths.max()], lengths)
-  if isinstance(method, SpeCache):
+  if method.speculative_rows:
     _, state = driver.pre_decode(state, _at(q, lengths), _at(k, lengths), _at(v, lengths), lengths)
   outs, states = [], [state]
   for t in range(steps):
     pos = lengths + t
     rows = lambda real_x, spec_x: np.concatenate([_at(real_x, pos), _at(spec_x, pos + 1)], axis=2)
-    if isinstance(method, SpeCache):
+    if method.speculative_rows:
       out, state = driver.step(state, rows(q, sq), rows(k, sk), rows(v, sv), pos)
     else:
       out, state = driver.step(state, _at(q, pos), _at(k, pos), _at(v, pos), pos)
@@ -213,6 +213,28 @@ def _fake_quant(x, axis):
   return quant_oracle.fake_quant(x, bits=1, axis=axis, group_size=32).astype(np.float32)
 
 
+class _MixedCache:
+  """The cache a step reads, built explicitly for batch row b with the real row at position pos (pos + 1 tokens
+  held): each position's key and value exact if it is among the fetched rows (idx [H, k] where ok) of its KV head
+  or in the exact window (key from bK on, value from bV on), else 1-bit quantized in one shot (keys per channel,
+  values per token). Returns keys, values [H, C, D]."""
+
+  def __init__(self, k, v, residual):
+    self.k, self.v, self.residual = k, v, residual
+    self.k_hat = np.swapaxes(_fake_quant(np.swapaxes(k, 2, 3), 3), 2, 3)
+    self.v_hat = _fake_quant(v, 3)
+
+  def __call__(self, b, pos, idx, ok):
+    capacity = self.k.shape[2]
+    b_k, b_v, s = self.residual * (pos // self.residual), max(0, pos - self.residual), np.arange(capacity)
+    fetched = np.zeros((H, capacity), bool)
+    for h in range(H):
+      fetched[h, idx[h][ok[h]]] = True
+    kb = np.where((fetched | (s >= b_k))[:, :, None], self.k[b], self.k_hat[b])
+    vb = np.where((fetched | (s >= b_v))[:, :, None], self.v[b], self.v_hat[b])
+    return kb, vb
+
+
 def test_partial_fetch_equals_attention_over_the_mixed_cache():
   """Spec §8.7: with k < the candidates, both rows of every step equal one softmax over an explicitly built mixed
   cache: each held position's key and value exact if it is among the fetched rows of its KV head or in the exact
@@ -222,21 +244,14 @@ def test_partial_fetch_equals_attention_over_the_mixed_cache():
   (q, k, v), (sq, sk, sv) = _data(rng, 2, 256)
   lengths = np.array([61, 140])
   outs, states = _run(FEW, (q, k, v), (sq, sk, sv), lengths, 12)
-  k_hat = np.swapaxes(_fake_quant(np.swapaxes(k, 2, 3), 3), 2, 3)
-  v_hat = _fake_quant(v, 3)
-  R = FEW.residual
+  mixed = _MixedCache(k, v, FEW.residual)
   for t in range(12):
     pos = lengths + t  # the real row's position; N = pos + 1 tokens are held during the step
     idx, ok = np.asarray(states[t].fetched_idx[1]), np.asarray(states[t].fetched_ok[1])
     keys, values, masks = [], [], []
     for b in range(2):
-      n, b_k, b_v = pos[b] + 1, R * (pos[b] // R), max(0, pos[b] - R)
-      s = np.arange(256)
-      fetched = np.zeros((H, 256), bool)
-      for h in range(H):
-        fetched[h, idx[b, h][ok[b, h]]] = True
-      kb = np.where((fetched | (s >= b_k))[:, :, None], k[b], k_hat[b])
-      vb = np.where((fetched | (s >= b_v))[:, :, None], v[b], v_hat[b])
+      n, s = pos[b] + 1, np.arange(256)
+      kb, vb = mixed(b, pos[b], idx[b], ok[b])
       keys.append(np.concatenate([kb, sk[b, :, pos[b] + 1][:, None]], axis=1))
       values.append(np.concatenate([vb, sv[b, :, pos[b] + 1][:, None]], axis=1))
       held = np.concatenate([s < n, [False]])
@@ -245,7 +260,48 @@ def test_partial_fetch_equals_attention_over_the_mixed_cache():
     ref = gqa_attention_reference(jnp.asarray(rows), jnp.asarray(np.stack(keys)), jnp.asarray(np.stack(values)),
                                   jnp.asarray(np.stack(masks)))
     np.testing.assert_allclose(outs[t], np.asarray(ref), rtol=2e-5, atol=2e-5)
-  assert 0 < ok.sum() < H * 2 * (R * (pos.max() // R))  # some candidates fetched, not all
+  assert 0 < ok.sum() < H * 2 * (FEW.residual * (pos.max() // FEW.residual))  # some candidates fetched, not all
+
+
+def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
+  """The non-speculative baseline (``speculate=False``, spec §8.15's upper bound): one row per step, no
+  pre-decode; the rows it attends in 16 bits are a top k, by brute force, of the real row's own probabilities
+  over the low-bit cache among this step's quantized keys, and its output is the softmax over the mixed cache
+  with exactly those rows exact; with k >= every candidate it is exact attention."""
+  rng = np.random.default_rng(12)
+  real, spec_rows = _data(rng, 2, 256)
+  (q, k, v), lengths, steps = real, np.array([61, 140]), 10
+  method = SpeCache(fetch_rows=8, residual=32, speculate=False)
+  assert method.speculative_rows == 0
+  outs, states = _run(method, real, spec_rows, lengths, steps)
+  mixed = _MixedCache(k, v, method.residual)
+  nothing = np.zeros((H, 8), np.int32), np.zeros((H, 8), bool)
+  for t in range(steps):
+    pos = lengths + t
+    idx, ok = np.asarray(states[t + 1].fetched_idx[1]), np.asarray(states[t + 1].fetched_ok[1])
+    bound = np.asarray(method.low_bit.key_boundary(jnp.asarray(pos + 1)))
+    for b in range(2):
+      held = np.arange(256) <= pos[b]
+      # the selection: the real row's probabilities over the cache as held, nothing fetched, summed over g
+      low_k, _ = mixed(b, pos[b], *nothing)
+      logits = np.einsum("hgd,hsd->hgs", q[b, :, pos[b]], low_k) / np.sqrt(D)
+      p = np.exp(logits - logits.max(-1, keepdims=True)) * held
+      scores = (p / p.sum(-1, keepdims=True)).sum(1)  # [H, 256]
+      assert np.all(ok[b] == (idx[b] < bound[b])) and ok[b].sum() == H * min(8, bound[b])
+      for h in range(H):
+        chosen = np.zeros(256, bool)
+        chosen[idx[b, h][ok[b, h]]] = True
+        others = ~chosen & (np.arange(256) < bound[b])
+        if others.any():
+          assert scores[h][chosen].min() >= scores[h][others].max() - 1e-6
+      # the output: one softmax over the mixed cache with the chosen rows exact
+      kb, vb = mixed(b, pos[b], idx[b], ok[b])
+      ref = gqa_attention_reference(jnp.asarray(q[b:b + 1, :, pos[b]][:, :, None]), jnp.asarray(kb[None]),
+                                    jnp.asarray(vb[None]), jnp.asarray(held[None, None]))
+      np.testing.assert_allclose(outs[t][b], np.asarray(ref)[0], rtol=2e-5, atol=2e-5)
+  every, _ = _run(SpeCache(fetch_rows=256, residual=32, speculate=False), real, spec_rows, lengths, 4)
+  for t in range(4):
+    np.testing.assert_allclose(every[t], _dense(real, lengths + t), rtol=2e-5, atol=2e-5)
 
 
 def test_batch_rows_are_independent():

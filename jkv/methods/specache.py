@@ -212,7 +212,6 @@ class SpeCache(CacheMethod):
   k) 16-bit rows per (sequence, layer, KV head) fetched from host memory for each step."""
 
   name = "specache"
-  speculative_rows = 1
   bits: int = dataclasses.field(default=1, metadata={
       "help": "code width of the low-bit copy's keys and values (1: the quarter-point quantizer)"})
   fetch_rows: int = dataclasses.field(default=64, metadata={
@@ -227,6 +226,14 @@ class SpeCache(CacheMethod):
               "(else each layer fetches its own when it attends)"})
   hit_rate: bool = dataclasses.field(default=True, metadata={
       "help": "measure the speculation hit rate (one more top-k per layer and step)"})
+  speculate: bool = dataclasses.field(default=True, metadata={
+      "help": "choose the fetched rows with the speculative next-token row (SpeCache); false: the real row picks "
+              "them from the low-bit copy and attends again with them (the paper's fetch-then-recompute "
+              "baseline: no guess, two attention passes per layer; prefetch does not apply)"})
+
+  @property
+  def speculative_rows(self) -> int:
+    return 1 if self.speculate else 0
 
   def __post_init__(self):
     if self.bits not in SPECACHE_BITS:
@@ -271,7 +278,7 @@ class SpeCache(CacheMethod):
         staged_kv=ArrayInfo((L, B, H, 1, 2 * D), spec.dtype, lead + ("tokens", "kv_channels")),
         fetched_idx=fetched(jnp.int32),
         fetched_ok=fetched(jnp.bool_),
-        fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch else None,
+        fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch and self.speculate else None,
         hit_sum=counter,
         hit_steps=counter,
     )
@@ -302,12 +309,16 @@ class SpeCache(CacheMethod):
     return out, state
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
-    """Rows [real, speculative] at positions [n, n + 1] (q [B, H, 2, g, D]); stores the real row only."""
+    """Rows [real, speculative] at positions [n, n + 1] (q [B, H, 2, g, D]); stores the real row only. Without
+    ``speculate``, the real row alone (q [B, H, 1, g, D])."""
     if k.shape[2] != 1 + self.speculative_rows:
-      raise ValueError(f"specache steps carry the real row and one speculative row, got {k.shape[2]} rows")
+      raise ValueError(f"specache steps carry the real row{' and one speculative row' if self.speculate else ''}, "
+                       f"got {k.shape[2]} rows")
     n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
     low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl)
     staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
+    if not self.speculate:
+      return self._fetch_then_recompute(state.replace(low=low, staged_kv=staged), layer, q, n, k_rows, ctx)
     fetched = None
     if k_rows:
       idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
@@ -327,12 +338,25 @@ class SpeCache(CacheMethod):
       state = self._keep(state, layer, *self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows))
     return out, state
 
+  def _fetch_then_recompute(self, state, layer, q, n, k_rows, ctx: StepContext):
+    """The non-speculative baseline (spec §8.15's upper bound, §8.19's A/B): the real row (its K/V already in the
+    window) attends the low-bit cache, its own probabilities pick the top k among this step's quantized keys,
+    those rows come from host memory, and it attends again with them."""
+    fetched = None
+    if k_rows:
+      _, scores = self._attend(state.low, layer, q, ctx.positions, n + 1, None, None, (0,), ctx.impl)
+      idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      state = self._keep(state, layer, idx, ok)
+      fetched = (idx, ok, gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0])
+    out, _ = self._attend(state.low, layer, q, ctx.positions, n + 1, fetched, None, (), ctx.impl)
+    return out, state
+
   def end_step(self, state, ctx: StepContext):
     """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
     prefetch, the next step's rows of every layer from it in one call (spec §7.2's host append; the rows chosen
     may include the one just written)."""
     state = state.replace(host_kv=host_write_rows(state.host_kv, state.staged_kv, ctx.lengths))
-    if self.prefetch and state.fetched_idx.shape[-1]:
+    if state.fetched_kv is not None and state.fetched_idx.shape[-1]:
       state = state.replace(fetched_kv=gather_host_rows(state.host_kv, 0, state.fetched_idx, ctx.impl))
     return state
 
@@ -340,7 +364,7 @@ class SpeCache(CacheMethod):
 
   def _attend(self, low, layer, q, q_positions, lengths, fetched, own, mass_rows, impl):
     """One softmax over the mixed cache of a step holding ``lengths`` [B] tokens, plus the rows' own K/V ``own``
-    (k, v [B, H, r, D], mask [B, T, r]); fetched = (idx [B, H, k], ok [B, H, k], rows [B, H, k, 2D]) or None.
+    (k, v [B, H, r, D], mask [B, T, r]; None when they are all held already); fetched = (idx [B, H, k], ok [B, H, k], rows [B, H, k, 2D]) or None.
 
     Returns out [B, H, T, g, D] and scores [B, H, len(mass_rows), C] float32: each position's probability from
     each chosen row, summed over the g query heads, at whichever precision it was read (None with no rows).
@@ -362,7 +386,7 @@ class SpeCache(CacheMethod):
       win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
       rows = rows.astype(q.dtype)
       segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(ok[:, :, None, :], (B, H, T, ok.shape[-1]))))
-    segments = [(k_win.astype(q.dtype), v_win, win_mask)] + segments + [own]
+    segments = [(k_win.astype(q.dtype), v_win, win_mask)] + segments + ([own] if own is not None else [])
     store = kivi.store(low, kivi.value_boundary(lengths), valid)
     if not mass_rows:
       return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl), None
@@ -402,7 +426,7 @@ class SpeCache(CacheMethod):
   # ---------------------------------------------------------------------------------------------- reports
 
   def decode_stats(self, state) -> dict:
-    if not self.hit_rate:
+    if not (self.hit_rate and self.speculate):  # without a guess, the rows are the real row's own choice
       return {}
     steps = float(np.sum(np.asarray(state.hit_steps)))
     return {"speculation_hit_rate": float(np.sum(np.asarray(state.hit_sum))) / steps if steps else None}
