@@ -24,7 +24,8 @@ process's peak so far (the methods run one after another in one process).
 
 Methods: dense; kivi2 (KIVI-2, G = 32, R = 128); specache1 (1-bit, G = 64, R = 64, k = 64, prefetch: the rows
 for step t + 1 are fetched during step t into a device buffer); specache1_sync (the same, rows fetched at use
-time, on the step's critical path); specache2 (2-bit, G = 64). A failure is recorded with its first line and
+time, on the step's critical path); specache1_nospec (the non-speculative baseline, ``speculate=False``: one
+row, the real row's own top k fetched inside the layer and attended in a second pass); specache2 (2-bit, G = 64). A failure is recorded with its first line and
 the next method runs.
 
     python benchmarks/specache_decode.py --part check                          # on the GPU
@@ -54,6 +55,7 @@ METHODS = {
     "kivi2": ("kivi", {"bits": 2}),
     "specache1": ("specache", dict(SPECACHE, bits=1)),
     "specache1_sync": ("specache", dict(SPECACHE, bits=1, prefetch=False)),
+    "specache1_nospec": ("specache", dict(SPECACHE, bits=1, speculate=False)),
     "specache2": ("specache", dict(SPECACHE, bits=2)),
 }
 DEFAULT_METHODS = ("dense", "kivi2", "specache1", "specache1_sync")

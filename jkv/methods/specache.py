@@ -40,6 +40,11 @@ shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KI
 1% (no overlap to win on one stream); the buffer stays the default, as the spec's pipeline. A top-k over each layer's 32k candidates (0.38 ms, a sort) is two small ones
 (``top_k_positions``).
 
+``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, spec §8.15's upper
+bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
+cache, its own probabilities pick the top k, those rows come from host memory and it attends again. It measures
+what the guess costs in quality.
+
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
 top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
 heads, layers, sequences and steps.
@@ -199,7 +204,8 @@ class SpeCacheState:
   fetched_idx: jax.Array  # [L, B, H, k] int32: positions the next step attends from their 16-bit rows
   fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
   fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, fetched at the end of the previous step
-                         # (None when prefetch=False: each layer fetches them when it attends)
+                         # (None when prefetch=False or speculate=False: each layer fetches them when it
+                         # attends)
   hit_sum: jax.Array  # [L, B, H] float32: per step, the fraction of the real row's top k that was fetched
   hit_steps: jax.Array  # [L, B, H] float32: steps counted in hit_sum (per KV head, so a mesh that splits the
                         # heads counts every shard's)
