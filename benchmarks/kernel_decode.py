@@ -462,7 +462,8 @@ def sweep(device, settings: Settings, tuned: dict, orientations: bool = False) -
   for batch, seq_len in itertools.product(settings.batches, settings.seq_lens):
     shape = Shape(batch, seq_len, settings.q_heads, settings.kv_heads)
     for impl, (make, nbytes, fn, config) in attention_impls(device, settings, tuned, orientations).items():
-      if impl.removesuffix("_rows_major").removesuffix("_tokens_major") in LAYOUTS and (batch not in settings.layout_batches or seq_len > settings.layout_max_seq_len):
+      layout = re.sub(r"_(rows|tokens)_major$", "", impl)  # a layout, forced to one orientation or not
+      if layout in LAYOUTS and (batch not in settings.layout_batches or seq_len > settings.layout_max_seq_len):
         continue
       set_bytes = nbytes(shape)
       sets = input_set_count(set_bytes, settings)

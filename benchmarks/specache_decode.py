@@ -25,8 +25,8 @@ process's peak so far (the methods run one after another in one process).
 Methods: dense; kivi2 (KIVI-2, G = 32, R = 128); specache1 (1-bit, G = 64, R = 64, k = 64, prefetch: the rows
 for step t + 1 are fetched during step t into a device buffer); specache1_sync (the same, rows fetched at use
 time, on the step's critical path); specache1_nospec (the non-speculative baseline, ``speculate=False``: one
-row, the real row's own top k fetched inside the layer and attended in a second pass); specache2 (2-bit, G = 64). A failure is recorded with its first line and
-the next method runs.
+row, the real row's own top k fetched inside the layer and attended in a second pass); specache2 (2-bit,
+G = 64). A failure is recorded with its first line and the next method runs.
 
     python benchmarks/specache_decode.py --part check                          # on the GPU
     XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \

@@ -37,8 +37,8 @@ rows of every layer in one kernel call at the end of a step into a device buffer
 give the same rows and outputs; benchmarks/specache_decode.py times them in one H100 run (B = 8, 32k, Llama-3-8B
 shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KIVI-2 and 19.94 ms for dense
 (benchmarks/README.md and the profile in benchmarks/results name the parts). The two schedules are equal within
-1% (no overlap to win on one stream); the buffer stays the default, as the spec's pipeline. A top-k over each layer's 32k candidates (0.38 ms, a sort) is two small ones
-(``top_k_positions``).
+1% (no overlap to win on one stream); the buffer stays the default, as the spec's pipeline. A top-k over each
+layer's 32k candidates (0.38 ms, a sort) is two small ones (``top_k_positions``).
 
 ``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, spec §8.15's upper
 bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
@@ -370,7 +370,8 @@ class SpeCache(CacheMethod):
 
   def _attend(self, low, layer, q, q_positions, lengths, fetched, own, mass_rows, impl):
     """One softmax over the mixed cache of a step holding ``lengths`` [B] tokens, plus the rows' own K/V ``own``
-    (k, v [B, H, r, D], mask [B, T, r]; None when they are all held already); fetched = (idx [B, H, k], ok [B, H, k], rows [B, H, k, 2D]) or None.
+    (k, v [B, H, r, D], mask [B, T, r]; None when they are all held already); fetched = (idx [B, H, k],
+    ok [B, H, k], rows [B, H, k, 2D]) or None.
 
     Returns out [B, H, T, g, D] and scores [B, H, len(mass_rows), C] float32: each position's probability from
     each chosen row, summed over the g query heads, at whichever precision it was read (None with no rows).
