@@ -274,6 +274,7 @@ def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
   method = SpeCache(fetch_rows=8, residual=32, speculate=False)
   assert method.speculative_rows == 0
   outs, states = _run(method, real, spec_rows, lengths, steps)
+  assert states[-1].hit_sum is None and states[-1].fetched_kv is None  # no guess to score, nothing prefetched
   mixed = _MixedCache(k, v, method.residual)
   nothing = np.zeros((H, 8), np.int32), np.zeros((H, 8), bool)
   for t in range(steps):

@@ -208,7 +208,7 @@ class SpeCacheState:
                          # attends)
   hit_sum: jax.Array  # [L, B, H] float32: per step, the fraction of the real row's top k that was fetched
   hit_steps: jax.Array  # [L, B, H] float32: steps counted in hit_sum (per KV head, so a mesh that splits the
-                        # heads counts every shard's)
+                        # heads counts every shard's); both None unless counts_hits
 
 
 @register
@@ -240,6 +240,11 @@ class SpeCache(CacheMethod):
   @property
   def speculative_rows(self) -> int:
     return 1 if self.speculate else 0
+
+  @property
+  def counts_hits(self) -> bool:
+    """Whether steps measure the hit rate: only a speculative guess can miss."""
+    return self.hit_rate and self.speculate
 
   def __post_init__(self):
     if self.bits not in SPECACHE_BITS:
@@ -277,7 +282,7 @@ class SpeCache(CacheMethod):
     lead = ("layers", "batch", "kv_heads")
     fetched = lambda dtype, *channels: ArrayInfo((L, B, H, k) + channels, dtype,
                                                  lead + ("fetched",) + ("kv_channels",) * len(channels))
-    counter = ArrayInfo((L, B, H), jnp.float32, lead)
+    counter = ArrayInfo((L, B, H), jnp.float32, lead) if self.counts_hits else None
     return SpeCacheState(
         low=self.low_bit.abstract(spec),
         host_kv=ArrayInfo((L, B, H, C, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"), memory_kind="pinned_host"),
@@ -335,11 +340,11 @@ class SpeCache(CacheMethod):
       fetched = (idx, ok, rows)
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
-    mass_rows = ((0, 1) if self.hit_rate else (1,)) if k_rows else ()
+    mass_rows = ((0, 1) if self.counts_hits else (1,)) if k_rows else ()
     out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
     state = state.replace(low=low, staged_kv=staged)
     if k_rows:
-      if self.hit_rate:
+      if self.counts_hits:
         state = self._count_hits(state, layer, idx, ok, scores[:, :, 0], self.low_bit.key_boundary(n + 1))
       state = self._keep(state, layer, *self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows))
     return out, state
@@ -433,14 +438,14 @@ class SpeCache(CacheMethod):
   # ---------------------------------------------------------------------------------------------- reports
 
   def decode_stats(self, state) -> dict:
-    if not (self.hit_rate and self.speculate):  # without a guess, the rows are the real row's own choice
+    if not self.counts_hits:
       return {}
     steps = float(np.sum(np.asarray(state.hit_steps)))
     return {"speculation_hit_rate": float(np.sum(np.asarray(state.hit_sum))) / steps if steps else None}
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     """Device: the low-bit copy (KIVI's count at residual R), the k fetched 16-bit K/V rows per layer and KV head
-    with their positions and flags, the step's staged row and the hit counters: the spec's
+    with their positions and flags, the step's staged row and the hit counters (``counts_hits``): the spec's
     2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer plus those few bytes. Host: every stored token's K and V in the
     model dtype."""
     del state
@@ -449,5 +454,5 @@ class SpeCache(CacheMethod):
     act = jnp.dtype(spec.dtype).itemsize
     low = self.low_bit.held_bytes(spec, None, n)
     fetched = L * len(n) * H * self.fetch_capacity(spec) * (2 * D * act + 4 + 1)
-    staged_and_counters = L * len(n) * H * (2 * D * act + 2 * 4)
+    staged_and_counters = L * len(n) * H * (2 * D * act + (2 * 4 if self.counts_hits else 0))
     return HeldBytes(device=low.device + fetched + staged_and_counters, host=int(2 * L * H * D * act * n.sum()))
