@@ -85,16 +85,69 @@ def check_memory_kinds(cache, step):
 
 
 def device_events(trace_dir):
-  """{line name: [(event name, duration ns), ...]} for every line of the GPU planes of the trace in ``trace_dir``:
-  the streams' kernels and copies, and XLA's own summary lines ("XLA Ops", "XLA Modules")."""
+  """{device plane: {line name: [(event name, duration ns), ...]}} of the GPU planes of the trace in ``trace_dir``:
+  each device's streams of kernels and copies, and XLA's own summary lines ("XLA Ops", "XLA Modules")."""
   from jax.profiler import ProfileData
-  lines = collections.defaultdict(list)
+  planes = collections.defaultdict(lambda: collections.defaultdict(list))
   for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
     for plane in ProfileData.from_file(path).planes:
       if plane.name.startswith("/device:GPU"):
         for line in plane.lines:
-          lines[line.name] += [(event.name, event.duration_ns) for event in line.events]
-  return lines
+          planes[plane.name][line.name] += [(event.name, event.duration_ns) for event in line.events]
+  return planes
+
+
+SUMMARY_LINES = ("XLA Ops", "XLA Modules", "Steps", "Source")
+
+
+def kernel_events(lines):
+  """The kernel and copy events of one device's lines (its streams), without XLA's summary lines."""
+  return [e for name, events in lines.items() if not any(s in name for s in SUMMARY_LINES) for e in events]
+
+
+def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compiler_options=None, xla_defaults=False):
+  """``steps`` decode steps of jkv.generate's decode chunk over a cache of ``batch`` sequences holding ``context``
+  tokens, on ``mesh`` (None: one device), built, placed and committed as generate does it (the cache by
+  ``sharding.create_cache``, the per-sequence arguments by ``sharding.rows``; a speculative method's pre-decode
+  pass first). Compiled once, run once, timed three times, then traced.
+
+  Returns dict(wall_ms: median wall time per step, planes: ``device_events`` of the traced run, cache: the cache
+  after it, kinds: ``check_memory_kinds``).
+  """
+  capacity = gen.round_up(context + steps, method.capacity_multiple())
+  with sharding.use_mesh(mesh):
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
+    params, cache = gen.committed((params, cache))
+    where = cache.lengths.sharding
+    held = lambda: jax.device_put(jnp.full((batch,), context, jnp.int32), where)  # donated with the cache
+    cache = cache.replace(lengths=held())
+    first, no, counts, rng, eos, pad = sharding.rows(gen.committed((
+        jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.int32),
+        jax.random.key(0), jnp.asarray((-1,), jnp.int32), jnp.int32(0))), mesh)  # eos -1: every step runs
+    # spec [B, S]: a speculative method's pre-decode pass (SpeCache's first top-k and fetch) gives its first
+    # speculative tokens, as in generate; [B, 0] for the others.
+    spec, cache = gen.speculative_start(params, cfg, cache, first)
+    spec = sharding.rows(spec, mesh)
+    decode_args = lambda cache, last, spec: (params, cache, last, spec, no, no, counts, rng, eos, pad)
+    step = compile_step(decode_args(cache, first, spec), cfg, steps, compiler_options, xla_defaults)
+    kinds = check_memory_kinds(cache, step)
+
+    def run(cache, last, spec):
+      cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
+      # Placed as the step takes them (a mesh's partitioner may return another placement), as generate does.
+      return cache, *sharding.rows((last, spec), mesh)
+
+    cache, last, spec = run(cache, first, spec)  # first run
+    walls = []
+    for _ in range(3):
+      start = time.perf_counter()
+      cache, last, spec = run(cache.replace(lengths=held()), last, spec)
+      walls.append((time.perf_counter() - start) / steps)
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        cache, last, spec = run(cache.replace(lengths=held()), last, spec)
+      planes = device_events(trace_dir)
+  return dict(wall_ms=1e3 * statistics.median(walls), planes=planes, cache=cache, kinds=kinds)
 
 
 def summarize(events, steps, top):
@@ -127,24 +180,8 @@ def main():
   batch, context, steps = (2, 64, 4) if args.smoke else (args.batch, args.context, args.steps)
   name, options = METHODS[args.method]
   method = make_method(name, **options)
-  capacity = gen.round_up(context + steps, method.capacity_multiple())
   params = params_lib.init_random(cfg, jax.random.key(0))
-  # The cache allocated and everything committed as jkv.generate does it: each array in its declared memory kind,
-  # and the step compiled for committed arguments, as generate's are (its outputs are committed).
-  cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), None)
-  params, cache = gen.committed((params, cache))
-  held = lambda: gen.committed(jnp.full((batch,), context, jnp.int32))  # [B]; donated with the cache: a new one a run
-  cache = cache.replace(lengths=held())
-  first, no, counts, rng, eos, pad = gen.committed((
-      jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.int32), jax.random.key(0),
-      jnp.asarray((-1,), jnp.int32), jnp.int32(0)))  # eos -1: no sequence ever stops, every step runs
-  # spec [B, S]: a speculative method's pre-decode pass (SpeCache's first top-k and fetch) gives its first
-  # speculative tokens, as in generate; [B, 0] for the others.
-  spec, cache = gen.speculative_start(params, cfg, cache, first)
-  decode_args = lambda cache, last, spec: (params, cache, last, spec, no, no, counts, rng, eos, pad)
   weight_bytes = memory.tree_bytes(params)
-  kv = cache.held_bytes(jnp.full((batch,), context + steps // 2))
-  kv_bytes = kv.device  # the floor's: a step reads of the host copy only the rows it fetches
   rate = 1e10 if args.smoke else copy_rate()
   compiler_options = {} if args.xla_defaults else dict(MODEL_COMPILER_OPTIONS)
   extra = {}
@@ -152,32 +189,22 @@ def main():
     key, value = item.split("=", 1)
     extra[key] = {"true": True, "false": False}.get(value.lower(), value)
   compiler_options.update(extra)
-  step = compile_step(decode_args(cache, first, spec), cfg, steps, extra, args.xla_defaults)
-  kinds = check_memory_kinds(cache, step)
+  traced = trace_decode(params, cfg, method, batch=batch, context=context, steps=steps, compiler_options=extra,
+                        xla_defaults=args.xla_defaults)
+  kinds = traced["kinds"]
   print("cache memory kinds (declared, passed, taken and returned by the step):",
         {kind: names if kind != "device" else f"{len(names)} arrays" for kind, names in kinds.items()})
-
-  cache, last, spec = jax.block_until_ready(step(*decode_args(cache, first, spec)))[:3]  # first run
-  walls = []
-  for _ in range(3):
-    cache = cache.replace(lengths=held())
-    start = time.perf_counter()
-    cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
-    walls.append((time.perf_counter() - start) / steps)
-  cache = cache.replace(lengths=held())
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir):
-      cache, last, spec = jax.block_until_ready(step(*decode_args(cache, last, spec)))[:3]
-    lines = device_events(trace_dir)
+  kv = traced["cache"].held_bytes(jnp.full((batch,), context + steps // 2))
+  kv_bytes = kv.device  # the floor's: a step reads of the host copy only the rows it fetches
 
   # Device memory the process reached (a host-resident array copied to the device would show here whole).
   stats = jax.devices()[0].memory_stats() or {}
   device_peak = stats.get("peak_bytes_in_use")
-  summaries = ("XLA Ops", "XLA Modules", "Steps", "Source")
-  kernels = [e for name, events in lines.items() if not any(s in name for s in summaries) for e in events]
+  lines = {name: events for plane in traced["planes"].values() for name, events in plane.items()}  # one GPU
+  kernels = kernel_events(lines)
   ops = [e for name, events in lines.items() if "XLA Ops" in name for e in events]
   kernel_ms = sum(ns for _, ns in kernels) / 1e6 / steps
-  wall_ms = 1e3 * statistics.median(walls)
+  wall_ms = traced["wall_ms"]
   floor_ms = 1e3 * (weight_bytes + kv_bytes) / rate
   print(f"{args.method} B={batch} context={context}: {wall_ms:.2f} ms/step wall, {kernel_ms:.2f} ms/step in kernels, "
         f"floor {floor_ms:.2f} ms ({(weight_bytes + kv_bytes) / 2**30:.2f} GiB at {rate / 1e12:.2f} TB/s)")

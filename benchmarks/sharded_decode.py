@@ -23,6 +23,12 @@ summary), beside the step's wall time.
 
     python benchmarks/sharded_decode.py --mesh none && python benchmarks/sharded_decode.py --mesh model=2
     python benchmarks/sharded_decode.py --profile --mesh model=2 --batch 512 --out $OUT/profile_model2.json
+
+``--profile --one-shard-of MESH --batch B`` profiles, on one device and with no mesh, the work one device of MESH
+does at batch B: B / data sequences of a model with 1 / model of the query and KV heads, the MLP's hidden size and
+(where it divides) the vocabulary. Against the mesh's own profile, the difference is what sharding adds (the
+tensor-parallel sums, the shard_map boundaries); against ``--mesh none``, what the smaller shapes cost per unit
+of work.
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sharded_decode.py --smoke --mesh model=2
 """
 
@@ -112,56 +118,46 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
   return record
 
 
-def profile(spec, smoke, *, batch, context, steps, top=25):
-  """Device time per kernel and per device of ``steps`` decode steps at ``batch`` (module docstring)."""
-  import collections
-  import glob
-  import statistics
-  import tempfile
-  import time
-
-  import jax
-  import jax.numpy as jnp
-  from jax.profiler import ProfileData
-  from profile_decode_step import decode_loop, summarize
+def one_shard_config(cfg, spec: str):
+  """The model one device of mesh ``spec`` holds: heads, MLP and (where it divides) vocabulary split over
+  ``model``."""
   from jkv import sharding
-  from jkv.attention import choose_impl
-  from jkv.cache import CacheSpec
+  m = sharding.parse_mesh(spec)["model"]
+  if cfg.kv_heads % m:
+    raise SystemExit(f"model={m} does not divide the {cfg.kv_heads} KV heads")
+  vocab = cfg.vocab_size // m if cfg.vocab_size % m == 0 else cfg.vocab_size
+  return dataclasses.replace(cfg, q_heads=cfg.q_heads // m, kv_heads=cfg.kv_heads // m,
+                             ffw_size=cfg.ffw_size // m, vocab_size=vocab)
+
+
+def profile(spec, smoke, *, batch, context, steps, one_shard_of=None, top=25):
+  """Device time per kernel and per device of ``steps`` decode steps at ``batch`` (module docstring); with
+  ``one_shard_of``, one device's share of that mesh on one device."""
+  import jax
+  from profile_decode_step import kernel_events, summarize, trace_decode
+  from jkv import sharding
   from jkv.config import ModelConfig
   from jkv.methods import make_method
-  from jkv.xla_options import MODEL_COMPILER_OPTIONS
   cfg = ModelConfig(**(SMOKE if smoke else LLAMA3_8B))
   mesh, devices = mesh_devices(spec)
+  if one_shard_of:
+    if mesh is not None:
+      raise SystemExit("--one-shard-of runs on one device: leave --mesh at none")
+    cfg = one_shard_config(cfg, one_shard_of)
+    data = sharding.parse_mesh(one_shard_of)["data"]
+    if batch % data:
+      raise SystemExit(f"a batch of {batch} does not split over data={data}")
+    batch //= data
   method = make_method(METHOD[0], **METHOD[1])
-  capacity = -(-(context + steps) // method.capacity_multiple()) * method.capacity_multiple()
-  params = random_params(cfg, mesh)
-  with sharding.use_mesh(mesh):
-    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
-    held = lambda: jax.device_put(jnp.full((batch,), context, jnp.int32), cache.lengths.sharding)
-    tokens = sharding.rows(jnp.ones((batch,), jnp.int32), mesh)
-    loop = decode_loop(cfg, steps, dict(MODEL_COMPILER_OPTIONS))
-    cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))  # compile
-    walls = []
-    for _ in range(2):
-      start = time.perf_counter()
-      cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))
-      walls.append((time.perf_counter() - start) / steps)
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir):
-        cache, tokens = jax.block_until_ready(loop(params, cache.replace(lengths=held()), tokens))
-      per_device = collections.defaultdict(list)
-      for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-          if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-              if not any(s in line.name for s in ("XLA Ops", "XLA Modules", "Steps", "Source")):
-                per_device[plane.name] += [(e.name, e.duration_ns) for e in line.events]
-  wall_ms = 1e3 * statistics.median(walls)
-  record = dict(mesh=spec, devices=len(devices), batch=batch, context=context, steps=steps, wall_ms_per_step=wall_ms,
-                kv_bytes=cache.held_bytes().device, device=devices[0].device_kind, jax_version=jax.__version__,
-                date=now(), per_device={})
-  print(f"mesh {spec} B={batch} context={context}: {wall_ms:.2f} ms/step wall", flush=True)
-  for name, events in sorted(per_device.items()):
+  traced = trace_decode(random_params(cfg, mesh), cfg, method, batch=batch, context=context, steps=steps, mesh=mesh)
+  record = dict(mesh=spec, one_shard_of=one_shard_of, devices=len(devices), batch=batch, context=context,
+                steps=steps, wall_ms_per_step=traced["wall_ms"], q_heads=cfg.q_heads, kv_heads=cfg.kv_heads,
+                kv_bytes=traced["cache"].held_bytes().device, device=devices[0].device_kind,
+                jax_version=jax.__version__, date=now(), per_device={})
+  share = f" (one device's share of {one_shard_of})" if one_shard_of else ""
+  print(f"mesh {spec}{share} B={batch} context={context}: {traced['wall_ms']:.2f} ms/step wall", flush=True)
+  for name, lines in sorted(traced["planes"].items()):
+    events = kernel_events(lines)
     rows = summarize(events, steps, top)
     busy = sum(ns for _, ns in events) / 1e6 / steps
     record["per_device"][name] = dict(kernel_ms_per_step=busy, kernels=rows)
@@ -198,6 +194,8 @@ def main():
   parser.add_argument("--profile", action="store_true", help="trace --steps decode steps at --batch instead")
   parser.add_argument("--batch", type=int, default=256, help="--profile: sequences in the cache")
   parser.add_argument("--steps", type=int, default=8, help="--profile: decode steps traced")
+  parser.add_argument("--one-shard-of", default=None,
+                      help="--profile: one device's share of this mesh at --batch, on one device (no mesh)")
   parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the record into (--profile: to write)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
@@ -207,7 +205,8 @@ def main():
     return
   prompt_len = args.prompt_len or (100 if args.smoke else 4096)
   if args.profile:
-    record = profile(args.mesh, args.smoke, batch=args.batch, context=prompt_len, steps=args.steps)
+    record = profile(args.mesh, args.smoke, batch=args.batch, context=prompt_len, steps=args.steps,
+                     one_shard_of=args.one_shard_of)
     if args.out:
       args.out.parent.mkdir(parents=True, exist_ok=True)
       args.out.write_text(json.dumps(record, indent=1) + "\n")
