@@ -8,7 +8,7 @@ import pytest
 from jkv import generate as gen
 from jkv.methods import make_method
 from jkv.sampling import Greedy, Sampling, make_sampler
-from conftest import random_prompts
+from conftest import has_pallas_gpu, random_prompts
 
 
 def test_batch_of_different_lengths_equals_each_alone(tiny_llama):
@@ -112,6 +112,23 @@ def test_kivi_batch_of_different_lengths_equals_each_alone(tiny_llama):
   for b, p in enumerate(prompts):
     alone = gen.generate(m.params, m.config, [p], method=method, max_new_tokens=40, eos_ids=(), chunk=8)
     assert alone.tokens[0] == batch.tokens[b]
+
+
+@pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
+@pytest.mark.parametrize("name, options", [
+    ("kivi", dict(bits=2, residual=32)),
+    ("kivi", dict(bits=4, residual=64, quantize_before_attend=True)),
+    ("specache", dict(bits=1, residual=32, fetch_rows=8)),
+], ids=["kivi2", "kivi4-quantize-first", "specache1"])
+def test_compiled_kernels_generate_the_xla_paths_tokens(tiny_llama, name, options):
+  """On the GPU, the whole method through generate (quantize-and-pack, flushes into the rings, the fused kernel
+  reading store and rings in place; SpeCache's host fetch) gives the XLA path's tokens, across several flushes."""
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [300, 171, 64, 233], seed=13)
+  method = make_method(name, **options)
+  runs = {impl: gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=70, eos_ids=(), chunk=8,
+                             attention_impl=impl).tokens for impl in ("pallas", "xla")}
+  assert runs["pallas"] == runs["xla"]
 
 
 @pytest.mark.parametrize("prompts, message", [

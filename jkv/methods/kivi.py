@@ -5,8 +5,9 @@ Spec: shared/specs/kivi.md. State per layer (C = capacity, a multiple of R; Pk =
 - keys are quantized in groups of G tokens of one channel, once R of them have gathered in the key ring
   (a flush); values are quantized per token in groups of G channels the moment they arrive (spec §3.1 rec:
   per-token groups do not depend on neighbours, so this equals quantizing them when they leave the window);
-- the ring of exact keys holds positions [bK, N), slot p mod R; the ring of exact values holds the newest
-  R + λ positions, slot p mod (R + λ).
+- two rings of W = R + λ slots hold the newest W positions, slot p mod W: values exact, keys exact from bK on
+  and, before bK, as the store gives them back (a flush rewrites its block's slots dequantized). The window
+  the softmax reads is then the rings themselves, in place: no per-step gather or dequantization.
 
 With λ = 1 (the reference code's order, the default) a step attends and then compresses, so at a step with N
 tokens keys before bK = R⌊(N-1)/R⌋ and values before bV = max(0, N-1-R) are read dequantized; λ = 0 is the
@@ -43,7 +44,7 @@ class KiviState:
   v_codes: jax.Array  # [L, B, H, C, D/Pv] uint32, packed along channels
   v_scale: jax.Array  # [L, B, H, C, D/G] meta dtype
   v_zero: jax.Array  # [L, B, H, C, D/G] meta dtype
-  k_ring: jax.Array  # [L, B, H, R, D] exact keys, slot p mod R
+  k_ring: jax.Array  # [L, B, H, R + λ, D] keys, slot p mod (R + λ): exact from bK, dequantized before it
   v_ring: jax.Array  # [L, B, H, R + λ, D] exact values, slot p mod (R + λ)
 
 
@@ -124,7 +125,7 @@ class Kivi(CacheMethod):
         v_codes=by_token(D * self.vb // 32, jnp.uint32),
         v_scale=by_token(D // G, self.meta),
         v_zero=by_token(D // G, self.meta),
-        k_ring=ring(R),
+        k_ring=ring(R + self.lam),
         v_ring=ring(R + self.lam),
     )
 
@@ -149,14 +150,15 @@ class Kivi(CacheMethod):
   # ---------------------------------------------------------------------------------------------- updates
 
   def prefill(self, state, layer, q, k, v, ctx: StepContext):
-    """Quantize every whole group of the prompt and fill both rings from the prompt's tail.
+    """Quantize every whole group of the prompt and fill both rings from the prompt's tail (keys before bK as
+    the store gives them back).
 
     Key groups at or past bK hold codes of exact-ring tokens or of padding; they are never read as
     quantized and the flush that reaches them rewrites them from the ring.
     """
     lengths = ctx.lengths
     B, H, T, D = k.shape
-    R, W = self.residual, self.residual + self.lam
+    R = self.residual
     T_pad = -(-T // R) * R
     k_pad = jnp.pad(k, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
     kc, ks, kz = self._quantize_pack(k_pad, self.kb, -2, ctx.impl, fused=True)
@@ -165,13 +167,13 @@ class Kivi(CacheMethod):
         k_codes=write_layer(state.k_codes, layer, kc), k_scale=write_layer(state.k_scale, layer, ks),
         k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
         v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
-    # Key ring slot s holds position bK + s (bK is a multiple of R); value ring slot s the newest p ≡ s mod W.
-    slots_k = self.key_boundary(lengths)[:, None] + jnp.arange(R)[None]  # [B, R]
-    last = lengths[:, None] - 1
-    slots_v = last - (last - jnp.arange(W)[None]) % W  # [B, W]
-    take = lambda x, pos: jnp.take_along_axis(x, jnp.clip(pos, 0, T - 1)[:, None, :, None], axis=2)
-    return state.replace(k_ring=write_layer(state.k_ring, layer, take(k, slots_k)),
-                         v_ring=write_layer(state.v_ring, layer, take(v, slots_v)))
+    b_k, held = self.key_boundary(lengths), self.ring_positions(lengths)  # [B], [B, W]
+    take = lambda x, pos: jnp.take_along_axis(x, pos[:, None, :, None], axis=2)
+    # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1).
+    k_old = take(self._dequantized_block(state, layer, b_k - R), jnp.clip(held - (b_k[:, None] - R), 0, R - 1))
+    k_ring = jnp.where((held < b_k[:, None])[:, None, :, None], k_old, take(k, jnp.clip(held, 0, T - 1)))
+    return state.replace(k_ring=write_layer(state.k_ring, layer, k_ring),
+                         v_ring=write_layer(state.v_ring, layer, take(v, jnp.clip(held, 0, T - 1))))
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     for t in range(k.shape[2]):  # T is 1..4 at decode: a short static loop
@@ -188,40 +190,70 @@ class Kivi(CacheMethod):
                           v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
     if self.lam == 1:  # the block before p leaves the ring before p takes slot 0
       state = self._flush(state, layer, pos, (pos % R == 0) & (pos > 0), impl)
-    state = state.replace(k_ring=write_at(state.k_ring, layer, k[:, :, None], pos % R, axis=2))
+    state = state.replace(k_ring=write_at(state.k_ring, layer, k[:, :, None], pos % W, axis=2))
     if self.lam == 0:  # the block ending at p is quantized before this step attends
       state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl)
     return state
 
   def _flush(self, state, layer, end, due, impl):
-    """Quantize the key ring (positions [end - R, end)) into the key store, for the sequences where ``due``.
+    """Quantize the keys of positions [end - R, end) from the key ring into the key store, and put them back in
+    the ring as the store gives them back, for the sequences where ``due``.
 
     Runs only on steps where some sequence is due (one step in R for a batch in lockstep).
     """
     return jax.lax.cond(jnp.any(due), lambda s: self._flush_now(s, layer, end, due, impl), lambda s: s, state)
 
   def _flush_now(self, state, layer, end, due, impl):
-    R, G = self.residual, self.group_size
-    kc, ks, kz = self._quantize_pack(state.k_ring[layer], self.kb, -2, impl, fused=True)  # [B, H, D, R/Pk], [B, H, D, R/G]
+    R, G, W = self.residual, self.group_size, self.residual + self.lam
     start = jnp.maximum(end - R, 0)
+    slot = lambda x, pos: jnp.take_along_axis(x, (pos % W)[:, None, :, None], axis=2)
+    ring = state.k_ring[layer]  # [B, H, W, D]
+    block = slot(ring, start[:, None] + jnp.arange(R)[None])  # [B, H, R, D], positions [end - R, end)
+    kc, ks, kz = self._quantize_pack(block, self.kb, -2, impl, fused=True)  # [B, H, D, R/Pk], [B, H, D, R/G]
     Pk = 32 // self.kb
     def put(buf, new, offset):
       old = read_at(buf, layer, offset, new.shape[-1], axis=3)
       return write_at(buf, layer, jnp.where(due[:, None, None, None], new, old), offset, axis=3)
+    # Each slot's position at this point (the newest ≡ slot mod W before ``end``); the block's slots change.
+    held = self.ring_positions(end)
+    in_block = due[:, None] & (held >= start[:, None])
+    deq = jnp.take_along_axis(self._dequantize(kc, ks, kz, ring.dtype),
+                              jnp.clip(held - start[:, None], 0, R - 1)[:, None, :, None], axis=2)
     return state.replace(k_codes=put(state.k_codes, kc, start // Pk),
                          k_scale=put(state.k_scale, ks, start // G),
-                         k_zero=put(state.k_zero, kz, start // G))
+                         k_zero=put(state.k_zero, kz, start // G),
+                         k_ring=write_layer(state.k_ring, layer, jnp.where(in_block[:, None, :, None], deq, ring)))
+
+  def _dequantize(self, words, scale, zero, dtype):
+    """Keys [B, H, n, D] in ``dtype`` of key codes [B, H, D, n/Pk] and their scales and zero-points
+    [B, H, D, n/G]: what reading them from the store gives."""
+    G, Pk = self.group_size, 32 // self.kb
+    B, H, D, n_words = words.shape
+    shifts = jnp.arange(Pk, dtype=jnp.uint32) * self.kb
+    codes = ((words[..., None] >> shifts) & jnp.uint32(2**self.kb - 1)).reshape(B, H, D, n_words * Pk)
+    meta = lambda x: jnp.repeat(x.astype(jnp.float32), G, axis=-1)
+    k = codes.astype(jnp.float32) * meta(scale) + meta(zero)
+    return jnp.swapaxes(k, -1, -2).astype(dtype)
+
+  def _dequantized_block(self, state, layer, start):
+    """Keys [B, H, R, D] of positions [start, start + R) (start [B], a multiple of R; clipped to 0) read back
+    from the store."""
+    R, G, Pk = self.residual, self.group_size, 32 // self.kb
+    start = jnp.maximum(start, 0)
+    read = lambda x, unit: read_at(x, layer, start // unit, R // unit, axis=3)
+    return self._dequantize(read(state.k_codes, Pk), read(state.k_scale, G), read(state.k_zero, G),
+                           state.k_ring.dtype)
 
   # ---------------------------------------------------------------------------------------------- attention
 
   def _attend(self, state, layer, q, q_positions, lengths, impl):
-    """One softmax over the quantized store and the exact window (spec §2.6). The store is read for positions
-    before bV, where both keys and values are quantized; the window [bV, N) (at most R + λ tokens) is one
-    full-precision segment, its keys before bK dequantized here from their codes."""
-    win, k_win, v_win, in_window = self.window(state, layer, lengths)
+    """One softmax over the quantized store and the window (spec §2.6). The store is read for positions before
+    bV, where both keys and values are quantized; the window [bV, N) (at most R + λ tokens) is the rings, read
+    in place: exact values, keys dequantized before bK and exact from bK on."""
+    win, in_window = self.window(lengths)
     mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])
     store = self.store(state, self.value_boundary(lengths))
-    return decode_attention(q, layer, stores=(store,), segments=((k_win.astype(q.dtype), v_win, mask),), impl=impl)
+    return decode_attention(q, layer, stores=(store,), segments=((state.k_ring, state.v_ring, mask),), impl=impl)
 
   def store(self, state, b_v, valid=None) -> QuantizedStore:
     """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache)."""
@@ -230,29 +262,21 @@ class Kivi(CacheMethod):
                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
                           k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, valid=valid)
 
-  def window(self, state, layer, lengths):
-    """The exact window at a step holding ``lengths`` [B] tokens, one entry per value-ring slot: the position
-    each slot holds [B, W] int32, its key [B, H, W, D] float32 (dequantized before bK, exact from bK on), its
-    value [B, H, W, D] and whether the slot belongs to the window [B, W] bool (filled, and at or past bV)."""
-    R, W, G = self.residual, self.residual + self.lam, self.group_size
-    b_k, b_v = self.key_boundary(lengths), self.value_boundary(lengths)
+  def ring_positions(self, lengths):
+    """[B, W] int32: the position ring slot s holds with ``lengths`` [B] tokens stored (the newest ≡ s mod W;
+    negative for a slot not yet filled)."""
+    W = self.residual + self.lam
     last = lengths[:, None] - 1
-    win = jnp.clip(last - (last - jnp.arange(W)[None]) % W, 0)  # [B, W] position held by each value-ring slot
-    Pk = 32 // self.kb
-    rows = jnp.arange(win.shape[0])[:, None]
-    # One gather from the stacked arrays [L, B, H, D, n] -> [B, W, H, D] -> [B, H, D, W]: only the window's words
-    # and groups are read (indexing the layer first would slice the whole layer out of the stack).
-    window = lambda x, idx: jnp.moveaxis(x[layer, rows, :, :, idx], 1, -1)
-    words = window(state.k_codes, win // Pk)
-    codes = (words >> ((win % Pk) * self.kb).astype(jnp.uint32)[:, None, None, :]) & jnp.uint32(2**self.kb - 1)
-    scale = window(state.k_scale, win // G).astype(jnp.float32)
-    zero = window(state.k_zero, win // G).astype(jnp.float32)
-    k_deq = jnp.swapaxes(codes.astype(jnp.float32) * scale + zero, -1, -2)  # [B, H, W, D]
-    k_exact = jnp.take_along_axis(state.k_ring[layer], (win % R)[:, None, :, None], axis=2)
-    k_win = jnp.where((win < b_k[:, None])[:, None, :, None], k_deq, k_exact.astype(jnp.float32))
-    v_win = jnp.take_along_axis(state.v_ring[layer], (win % W)[:, None, :, None], axis=2)
-    in_window = (win >= b_v[:, None]) & (jnp.arange(W)[None] < lengths[:, None])
-    return win, k_win, v_win, in_window
+    return last - (last - jnp.arange(W)[None]) % W
+
+  def window(self, lengths):
+    """The window at a step holding ``lengths`` [B] tokens, per ring slot: the position it holds [B, W] int32
+    (clipped to 0) and whether it belongs to the window [B, W] bool (filled, and at or past bV). Its keys and
+    values are the rings (``k_ring``, ``v_ring`` at the layer)."""
+    W = self.residual + self.lam
+    win = jnp.clip(self.ring_positions(lengths), 0)
+    in_window = (win >= self.value_boundary(lengths)[:, None]) & (jnp.arange(W)[None] < lengths[:, None])
+    return win, in_window
 
   # ---------------------------------------------------------------------------------------------- memory
 

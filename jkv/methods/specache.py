@@ -382,9 +382,9 @@ class SpeCache(CacheMethod):
     each chosen row, summed over the g query heads, at whichever precision it was read (None with no rows).
     """
     kivi = self.low_bit
-    win, k_win, v_win, in_window = kivi.window(low, layer, lengths)
+    win, in_window = kivi.window(lengths)
     B, H, T = q.shape[:3]
-    C, D = low.v_codes.shape[3], k_win.shape[-1]
+    C, D = low.v_codes.shape[3], low.k_ring.shape[-1]
     win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])  # [B, T, W]
     valid = None
     segments = []
@@ -398,7 +398,7 @@ class SpeCache(CacheMethod):
       win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
       rows = rows.astype(q.dtype)
       segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(ok[:, :, None, :], (B, H, T, ok.shape[-1]))))
-    segments = [(k_win.astype(q.dtype), v_win, win_mask)] + segments + ([own] if own is not None else [])
+    segments = [(low.k_ring, low.v_ring, win_mask)] + segments + ([own] if own is not None else [])
     store = kivi.store(low, kivi.value_boundary(lengths), valid)
     if not mass_rows:
       return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl), None
