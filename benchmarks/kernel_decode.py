@@ -542,6 +542,10 @@ def main():
   parser.add_argument("--no-autotune", action="store_true", help="time the kernel's default config only")
   parser.add_argument("--orientations", action="store_true",
                       help="also time each fused implementation with each tile orientation forced")
+  parser.add_argument("--autotune-shape", type=int, nargs=2, metavar=("B", "L"),
+                      help="autotune at this batch and sequence length (default 8 32768)")
+  parser.add_argument("--autotune-grid", nargs="+", metavar="BK,KS,W,S",
+                      help="autotune these block_k,k_splits,num_warps,num_stages configs instead of the grid")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
   device = jax.devices()[0]
@@ -554,6 +558,13 @@ def main():
   settings = SMOKE if args.smoke else Settings()
   settings = dataclasses.replace(settings, batches=tuple(args.batches or settings.batches),
                                  seq_lens=tuple(args.seq_lens or settings.seq_lens))
+  if args.autotune_shape:
+    settings = dataclasses.replace(settings, autotune_shape=tuple(args.autotune_shape))
+  if args.autotune_grid:
+    grid = tuple(tuple(int(x) for x in item.split(",")) for item in args.autotune_grid)
+    if any(len(config) != 4 for config in grid):
+      raise SystemExit("--autotune-grid takes block_k,k_splits,num_warps,num_stages per config, e.g. 64,4,4,1")
+    settings = dataclasses.replace(settings, autotune_grid=grid)
   if device.platform != "gpu" and not settings.interpret:
     raise SystemExit("the full benchmark needs a GPU; use --smoke elsewhere")
 

@@ -65,6 +65,7 @@ from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs
 from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
 KERNEL_BITS = (1, 2, 4, 8)
+STORE_PROGRAMS = 8192  # programs per store that ``k_splits=None`` aims for (B * Hkv * k_splits)
 
 
 # Names moved between jax versions: `pl.TritonCompilerParams` became `plgpu.CompilerParams`, and `pl.dot` (now
@@ -587,7 +588,7 @@ def decode_attention(
     return_lse: bool = False,
     token_mass_rows: tuple[int, ...] = (),
     block_k: int = 64,
-    k_splits: int = 16,
+    k_splits: Optional[int] = None,
     block_s: int = 64,
     s_splits: int = 16,
     tokens_major: Optional[bool] = None,
@@ -613,6 +614,10 @@ def decode_attention(
       (32 at 1 bit) and clamped to the largest power of two dividing its capacity. Key groups may be longer
       than a block (one scale column per block) or shorter (several per block).
     k_splits: programs per (batch row, KV head) along each store (flash-decoding), clamped to its block count.
+      None: enough for about STORE_PROGRAMS programs per store over the batch and KV heads, at most 16 (a
+      small batch needs the splits to fill the GPU; a large one fills it already, and each split adds a
+      partial to write and merge). Measured on an H100, KIVI-2, L=4096 (benchmarks/kernel_decode.py
+      --autotune-grid): at B=256, 4 splits 1813 µs, 16 splits 1938 µs, 1 split 1865 µs; at B=8, 32k, 16.
     block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
     s_splits: programs per (batch row, KV head) along each segment, clamped to its block count.
     tokens_major: the orientation of the score tiles. Rows-major computes logits [M, block] = q @ K^T and
@@ -642,6 +647,8 @@ def decode_attention(
   num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
 
+  if k_splits is None:
+    k_splits = int(min(16, max(1, -(-STORE_PROGRAMS // (batch * kv_heads)))))
   sources, inputs, bounds, first = [], [], [], 0
   for index, store in enumerate(stores):
     source = _store_plan(index, store, block_k, k_splits, first)
