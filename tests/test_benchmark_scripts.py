@@ -1,0 +1,56 @@
+"""The GPU benchmark scripts run end to end with their ``--smoke`` settings (a tiny model on the CPU), each in a
+fresh process, writing their JSON outside the tree: the commands the README's numbers come from keep working
+between GPU sessions."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+SMOKE_KV_HEADS = 2  # benchmarks/generate_decode.py's SMOKE model
+
+
+def _run(args, out, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  proc = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=BENCHMARKS, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  return json.loads(out.read_text()), proc.stdout
+
+
+def test_profile_decode_step(tmp_path):
+  record, _ = _run(["profile_decode_step.py", "--smoke", "--method", "specache1"], tmp_path / "p.json")
+  assert record["method"] == "specache1" and record["wall_ms_per_step"] > 0
+  assert record["cache_memory_kinds"]["pinned_host"] == ["host_kv"]
+
+
+@pytest.mark.parametrize("mesh, devices", [("model=2", 2), ("data=2", 2)])
+def test_sharded_decode_profile_on_a_mesh(tmp_path, mesh, devices):
+  record, _ = _run(["sharded_decode.py", "--smoke", "--profile", "--mesh", mesh, "--batch", "4", "--steps", "2"],
+                   tmp_path / "p.json", devices)
+  assert record["mesh"] == mesh and record["devices"] == devices and record["wall_ms_per_step"] > 0
+
+
+def test_sharded_decode_profile_of_one_shard(tmp_path):
+  record, out = _run(["sharded_decode.py", "--smoke", "--profile", "--one-shard-of", "data=2,model=2", "--batch", "4",
+                      "--steps", "2"], tmp_path / "p.json")
+  assert record["batch"] == 2 and record["kv_heads"] == SMOKE_KV_HEADS // 2
+  assert "one device's share of data=2,model=2" in out
+
+
+def test_sharded_decode_run_and_table(tmp_path):
+  records, out = _run(["sharded_decode.py", "--smoke", "--mesh", "data=2", "--new-tokens", "8"], tmp_path / "s.json",
+                      devices=2)
+  assert [r["mesh"] for r in records] == ["data=2"] and records[0]["decode_tokens_per_s"] > 0
+  assert "| data=2 | 2 |" in out
+
+
+def test_generate_decode(tmp_path):
+  records, _ = _run(["generate_decode.py", "--smoke"], tmp_path / "g.json")
+  assert {r["impl"] for r in records} >= {"jkv_dense", "jkv_kivi2"}
+  assert all(r["decode_ms_per_step"] > 0 for r in records)
