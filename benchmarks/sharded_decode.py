@@ -23,13 +23,13 @@ summary), beside the step's wall time.
 
     python benchmarks/sharded_decode.py --mesh none && python benchmarks/sharded_decode.py --mesh model=2
     python benchmarks/sharded_decode.py --profile --mesh model=2 --batch 512 --out $OUT/profile_model2.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sharded_decode.py --smoke --mesh model=2
 
 ``--profile --one-shard-of MESH --batch B`` profiles, on one device and with no mesh, the work one device of MESH
 does at batch B: B / data sequences of a model with 1 / model of the query and KV heads, the MLP's hidden size and
 (where it divides) the vocabulary. Against the mesh's own profile, the difference is what sharding adds (the
 tensor-parallel sums, the shard_map boundaries); against ``--mesh none``, what the smaller shapes cost per unit
 of work.
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sharded_decode.py --smoke --mesh model=2
 """
 
 import argparse

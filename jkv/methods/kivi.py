@@ -31,6 +31,7 @@ from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import read_at, write_at, write_layer
 from jkv.config import DTYPES
 from jkv.methods.registry import register
+from jkv_kernels.quantization import dequantize, unpack_last_axis
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
 KIVI_BITS = (1, 2, 4, 8)
@@ -168,12 +169,12 @@ class Kivi(CacheMethod):
         k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
         v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
     b_k, held = self.key_boundary(lengths), self.ring_positions(lengths)  # [B], [B, W]
-    take = lambda x, pos: jnp.take_along_axis(x, pos[:, None, :, None], axis=2)
+    take = lambda x: jnp.take_along_axis(x, jnp.clip(held, 0, T - 1)[:, None, :, None], axis=2)
     # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1).
-    k_old = take(self._dequantized_block(state, layer, b_k - R), jnp.clip(held - (b_k[:, None] - R), 0, R - 1))
-    k_ring = jnp.where((held < b_k[:, None])[:, None, :, None], k_old, take(k, jnp.clip(held, 0, T - 1)))
+    k_ring = self._with_block(take(k), held, self._dequantized_block(state, layer, b_k - R), b_k - R,
+                              held < b_k[:, None])
     return state.replace(k_ring=write_layer(state.k_ring, layer, k_ring),
-                         v_ring=write_layer(state.v_ring, layer, take(v, jnp.clip(held, 0, T - 1))))
+                         v_ring=write_layer(state.v_ring, layer, take(v)))
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     for t in range(k.shape[2]):  # T is 1..4 at decode: a short static loop
@@ -216,24 +217,25 @@ class Kivi(CacheMethod):
       return write_at(buf, layer, jnp.where(due[:, None, None, None], new, old), offset, axis=3)
     # Each slot's position at this point (the newest ≡ slot mod W before ``end``); the block's slots change.
     held = self.ring_positions(end)
-    in_block = due[:, None] & (held >= start[:, None])
-    deq = jnp.take_along_axis(self._dequantize(kc, ks, kz, ring.dtype),
-                              jnp.clip(held - start[:, None], 0, R - 1)[:, None, :, None], axis=2)
+    k_ring = self._with_block(ring, held, self._dequantize(kc, ks, kz, ring.dtype), start,
+                              due[:, None] & (held >= start[:, None]))
     return state.replace(k_codes=put(state.k_codes, kc, start // Pk),
                          k_scale=put(state.k_scale, ks, start // G),
                          k_zero=put(state.k_zero, kz, start // G),
-                         k_ring=write_layer(state.k_ring, layer, jnp.where(in_block[:, None, :, None], deq, ring)))
+                         k_ring=write_layer(state.k_ring, layer, k_ring))
+
+  def _with_block(self, keys, held, block, start, replace):
+    """Ring keys [B, H, W, D] (slot positions ``held`` [B, W]) with the slots where ``replace`` [B, W] taken
+    from block [B, H, R, D], the keys of positions start [B] + [0, R)."""
+    at = jnp.clip(held - start[:, None], 0, self.residual - 1)[:, None, :, None]
+    return jnp.where(replace[:, None, :, None], jnp.take_along_axis(block, at, axis=2), keys)
 
   def _dequantize(self, words, scale, zero, dtype):
     """Keys [B, H, n, D] in ``dtype`` of key codes [B, H, D, n/Pk] and their scales and zero-points
     [B, H, D, n/G]: what reading them from the store gives."""
-    G, Pk = self.group_size, 32 // self.kb
-    B, H, D, n_words = words.shape
-    shifts = jnp.arange(Pk, dtype=jnp.uint32) * self.kb
-    codes = ((words[..., None] >> shifts) & jnp.uint32(2**self.kb - 1)).reshape(B, H, D, n_words * Pk)
-    meta = lambda x: jnp.repeat(x.astype(jnp.float32), G, axis=-1)
-    k = codes.astype(jnp.float32) * meta(scale) + meta(zero)
-    return jnp.swapaxes(k, -1, -2).astype(dtype)
+    k = dequantize(unpack_last_axis(words, bits=self.kb), scale, zero, axis=-1, group_size=self.group_size,
+                   dtype=dtype)
+    return jnp.swapaxes(k, -1, -2)
 
   def _dequantized_block(self, state, layer, start):
     """Keys [B, H, R, D] of positions [start, start + R) (start [B], a multiple of R; clipped to 0) read back

@@ -37,9 +37,9 @@ rows of every layer in one kernel call at the end of a step into a device buffer
 give the same rows and outputs; benchmarks/specache_decode.py times them in one H100 run (B = 8, 32k, Llama-3-8B
 shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KIVI-2 and 19.94 ms for dense
 (benchmarks/README.md and the profile in benchmarks/results name the parts; since KIVI reads its window in place,
-27.57 ms with the buffer against 23.95 for KIVI-2). The two schedules are equal within
-1% (no overlap to win on one stream); the buffer stays the default, as the spec's pipeline. A top-k over each
-layer's 32k candidates (0.38 ms, a sort) is two small ones (``top_k_positions``).
+27.57 ms with the buffer against 23.95 for KIVI-2). The two schedules are equal within 1% (no overlap to win on
+one stream); the buffer stays the default, as the spec's pipeline. A top-k over each layer's 32k candidates
+(0.38 ms, a sort) is two small ones (``top_k_positions``).
 
 ``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, spec §8.15's upper
 bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
