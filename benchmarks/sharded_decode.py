@@ -168,17 +168,20 @@ def profile(spec, smoke, *, batch, context, steps, one_shard_of=None, top=25):
 
 
 def markdown_table(records) -> str:
+  """Each record's row, its batch and tokens/s against the one-GPU record. The "measured" column says when: a
+  ratio between records of different sessions may compare different versions of the code."""
   base = next((r for r in records if r["mesh"] == "none"), None)
   lines = ["| mesh | GPUs | largest batch | batch run | decode tokens/s | ms/step | largest batch vs 1 GPU | "
-           "tokens/s vs 1 GPU | prefill s | peak GiB per GPU | device |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "tokens/s vs 1 GPU | prefill s | peak GiB per GPU | device | measured (UTC) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
   for r in records:
     ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base else "–"
     peak = max((p for p in r["peak_device_bytes"] if p is not None), default=None)
     lines.append(f"| {r['mesh']} | {r['devices']} | {r['computed_largest_batch']} | {r['batch']} | "
                  f"{r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
                  f"{ratio('computed_largest_batch')} | {ratio('decode_tokens_per_s')} | {r['prefill_s']:.1f} | "
-                 f"{'–' if peak is None else format(peak / 2**30, '.1f')} | {r['device']} |")
+                 f"{'–' if peak is None else format(peak / 2**30, '.1f')} | {r['device']} | "
+                 f"{r['date'][:16].replace('T', ' ')} |")
   return "\n".join(lines)
 
 
