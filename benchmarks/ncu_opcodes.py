@@ -1,0 +1,53 @@
+"""Where a kernel's instructions go: the SASS opcode mix of one Nsight Compute profile, per code element.
+
+Reads the source page that ``ncu --import REPORT --page source --print-source sass --csv`` prints (a profile
+taken with ``--set full``, as profile_kernel.py's docstring shows) and sums, per opcode, the warp-level
+instructions executed and the warp stall samples. With ``--codes N`` (the code elements the kernel reads:
+B * Hkv * tokens * D for keys, as many for values) it also gives thread instructions per code.
+
+    python benchmarks/ncu_opcodes.py sass.csv --codes 534773760 --top 20
+"""
+
+import argparse
+import collections
+import csv
+import sys
+
+
+def opcode_mix(path):
+  """{opcode: (warp instructions executed, stall samples)} and the totals, from a SASS source-page CSV."""
+  with open(path, newline="") as f:
+    rows = [row for row in csv.reader(f)]
+  header_at = next(i for i, row in enumerate(rows) if "Instructions Executed" in row)
+  header = rows[header_at]
+  col = {name: i for i, name in enumerate(header)}
+  executed, stalls = collections.Counter(), collections.Counter()
+  for row in rows[header_at + 1:]:
+    if len(row) < len(header) or not row[col["Source"]].strip():
+      continue
+    words = row[col["Source"]].split()
+    opcode = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]  # drop a predicate, modifiers
+    executed[opcode] += int(row[col["Instructions Executed"]] or 0)
+    stalls[opcode] += int(row[col["Warp Stall Sampling (All Samples)"]] or 0)
+  return executed, stalls
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("csv")
+  parser.add_argument("--codes", type=int, help="code elements the kernel reads (for instructions per code)")
+  parser.add_argument("--top", type=int, default=20)
+  args = parser.parse_args()
+  executed, stalls = opcode_mix(args.csv)
+  total, total_stalls = sum(executed.values()), max(sum(stalls.values()), 1)
+  per_code = f", {32 * total / args.codes:.2f} thread instructions per code" if args.codes else ""
+  print(f"{total} warp instructions executed{per_code}")
+  print("| opcode | share of instructions | per code | share of stall samples |")
+  print("| --- | ---: | ---: | ---: |")
+  for opcode, n in executed.most_common(args.top):
+    code = f"{32 * n / args.codes:.2f}" if args.codes else "–"
+    print(f"| {opcode} | {100 * n / total:.1f}% | {code} | {100 * stalls[opcode] / total_stalls:.1f}% |")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
