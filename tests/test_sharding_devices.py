@@ -119,12 +119,11 @@ def _collective_sizes(hlo: str) -> list:
   return sizes
 
 
-def test_decode_moves_no_cache_array_between_devices(tiny_llama):
-  """Only activations cross devices (the tensor-parallel sums, the vocabulary's argmax): the largest array any
-  collective of the compiled decode step moves is smaller than the smallest shard of any cache array."""
-  _, model = tiny_llama
+def _decode_hlo(model, mesh_spec):
+  """The optimized HLO of two KIVI decode steps (generate's decode chunk) of 4 sequences on ``mesh_spec``, and
+  the cache it was compiled for."""
   cfg = model.config
-  mesh = sharding.make_mesh("data=2,model=2")
+  mesh = sharding.make_mesh(mesh_spec)
   method, B = make_method("kivi", **METHODS["kivi"]), 4
   with sharding.use_mesh(mesh):
     params = sharding.shard_params(model.params, cfg, mesh)
@@ -133,11 +132,24 @@ def test_decode_moves_no_cache_array_between_devices(tiny_llama):
     args = (params, cache) + rows(jnp.zeros((B,), jnp.int32), jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), bool),
                                   jnp.zeros((B,), bool), jnp.zeros((B, 2), jnp.int32), jax.random.key(0),
                                   jnp.asarray([-1], jnp.int32), jnp.int32(0))
-    hlo = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile().as_text()
+    return gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile().as_text(), cache
+
+
+def test_decode_moves_no_cache_array_between_devices(tiny_llama):
+  """Only activations cross devices (the tensor-parallel sums, the vocabulary's argmax): the largest array any
+  collective of the compiled decode step moves is smaller than the smallest shard of any cache array."""
+  hlo, cache = _decode_hlo(tiny_llama[1], "data=2,model=2")
   sizes = _collective_sizes(hlo)
   assert sizes, "a tensor-parallel step must sum its partial products across the model axis"
   smallest_shard = min(x.addressable_shards[0].data.size for x in jax.tree.leaves(cache.state))
   assert max(sizes) < smallest_shard
+
+
+def test_data_parallel_decode_moves_nothing_between_devices(tiny_llama):
+  """With the whole model on every device and the sequences split, a decode step needs no communication: its
+  compiled HLO has no collective at all (a cache or parameter array that lost its sharding would add one)."""
+  hlo, _ = _decode_hlo(tiny_llama[1], "data=4")
+  assert not re.search(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo)
 
 
 def test_perplexity_through_compare_on_a_mesh_equals_one_device(tiny_llama):
