@@ -54,3 +54,23 @@ def test_generate_decode(tmp_path):
   records, _ = _run(["generate_decode.py", "--smoke"], tmp_path / "g.json")
   assert {r["impl"] for r in records} >= {"jkv_dense", "jkv_kivi2"}
   assert all(r["decode_ms_per_step"] > 0 for r in records)
+
+
+def test_dequant_forms_agree_with_the_library():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "dequant_forms.py", "--check-only"], cwd=BENCHMARKS, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "bit for bit" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_ncu_opcodes_sums_a_sass_source_page(tmp_path, monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  from ncu_opcodes import opcode_mix
+  header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+  rows = [("0x0", "LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT", "5", "100"),
+          ("0x10", "@P0 LOP3.LUT R3, R3, 0x4b000000, RZ, 0xfc, !PT", "1", "60"),
+          ("0x20", "HADD2.F32 R4, -RZ, R5.H0_H0", "2", "40"), ("0x30", "EXIT", "0", "")]
+  path = tmp_path / "sass.csv"
+  path.write_text("\n".join(",".join(f'"{x}"' for x in row) for row in [("Kernel Name", "k"), header, *rows]))
+  executed, stalls = opcode_mix(path)
+  assert executed == {"LOP3": 160, "HADD2": 40, "EXIT": 0} and stalls == {"LOP3": 6, "HADD2": 2, "EXIT": 0}
