@@ -30,10 +30,6 @@ import kernel_decode
 from jkv_kernels import dequant_attention, quantization
 
 
-def _codes_as_floats(codes):
-  return jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-
-
 def _word_scales(scale, zero, lead, n, groups):
   """Scale and zero per word [..., n] in fp32."""
   per_word = lambda a: jnp.broadcast_to(a.astype(jnp.float32)[..., None], (*lead, groups, n // groups))
@@ -45,7 +41,7 @@ def codes_by_position(words, scale, zero, *, bits, group_size, dtype, cast_last=
   *lead, n = words.shape
   s, z = _word_scales(scale, zero, lead, n, max(1, n * per_word // group_size))
   shifts = (jnp.arange(per_word, dtype=jnp.uint32) * bits)[:, None]
-  c = _codes_as_floats((words[..., None, :] >> shifts) & jnp.uint32(2**bits - 1))  # [..., P, n]
+  c = quantization.codes_as_float32((words[..., None, :] >> shifts) & jnp.uint32(2**bits - 1))  # [..., P, n]
   x = c * s[..., None, :] + z[..., None, :]
   if cast_last:
     return jnp.swapaxes(x, -1, -2).reshape(*lead, n * per_word).astype(dtype)
@@ -57,7 +53,7 @@ def scale_per_group(words, scale, zero, *, bits, group_size, dtype):
   *lead, n = words.shape
   groups = max(1, n * per_word // group_size)
   shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
-  c = _codes_as_floats((words[..., None] >> shifts) & jnp.uint32(2**bits - 1))
+  c = quantization.codes_as_float32((words[..., None] >> shifts) & jnp.uint32(2**bits - 1))
   c = c.reshape(*lead, groups, n * per_word // groups)
   s = scale.astype(jnp.float32).reshape(*lead, groups, 1)
   z = zero.astype(jnp.float32).reshape(*lead, groups, 1)

@@ -63,11 +63,6 @@ CONFIGS = {  # (ng, splits, num_warps, num_stages)
 V = 32
 
 
-def magic(c):
-  """uint32 codes (< 2**23) -> float32, as the bits of 2**23 + c minus 2**23 (no int-to-float conversion)."""
-  return lax.bitcast_convert_type(c | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-
-
 def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, l_ref,
                         m_ref, *, ng, kbits, vbits, gv, blocks_per_split, sm_scale, variant, unroll):
   """Blocks of ng key groups of V tokens, visited by offset within the group (module docstring); one program
@@ -103,7 +98,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
         o, m, l = carry
         off = sub * pk + j
         shift = (j * kbits).astype(jnp.uint32) if not isinstance(j, int) else jnp.uint32(j * kbits)
-        k_hat = (magic((kw >> shift) & kmask) * ks + kz).astype(dt)
+        k_hat = (quantization.codes_as_float32((kw >> shift) & kmask) * ks + kz).astype(dt)
         if variant == "tokens_deq_swap":
           s = _dot(k_hat, q, trans_a=True, trans_b=True) * sm_scale  # [ng, rows]
           valid_t = (V * lax.broadcasted_iota(jnp.int32, (ng, 1), 0) + (start + off)) < bound
@@ -116,7 +111,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
           sv = jnp.broadcast_to(sv[:, None, :], (ncg, gv, ng)).reshape(D, ng)
           zv = jnp.broadcast_to(zv[:, None, :], (ncg, gv, ng)).reshape(D, ng)
           valid = (col + (start + off)) < bound
-          v_hat = jnp.where(valid, magic((vw >> shift) & vmask) * sv + zv, 0.0).astype(dt)
+          v_hat = jnp.where(valid, quantization.codes_as_float32((vw >> shift) & vmask) * sv + zv, 0.0).astype(dt)
           return o * alpha + _dot(v_hat, p.astype(dt)), m_next, l * alpha + jnp.sum(p, axis=0, keepdims=True)
         s = _dot(q, k_hat) * sm_scale  # [rows, ng]
         valid = (col + (start + off)) < bound  # [1, ng]
@@ -134,7 +129,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
         elif variant == "tokens":
           new = []
           for cg in range(ncg):
-            cv = magic((vws[cg] >> shift) & vmask).astype(dt)
+            cv = quantization.codes_as_float32((vws[cg] >> shift) & vmask).astype(dt)
             sv = jnp.where(valid, jnp.reshape(vs_ref[layer, tokens, pl.ds(cg, 1)].astype(jnp.float32), (1, ng)), 0.0)
             zv = jnp.where(valid, jnp.reshape(vz_ref[layer, tokens, pl.ds(cg, 1)].astype(jnp.float32), (1, ng)), 0.0)
             o_cg = o[cg] * alpha[:, None] + _dot((p * sv).astype(dt), cv, trans_b=True)
@@ -145,7 +140,7 @@ def group_offset_kernel(layer_ref, bound_ref, q_ref, kc_ref, ks_ref, kz_ref, vc_
           zv = jnp.swapaxes(vz_ref[layer, tokens, :].astype(jnp.float32), 0, 1)
           sv = jnp.broadcast_to(sv[:, None, :], (ncg, gv, ng)).reshape(D, ng)
           zv = jnp.broadcast_to(zv[:, None, :], (ncg, gv, ng)).reshape(D, ng)
-          v_hat = jnp.where(valid, magic((vw >> shift) & vmask) * sv + zv, 0.0).astype(dt)
+          v_hat = jnp.where(valid, quantization.codes_as_float32((vw >> shift) & vmask) * sv + zv, 0.0).astype(dt)
           o = o * alpha[:, None] + _dot(p.astype(dt), v_hat, trans_b=True)
         return o, m_next, l
 

@@ -17,7 +17,7 @@ import sys
 def opcode_mix(path):
   """{opcode: (warp instructions executed, stall samples)} and the totals, from a SASS source-page CSV."""
   with open(path, newline="") as f:
-    rows = [row for row in csv.reader(f)]
+    rows = list(csv.reader(f))
   header_at = next(i for i, row in enumerate(rows) if "Instructions Executed" in row)
   header = rows[header_at]
   col = {name: i for i, name in enumerate(header)}

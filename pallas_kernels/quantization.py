@@ -182,13 +182,18 @@ def unpack_last_axis(words, *, bits: int):
   return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
 
 
+def codes_as_float32(codes):
+  """uint32 codes (< 2**23) -> float32, exactly: the bits of 2**23 + c minus 2**23 (full-rate integer and float
+  ops on a GPU, where an int-to-float conversion runs at a quarter of the rate)."""
+  return jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
+
+
 def dequantize_packed_last_axis(words, scale, zero, *, bits: int, group_size: int, dtype):
   """Unpack and dequantize in one pass: words [..., n] with scale, zero [..., max(1, n * P / G)] -> [..., n * P].
 
   The in-register form the kernels use. It equals ``dequantize(unpack_last_axis(words), ...)`` exactly, but is
   shaped for a GPU: the scales are broadcast per word (G / P words share one) rather than per code, so the
-  only full-size reshape is the last one; and a code becomes a float as the bits of 2**23 + c minus 2**23,
-  full-rate integer and float ops, where an int-to-float conversion runs at a quarter of the rate. A tile that
+  only full-size reshape is the last one; and a code becomes a float by ``codes_as_float32``. A tile that
   lies inside one group (G >= n * P: a kernel block shorter than a key group) takes that group's one scale and
   zero column [..., 1], broadcast over every word without a reshape.
   """
@@ -203,8 +208,7 @@ def dequantize_packed_last_axis(words, scale, zero, *, bits: int, group_size: in
     z = jnp.broadcast_to(zero.astype(jnp.float32)[..., None], (*lead, groups, n // groups))
   shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
   codes = (words[..., None] >> shifts) & jnp.uint32(2**bits - 1)  # [..., n, P]
-  c = jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-  x = c * s.reshape(*lead, n)[..., None] + z.reshape(*lead, n)[..., None]
+  x = codes_as_float32(codes) * s.reshape(*lead, n)[..., None] + z.reshape(*lead, n)[..., None]
   return x.reshape(*lead, n * per_word).astype(dtype)
 
 
