@@ -118,6 +118,9 @@ def add_method_args(parser):
   from jkv import methods
   names = methods.known_methods()
   parser.add_argument("--method", default="dense", help=f"cache method: {', '.join(names)} (default: dense)")
+  named = "; ".join(f"{n}: {', '.join(methods.presets(n))}" for n in names if methods.presets(n))
+  parser.add_argument("--preset", default=None, help=f"a named setting of the method, which its other flags "
+                                                     f"override ({named}; paper: the paper's main setting)")
   owners = {}
   for name in names:
     for f in dataclasses.fields(methods.method_class(name)):
@@ -133,7 +136,7 @@ def add_method_args(parser):
 def method_from_args(args):
   from jkv import methods
   options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-  return methods.make_method(args.method, **options)
+  return methods.make_method(args.method, preset=getattr(args, "preset", None), **options)
 
 
 def mesh_spec(text):

@@ -164,6 +164,38 @@ def cmd_compare(args, cli):
   return 0
 
 
+def cmd_frontier(args, cli):
+  from jkv.evaluation import frontier
+  specs = frontier.sweep_specs(args.methods) + [compare_lib.MethodSpec.parse(t) for t in args.add]
+  for spec in specs:
+    spec.method()
+  plan = _plan(args)
+  for suffix in (".json", ".md", ".png"):
+    cli.check_output(args.output + suffix)
+  if args.text_file is None:
+    make_text, source = frontier.TEXTS[args.text]
+    text = make_text()
+  else:
+    text, source = _text(args)
+  mesh = cli.mesh_from_args(args)
+  model = _load(args)
+  ids = model.tokenizer.encode(text, add_bos=False)
+  meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
+              ppl=dataclasses.asdict(plan), environment=compare_lib.environment(mesh))
+  data = frontier.sweep(model, specs, token_ids=ids, plan=plan, path=args.output + ".json", meta=meta,
+                        attention_impl=args.attention_impl, mesh=mesh)
+  if not cli.is_lead_process():
+    return 0
+  rows = frontier.annotate(data["rows"])
+  for path in frontier.write_outputs(rows, data["meta"], args.output):
+    _progress(f"wrote {path}")
+  if args.json:
+    print(json.dumps(dict(meta=data["meta"], rows=rows)))
+  else:
+    print(frontier.markdown_report(rows, data["meta"]))
+  return 0
+
+
 def add_commands(sub, cli):
   """Add ``eval`` and ``compare`` to the subcommands ``sub``; ``cli`` is ``jkv.cli`` (shared flags and checks)."""
   e = sub.add_parser("eval", help="evaluate a cache method: perplexity or pass-key retrieval")
@@ -198,3 +230,21 @@ def add_commands(sub, cli):
                  help="write PREFIX.json, PREFIX.md and PREFIX.png ('' writes nothing; default: compare)")
   c.add_argument("--json", action="store_true", help=cli.JSON_HELP)
   c.set_defaults(fn=lambda args: cmd_compare(args, cli))
+
+  from jkv.evaluation import frontier
+  f = sub.add_parser("frontier", help="sweep every method's knobs: perplexity against KV bytes per token, the "
+                                      "Pareto front, resumable")
+  cli.add_model_args(f)
+  f.add_argument("--methods", nargs="+", default=list(frontier.SWEEP), metavar="NAME",
+                 help=f"methods whose grids to sweep (default: {' '.join(frontier.SWEEP)})")
+  f.add_argument("--add", nargs="+", default=[], metavar="SPEC",
+                 help="more configurations to measure, as NAME:OPTION=VALUE,... (as jkv compare --methods)")
+  _add_ppl_args(f, frontier.DEFAULT_PPL, cli)
+  f.add_argument("--text", choices=sorted(frontier.TEXTS), default="topics",
+                 help="named stdlib text to score (default: topics, pydoc_data.topics; docstrings: the held-out "
+                      "text); --text-file overrides it")
+  f.add_argument("--output", default="frontier", metavar="PREFIX",
+                 help="PREFIX.json (written after every configuration; an existing one is resumed), PREFIX.md and "
+                      "PREFIX.png (default: frontier)")
+  f.add_argument("--json", action="store_true", help=cli.JSON_HELP)
+  f.set_defaults(fn=lambda args: cmd_frontier(args, cli))

@@ -77,6 +77,10 @@ class MethodSpec:
       key = key.strip().replace("-", "_")
       if not eq:
         raise ValueError(f"method spec {text!r}: expected option=value, got {item!r}")
+      if key == "preset":  # a named option set of the method (methods.presets), which later options override
+        methods_lib.make_method(name, preset=value.strip())
+        options.append((key, value.strip()))
+        continue
       if key not in fields:
         raise ValueError(f"method {name!r} has no option {key}; its options: {', '.join(sorted(fields)) or 'none'}")
       options.append((key, _coerce(value.strip(), hints[key], f"method {name!r} option {key}")))
@@ -87,8 +91,14 @@ class MethodSpec:
 
   @property
   def label(self) -> str:
-    """The settings given, then any other field away from its default: ``kivi:bits=2``."""
-    return method_label(self.method(), given=[k for k, _ in self.options])
+    """The preset if one is named, the settings given, then any other field away from its default:
+    ``kivi:bits=2``, ``ott:preset=paper``."""
+    given = [k for k, _ in self.options if k != "preset"]
+    preset = dict(self.options).get("preset")
+    if preset is None:
+      return method_label(self.method(), given=given)
+    shown = ",".join(f"{k}={v}" for k, v in self.options if k != "preset")
+    return f"{self.name}:preset={preset}" + ("," + shown if shown else "")
 
 
 def method_label(method: CacheMethod, given=()) -> str:

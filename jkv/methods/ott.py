@@ -104,6 +104,7 @@ class Ott(CacheMethod):
   """OTT settings; the defaults are the paper's main configuration (spec §5)."""
 
   name = "ott"
+  presets = {"paper": dict(bits=2, group_size=128, residual=32, pool_size=3, aux_size=32, no_pool_layers=2)}
   bits: int = dataclasses.field(default=2, metadata={"help": "code width of keys and values"})
   group_size: int = dataclasses.field(default=128, metadata={
       "help": "G: tokens per key group; also the quantization period (a block of G tokens every G steps)"})

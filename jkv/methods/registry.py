@@ -1,6 +1,10 @@
-"""The registry of cache methods: a name -> method class table that methods join with ``@register``."""
+"""The registry of cache methods: a name -> method class table that methods join with ``@register``.
+
+A method class may name presets, ``presets = {"paper": {"group_size": 128, ...}}`` (a class attribute, not a
+setting): option sets that ``make_method(name, preset=...)`` starts from (``jkv ... --preset paper``)."""
 
 import dataclasses
+from typing import Optional
 
 from jkv.cache import CacheMethod
 
@@ -23,10 +27,20 @@ def method_class(name: str) -> type:
   return _REGISTRY[name]
 
 
-def make_method(name: str, **options) -> CacheMethod:
-  """The method called ``name`` with its options; unknown names, unknown options and invalid settings are
-  rejected in one line."""
+def presets(name: str) -> dict:
+  """The presets of method ``name``: {preset: options}."""
+  return getattr(method_class(name), "presets", {})
+
+
+def make_method(name: str, preset: Optional[str] = None, **options) -> CacheMethod:
+  """The method called ``name`` with its options, over the options of ``preset`` if one is named; unknown names,
+  presets and options and invalid settings are rejected in one line."""
   cls = method_class(name)
+  if preset is not None:
+    known = presets(name)
+    if preset not in known:
+      raise ValueError(f"method {name!r} has no preset {preset!r}; its presets: {', '.join(known) or 'none'}")
+    options = {**known[preset], **options}
   fields = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(options) - fields)
   if unknown:

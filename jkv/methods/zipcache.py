@@ -89,6 +89,8 @@ class ZipCache(CacheMethod):
   """ZipCache settings (spec §5 defaults: 4/2 bits, r = 0.6, 5% + 5% probes, N = 100)."""
 
   name = "zipcache"
+  presets = {"paper": dict(high_bits=4, low_bits=2, salient_ratio=0.6, interval=100, recent_probes=0.05,
+                           random_probes=0.05)}
   high_bits: int = dataclasses.field(default=4, metadata={"help": "code width of salient tokens"})
   low_bits: int = dataclasses.field(default=2, metadata={"help": "code width of the other tokens"})
   salient_ratio: float = dataclasses.field(default=0.6, metadata={
