@@ -68,7 +68,8 @@ class Stats:
 class Generation:
   """The result of ``Model.generate``: one entry per prompt in ``texts`` and ``tokens``."""
 
-  texts: Optional[list]  # decoded text, special tokens skipped; None when the model has no tokenizer
+  texts: Optional[list]  # decoded text in whole characters (Tokenizer.decode_whole), special tokens skipped; None
+  # when the model has no tokenizer
   tokens: list  # generated token ids per prompt, cut before the first end-of-sequence token
   prompt_tokens: list  # the token ids each prompt became (chat template applied)
   stats: Stats
@@ -147,7 +148,7 @@ class Model:
                                 mesh=mesh)
     texts = None
     if self.tokenizer is not None:
-      texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+      texts = [self.tokenizer.decode_whole(t, skip_special_tokens=True)[0] for t in res.tokens]
     return Generation(texts=texts, tokens=res.tokens, prompt_tokens=ids, stats=_stats(res.stats))
 
   def _tokenizer(self, what: str) -> Tokenizer:

@@ -2,8 +2,10 @@
 
 Method options become flags by themselves: every field of every registered method's config is a flag
 (``--group-size``), so a new method joins the CLI by registration alone. Bad input exits 2 with one line
-``jkv: error: ...``, checked before the model loads wherever the model is not needed; Ctrl-C exits 130 with one
-line ``jkv: interrupted``.
+``jkv: error: ...``, checked before the model loads wherever the model is not needed; a batch that does not fit
+the device's memory (``jkv.memory.DeviceMemoryError``, or XLA's own out-of-memory error) exits 1 with one line
+``jkv: error: out of device memory: ...``; Ctrl-C exits 130 with one line ``jkv: interrupted``. ``--verbose`` shows
+XLA's log lines and, on failure, the whole error before its line.
 """
 
 # Only the standard library at module level: importing jax and flax takes seconds, and ``main`` installs its
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import typing
 import warnings
 
@@ -149,7 +152,14 @@ def mesh_spec(text):
   return text
 
 
+def add_verbose_arg(parser):
+  parser.add_argument("--verbose", action="store_true",
+                      help="show XLA's own log lines, and on failure the whole error (an out-of-memory error's "
+                           "allocator report) before its one line")
+
+
 def add_model_args(parser):
+  add_verbose_arg(parser)
   parser.add_argument("--model", default="default",
                       help="'default' (SmolLM2-135M-Instruct), a Hugging Face directory, a .gguf file or a "
                            "directory written by `jkv convert` (default: default)")
@@ -248,14 +258,19 @@ def cmd_generate(args):
   if args.stream and not args.json and len(ids) == 1:
     gen.plan_capacity(model.config, method, [len(ids[0])], args.max_new_tokens, 1, args.capacity)
     decoder = tok.stream_decoder(skip_special_tokens=True)
+    wrote = False
     try:
       for t in gen.stream(model.params, model.config, ids[0], method=method, max_new_tokens=args.max_new_tokens,
                           sampler=sampler, seed=args.seed, eos_ids=tok.eos_ids,
                           attention_impl=args.attention_impl):
-        print(decoder.push(t), end="", flush=True)
+        piece = decoder.push(t)
+        wrote = wrote or bool(piece)
+        print(piece, end="", flush=True)
       print(decoder.finish(), end="")
+      wrote = True
     finally:
-      print(flush=True)  # ends the text's line, so that an error or interrupt line starts its own
+      if wrote:  # end the text's line, so that an error or interrupt line starts its own
+        print(flush=True)
     return 0
   _progress(f"generating with {method.name} ...")
   res = gen.generate(model.params, model.config, ids, method=method, max_new_tokens=args.max_new_tokens,
@@ -263,10 +278,11 @@ def cmd_generate(args):
                      attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens, mesh=mesh)
   if not is_lead_process():
     return 0
-  texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
+  # Whole characters: a sequence that stopped inside one holds back its last tokens (counted in held_back_tokens).
+  texts, held_back = zip(*(tok.decode_whole(t, skip_special_tokens=True) for t in res.tokens))
   if args.json:
-    single = len(texts) == 1
-    print(json.dumps(dict(text=texts[0] if single else texts, tokens=res.tokens[0] if single else res.tokens,
+    one = (lambda x: x[0]) if len(texts) == 1 else list
+    print(json.dumps(dict(text=one(texts), tokens=one(res.tokens), held_back_tokens=one(held_back),
                           method_config=dataclasses.asdict(method), **res.stats)))  # stats name the mesh
   else:
     for t in texts:
@@ -376,6 +392,7 @@ def build_parser():
   c.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype to store the parameters in "
                                                                     "(default: float32)")
   c.add_argument("--json", action="store_true", help=JSON_HELP)
+  add_verbose_arg(c)
   c.set_defaults(fn=cmd_convert)
 
   i = sub.add_parser("info", help="model config and KV bytes per token for a method")
@@ -507,8 +524,16 @@ def _caused_by_interrupt(e: BaseException) -> bool:
   return False
 
 
+def _out_of_device_memory(e: BaseException) -> bool:
+  """Whether ``e`` is jkv's DeviceMemoryError or XLA's own out-of-memory error (jkv.memory is imported by then:
+  both come from running jax)."""
+  memory = sys.modules.get("jkv.memory")
+  return memory is not None and (isinstance(e, memory.DeviceMemoryError) or memory.is_out_of_memory(e))
+
+
 def _run(argv) -> int:
   """Parse ``argv`` and run the command; any failure becomes one line on stderr and an exit status."""
+  args = None
   try:
     args = build_parser().parse_args(argv)
     return args.fn(args)
@@ -518,6 +543,13 @@ def _run(argv) -> int:
     if _caused_by_interrupt(e):
       _say_interrupted()
       return 130
+    if getattr(args, "verbose", False):  # the whole error first: XLA's allocator report, a traceback
+      _close_progress_bars()
+      traceback.print_exception(e, file=sys.stderr)
+    if _out_of_device_memory(e):
+      line = _first_line(e)
+      _say(f"jkv: error: {line if line.startswith('out of device memory') else 'out of device memory: ' + line}")
+      return 1
     if isinstance(e, MemoryError):
       _say(f"jkv: error: out of host memory{': ' + _first_line(e) if str(e) else ''}")
       return 1
@@ -527,8 +559,16 @@ def _run(argv) -> int:
     raise
 
 
+def quiet_xla_logs(argv) -> None:
+  """XLA's C++ log lines only with ``--verbose``: set before jax is imported, the only time XLA reads it. Out of
+  device memory, XLA's allocator logs its whole state (dozens of lines) before the error that jkv reports in one
+  line; every failure reaches the user as that one line, so nothing is lost. A value the user set is kept."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if "--verbose" in argv else "3")
+
+
 def main(argv=None) -> int:
-  """Run ``jkv ARGV`` and return its exit status: 0, 2 for bad input (one line), 130 when interrupted.
+  """Run ``jkv ARGV`` and return its exit status: 0, 2 for bad input (one line), 1 out of memory (one line), 130
+  when interrupted.
 
   With ``argv`` None, ``jkv`` runs as the program (the console script, ``python -m jkv.cli``): Ctrl-C is
   handled as ``_ProgramInterrupts`` says, from before jax is imported, and an interrupted run ends the process
@@ -536,6 +576,7 @@ def main(argv=None) -> int:
   """
   if argv is not None:
     return _run(argv)
+  quiet_xla_logs(sys.argv[1:])
   with _ProgramInterrupts() as interrupts:
     rc = _run(None)
     if rc != 130 and interrupts.count:  # an interrupt was dropped and the command ran to its end

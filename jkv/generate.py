@@ -296,61 +296,64 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   tokens, positions = _pad_prompts(prompts, padded_length(lens, cap), pad_id)
   spec = CacheSpec.for_model(cfg, len(prompts), cap)
   sharding.check_mesh(mesh, cfg, len(prompts))
-  params = sharding.shard_params(params, cfg, mesh)
-  params, cache = committed((params, sharding.create_cache(method, spec, impl, mesh)))
-  if prefill_tokens is None:
-    jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
-    prefill_tokens = memory.prefill_token_budget(cfg)
-  if prefill_tokens < 1:
+  if prefill_tokens is not None and prefill_tokens < 1:
     raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-  rows = sharding.batch_rows(prefill_tokens // tokens.shape[1], len(prompts), mesh)
-  B = len(prompts)
-  S = method.speculative_rows
-  key, eos_arr, pad, no, no_spec, zero_counts, first_ids = sharding.rows(committed((
-      jax.random.key(seed), jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(pad_id), jnp.zeros((B,), bool),
-      jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0]))), mesh)
-  key, sub = jax.random.split(key)
-  decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
-                                                                   eos_arr, pad)
-  with CompileCounter() as compiles:
-    t_compile = time.perf_counter()
-    # Compile (or find compiled) before timing, so the timings below are run time alone.
-    _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
-          dict(cfg=cfg))
-    _warm(_first_tokens, sharding.rows((committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), mesh),
-          dict(sampler=sampler))
-    if S:
-      _warm(_pre_decode, (params, cache, first_ids), dict(cfg=cfg))
-    _warm(_decode_chunk, decode_args(cache, first_ids, no_spec, no, no, zero_counts, key),
-          dict(cfg=cfg, sampler=sampler, steps=chunk))
-    compile_s = time.perf_counter() - t_compile
+  # Refused here, before anything is allocated, when the cache cannot fit; an allocation that fails later says
+  # the same in one line (jkv.memory.guard).
+  with memory.guard(memory.CacheRequest(cfg, method, len(prompts), cap, tokens.shape[1], mesh)):
+    params = sharding.shard_params(params, cfg, mesh)
+    params, cache = committed((params, sharding.create_cache(method, spec, impl, mesh)))
+    if prefill_tokens is None:
+      jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
+      prefill_tokens = memory.prefill_token_budget(cfg)
+    rows = sharding.batch_rows(prefill_tokens // tokens.shape[1], len(prompts), mesh)
+    B = len(prompts)
+    S = method.speculative_rows
+    key, eos_arr, pad, no, no_spec, zero_counts, first_ids = sharding.rows(committed((
+        jax.random.key(seed), jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(pad_id), jnp.zeros((B,), bool),
+        jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0]))), mesh)
+    key, sub = jax.random.split(key)
+    decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
+                                                                     eos_arr, pad)
+    with CompileCounter() as compiles:
+      t_compile = time.perf_counter()
+      # Compile (or find compiled) before timing, so the timings below are run time alone.
+      _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
+            dict(cfg=cfg))
+      _warm(_first_tokens, sharding.rows((committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), mesh),
+            dict(sampler=sampler))
+      if S:
+        _warm(_pre_decode, (params, cache, first_ids), dict(cfg=cfg))
+      _warm(_decode_chunk, decode_args(cache, first_ids, no_spec, no, no, zero_counts, key),
+            dict(cfg=cfg, sampler=sampler, steps=chunk))
+      compile_s = time.perf_counter() - t_compile
 
-    t0 = time.perf_counter()
-    logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
-    first, bad = sharding.rows(_first_tokens(*sharding.rows((committed(logits), sub), mesh), sampler=sampler), mesh)
-    first.block_until_ready()
-    prefill_s = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
+      first, bad = sharding.rows(_first_tokens(*sharding.rows((committed(logits), sub), mesh), sampler=sampler), mesh)
+      first.block_until_ready()
+      prefill_s = time.perf_counter() - t0
 
-    done = jnp.isin(first, eos_arr)
-    out = [np.asarray(first)[:, None]]
-    t_pre = time.perf_counter()
-    guess, cache = speculative_start(params, cfg, cache, first)
-    guess = sharding.rows(guess, mesh)
-    if S:
-      jax.block_until_ready((guess, cache))
-    pre_decode_s = time.perf_counter() - t_pre
-    t1 = time.perf_counter()
-    produced = 1
-    last, counts = first, zero_counts
-    while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
-      cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
-          *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
-      # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
-      last, guess, done, bad, counts, key = sharding.rows((last, guess, done, bad, counts, key), mesh)
-      out.append(np.asarray(sharding.rows(chunk_out, mesh)))
-      produced += chunk
-    jax.block_until_ready(cache)
-    decode_s = time.perf_counter() - t1
+      done = jnp.isin(first, eos_arr)
+      out = [np.asarray(first)[:, None]]
+      t_pre = time.perf_counter()
+      guess, cache = speculative_start(params, cfg, cache, first)
+      guess = sharding.rows(guess, mesh)
+      if S:
+        jax.block_until_ready((guess, cache))
+      pre_decode_s = time.perf_counter() - t_pre
+      t1 = time.perf_counter()
+      produced = 1
+      last, counts = first, zero_counts
+      while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
+        cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
+            *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
+        # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
+        last, guess, done, bad, counts, key = sharding.rows((last, guess, done, bad, counts, key), mesh)
+        out.append(np.asarray(sharding.rows(chunk_out, mesh)))
+        produced += chunk
+      jax.block_until_ready(cache)
+      decode_s = time.perf_counter() - t1
 
   bad = np.flatnonzero(np.asarray(bad))
   if bad.size:
@@ -406,25 +409,26 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   cap = plan_capacity(cfg, method, [len(prompt)], max_new_tokens, 1)
   tokens, positions = _pad_prompts([prompt], padded_length([len(prompt)], cap), 0)
-  params, cache = committed((params, KVCache.create(method, CacheSpec.for_model(cfg, 1, cap),
-                                                    choose_impl(attention_impl))))
-  key, done, counts, eos_arr, pad = committed((
-      jax.random.key(seed), jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32),
-      jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(0)))
-  key, sub = jax.random.split(key)
-  logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
-  last, bad = _first_tokens(committed(logits), sub, sampler=sampler)
-  spec = None
-  for i in range(max_new_tokens):
-    if bool(bad[0]):
-      raise ValueError("the model produced non-finite logits: its weights or activations overflow "
-                       "(try --dtype float32) or are corrupt")
-    tok = int(last[0])
-    if tok in eos:
-      return
-    yield tok
-    if i + 1 < max_new_tokens:
-      if spec is None:
-        spec, cache = speculative_start(params, cfg, cache, last)
-      cache, last, spec, done, bad, counts, key, _ = _decode_chunk(
-          params, cache, last, spec, done, bad, counts, key, eos_arr, pad, cfg=cfg, sampler=sampler, steps=1)
+  with memory.guard(memory.CacheRequest(cfg, method, 1, cap, tokens.shape[1])):
+    params, cache = committed((params, KVCache.create(method, CacheSpec.for_model(cfg, 1, cap),
+                                                      choose_impl(attention_impl))))
+    key, done, counts, eos_arr, pad = committed((
+        jax.random.key(seed), jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32),
+        jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(0)))
+    key, sub = jax.random.split(key)
+    logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
+    last, bad = _first_tokens(committed(logits), sub, sampler=sampler)
+    spec = None
+    for i in range(max_new_tokens):
+      if bool(bad[0]):
+        raise ValueError("the model produced non-finite logits: its weights or activations overflow "
+                         "(try --dtype float32) or are corrupt")
+      tok = int(last[0])
+      if tok in eos:
+        return
+      yield tok
+      if i + 1 < max_new_tokens:
+        if spec is None:
+          spec, cache = speculative_start(params, cfg, cache, last)
+        cache, last, spec, done, bad, counts, key, _ = _decode_chunk(
+            params, cache, last, spec, done, bad, counts, key, eos_arr, pad, cfg=cfg, sampler=sampler, steps=1)

@@ -1,12 +1,16 @@
-"""Device memory: what prefill needs per prompt token, how many prompt tokens one prefill call may take, and the
-largest batch a method's cache lets fit on a device.
+"""Device memory: what prefill needs per prompt token, how many prompt tokens one prefill call may take, the
+largest batch (or context) a method's cache lets fit on a device, and the one-line error when a batch does not fit.
 
 The cache is allocated at capacity up front (``KVCache.create``), from the method's ``abstract`` description, so
 what a batch costs is known before anything runs; prefill activations are bounded by running the batch in
-sub-batches of at most ``prefill_token_budget`` prompt tokens (``jkv.generate``).
+sub-batches of at most ``prefill_token_budget`` prompt tokens (``jkv.generate``). ``guard`` refuses a batch whose
+cache cannot fit before it is allocated, and turns a later allocation failure (XLA's RESOURCE_EXHAUSTED, whose
+message carries a many-line allocator report) into the same one-line ``DeviceMemoryError``.
 """
 
-from typing import Optional
+import contextlib
+import dataclasses
+from typing import Any, Optional
 
 import jax
 
@@ -64,6 +68,11 @@ def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int
   return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
 
 
+def _cache_room(cfg: ModelConfig, prompt_tokens: int, device_bytes: int, weight_bytes: int) -> int:
+  """Bytes left for the cache beside the weights, one prefill of ``prompt_tokens`` and ``RESERVE_BYTES``."""
+  return device_bytes - weight_bytes - RESERVE_BYTES - prefill_bytes_per_token(cfg) * prompt_tokens
+
+
 def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, *, device_bytes: int,
                   weight_bytes: int, mesh=None) -> int:
   """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of at
@@ -73,7 +82,7 @@ def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_t
   ``weight_bytes`` (then its share of the weights: ``sharding.param_bytes_per_device``), and the batch is a
   multiple of the data axis. Prefill is counted whole on each device (an upper estimate)."""
   step = sharding.axis_size(mesh, "data")
-  free = device_bytes - weight_bytes - RESERVE_BYTES - prefill_bytes_per_token(cfg) * prompt_tokens
+  free = _cache_room(cfg, prompt_tokens, device_bytes, weight_bytes)
   if free <= 0:
     return 0
   per_step = cache_bytes(method, cfg, step, capacity, mesh)  # one sequence per data shard
@@ -81,6 +90,102 @@ def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_t
   while batch > 0 and cache_bytes(method, cfg, batch, capacity, mesh) > free:  # exact, in case bytes are not linear
     batch -= step
   return int(batch)
+
+
+def largest_capacity(cfg: ModelConfig, method: CacheMethod, batch: int, prompt_tokens: int, *, device_bytes: int,
+                     weight_bytes: int, mesh=None) -> int:
+  """The longest capacity (tokens per sequence: prompt plus generated, a multiple of the method's
+  ``capacity_multiple``, at most the model's context) at which ``batch`` sequences fit as ``largest_batch``
+  counts them; 0 when not even the shortest does. A binary search: the cache grows with its capacity."""
+  free = _cache_room(cfg, prompt_tokens, device_bytes, weight_bytes)
+  step = method.capacity_multiple()
+  fits = lambda n: cache_bytes(method, cfg, batch, n * step, mesh) <= free
+  lo, hi = 0, cfg.max_position // step  # fits(lo) holds (lo = 0: nothing asked); find the largest such n
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo * step
+
+
+class DeviceMemoryError(MemoryError):
+  """A batch whose cache cannot fit the device, refused before anything is allocated, or an allocation that failed
+  later (then XLA's error, with its allocator report, is the ``__cause__``). The message is one line: what was
+  asked, what it needs, what the device has, and the largest batch and context that fit; the numbers are
+  attributes too, for a caller that retries smaller (0 where nothing fits)."""
+
+  def __init__(self, message: str, *, need_bytes: int, free_bytes: int, largest_batch: int, largest_capacity: int):
+    super().__init__(message)
+    self.need_bytes = need_bytes  # the cache's device bytes (per device of a mesh)
+    self.free_bytes = free_bytes  # the device's free bytes before the cache was allocated
+    self.largest_batch = largest_batch  # sequences of the asked capacity that fit
+    self.largest_capacity = largest_capacity  # tokens per sequence at which the asked batch fits
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is XLA's out-of-memory failure (an allocation at run time, or a program too big to compile)."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith("RESOURCE_EXHAUSTED")
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRequest:
+  """A batch about to be allocated: ``batch`` sequences of ``capacity`` tokens with ``method``, prompts prefilled
+  ``prompt_tokens`` (padded) tokens each, optionally over a mesh."""
+
+  cfg: ModelConfig
+  method: CacheMethod
+  batch: int
+  capacity: int
+  prompt_tokens: int
+  mesh: Any = None
+
+  @property
+  def need_bytes(self) -> int:
+    """The cache's device bytes (one device's share on a mesh)."""
+    return cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh)
+
+  def error(self, problem: str, mem: dict) -> DeviceMemoryError:
+    """``problem``, then what the device has and what fits in the memory ``mem`` (``device_memory``, read before
+    the cache was allocated)."""
+    free = mem["limit"] - mem["in_use"]  # the weights, already placed, are in use
+    fit = dict(device_bytes=free, weight_bytes=0, mesh=self.mesh)
+    batch = largest_batch(self.cfg, self.method, self.capacity, self.prompt_tokens, **fit)
+    capacity = largest_capacity(self.cfg, self.method, self.batch, self.prompt_tokens, **fit)
+    beside = f"beside a prefill and the {_gib(RESERVE_BYTES)} jkv keeps for XLA's work"
+    if batch == 0 and capacity == 0:
+      fits = f"not one sequence fits {beside}"
+    else:
+      fits = f"at most {batch} sequences of {self.capacity} tokens fit, or {self.batch} of {capacity} tokens ({beside})"
+    device = ("each device" if self.mesh is not None else "the device") + f" ({jax.local_devices()[0].device_kind})"
+    return DeviceMemoryError(
+        f"out of device memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}; {fits}",
+        need_bytes=self.need_bytes, free_bytes=free, largest_batch=batch, largest_capacity=capacity)
+
+  def __str__(self) -> str:
+    return (f"the cache of {self.batch} sequence{'s' if self.batch > 1 else ''} of {self.capacity} tokens with "
+            f"{self.method.name} ({_gib(self.need_bytes)})")
+
+
+@contextlib.contextmanager
+def guard(request: CacheRequest):
+  """Around the allocation and use of a cache: refuse the request (``DeviceMemoryError``) when its cache alone
+  exceeds the device's free memory, which no prefill sub-batching can help, and turn XLA's out-of-memory failure
+  inside into a ``DeviceMemoryError`` saying the same. Nothing is checked where jax reports no memory (CPU)."""
+  # Settings that cannot serve this model are their own one-line error, before their cache is sized.
+  request.method.check(CacheSpec.for_model(request.cfg, request.batch, request.capacity))
+  mem = device_memory()
+  if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
+    raise request.error(f"{request} does not fit", mem)
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if mem is None or not is_out_of_memory(e):
+      raise
+    xla = str(e).splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+    raise request.error(f"{request} fit, but XLA ran out beside it ({xla})", mem) from e
 
 
 def tree_bytes(tree) -> int:

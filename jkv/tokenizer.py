@@ -18,6 +18,9 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+REPLACEMENT = "\ufffd"  # what a decoder makes of bytes that are no (complete) UTF-8 character
+MAX_CUT_BYTES = 3  # a UTF-8 character is at most 4 bytes: one cut short leaves at most 3
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _CONTROL = 3
 _USER_DEFINED = 4
@@ -99,6 +102,21 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def decode_whole(self, ids: Sequence[int], skip_special_tokens: bool = False) -> tuple[str, int]:
+    """Text of ``ids`` in whole characters, and how many final tokens were held back to keep it so.
+
+    Generation can stop inside a character (byte-level BPE spells a CJK character or an emoji in two to four byte
+    tokens); decoded, the unfinished bytes become U+FFFD. The last tokens are held back while the text ends in
+    U+FFFD: at most ``MAX_CUT_BYTES`` of them, the most bytes a character cut short can leave (each token holds
+    at least one byte). A U+FFFD that stays after that many is the tokens' own and is kept.
+    """
+    ids = [int(i) for i in ids]
+    for held in range(min(MAX_CUT_BYTES, len(ids)) + 1):
+      text = self.decode(ids[:len(ids) - held], skip_special_tokens)
+      if not text.endswith(REPLACEMENT):
+        return text, held
+    return self.decode(ids, skip_special_tokens), 0
 
   def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
     """An incremental decoder for tokens that arrive one at a time (``jkv generate --stream``)."""
@@ -198,14 +216,15 @@ class StreamDecoder:
 
   One token can hold part of a character (byte-level BPE spells an emoji in three or four byte tokens), and its
   text alone decodes to U+FFFD. ``push`` therefore holds back text that ends in U+FFFD until a later token
-  completes the character; ``finish`` gives what is still held (a real U+FFFD, or bytes that never completed).
-  The pieces joined equal ``decode`` of all the tokens. Each call decodes only the tokens since the last
+  completes the character; ``finish`` gives what is still held but bytes that never completed (a stream that
+  stopped inside a character). The pieces joined equal ``Tokenizer.decode_whole`` of all the tokens. Each call decodes only the tokens since the last
   printed piece plus the one before it (``_prefix``), so that decoders which treat the first token specially (a
   leading space stripped) give the same text as in the middle of a sequence; the cost per token stays constant.
   """
 
   def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
     self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    self._decode_whole = functools.partial(tokenizer.decode_whole, skip_special_tokens=skip_special_tokens)
     self._ids: list[int] = []
     self._prefix = 0  # ids[_prefix:_read] decode to text already given out
     self._read = 0  # ids[_read:] are not given out yet
@@ -215,14 +234,14 @@ class StreamDecoder:
     self._ids.append(int(token_id))
     shown = self._decode(self._ids[self._prefix:self._read])
     text = self._decode(self._ids[self._prefix:])
-    if len(text) <= len(shown) or text.endswith("\ufffd"):
+    if len(text) <= len(shown) or text.endswith(REPLACEMENT):
       return ""
     self._prefix, self._read = self._read, len(self._ids)
     return text[len(shown):]
 
   def finish(self) -> str:
-    """The text still held back at the end of the stream."""
+    """The text still held back at the end of the stream, in whole characters (``Tokenizer.decode_whole``)."""
     shown = self._decode(self._ids[self._prefix:self._read])
-    text = self._decode(self._ids[self._prefix:])
+    text, _ = self._decode_whole(self._ids[self._prefix:])
     self._prefix = self._read = len(self._ids)
     return text[len(shown):]

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jkv import generate as gen
+from jkv import memory
 from jkv import sharding
 from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes
@@ -148,16 +149,17 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
   cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
   sharding.check_mesh(mesh, cfg, B)
   params = sharding.shard_params(params, cfg, mesh)
-  cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl), mesh)
-  with gen.CompileCounter() as compiles:
-    cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
-    jax.block_until_ready(cache)
-    before = compiles.seconds
-    t0 = time.perf_counter()
-    cache, nll = _score(params, cache, jnp.asarray(windows[:, context:-1]), jnp.asarray(windows[:, context + 1:]),
-                        cfg=cfg)
-    nll = np.asarray(nll)
-    decode_s = time.perf_counter() - t0
+  with memory.guard(memory.CacheRequest(cfg, method, B, cap, context, mesh)):
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl), mesh)
+    with gen.CompileCounter() as compiles:
+      cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
+      jax.block_until_ready(cache)
+      before = compiles.seconds
+      t0 = time.perf_counter()
+      cache, nll = _score(params, cache, jnp.asarray(windows[:, context:-1]), jnp.asarray(windows[:, context + 1:]),
+                          cfg=cfg)
+      nll = np.asarray(nll)
+      decode_s = time.perf_counter() - t0
   held = cache.held_bytes()
   method_stats = method.decode_stats(cache.state)
   del cache
