@@ -270,7 +270,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   the batch once every sequence stopped. ``attention_impl`` picks the attention implementation ("auto": the
   Pallas kernels on a GPU that runs them, XLA elsewhere; see ``jkv.attention.choose_impl``). Prefill runs in
   sub-batches of at most ``prefill_tokens`` prompt tokens (default: what the device's free memory holds), so the
-  batch is bounded by the cache, not by prefill activations; the result is the same as one call.
+  batch is bounded by the cache, not by prefill activations; the result is the same as one call (bit for bit on a
+  CPU; on a GPU up to the order in which a matmul adds its terms, which cuBLAS and XLA choose per shape).
 
   Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
   tokens, the allocated bytes, prefill/decode times with compilation counted apart, and the device's peak

@@ -158,10 +158,33 @@ def test_decode_step_reads_the_stacked_cache_in_place(tiny_llama, name, options)
 
 # ------------------------------------------------------------------------------------------------- prefill
 
+def reordering_bound(cfg, T: int) -> float:
+  """How far, relative to the largest logit, two fp32 evaluations of the model's prefill may differ when they differ
+  only in rounding: the order in which a sum's terms are added (the algorithm cuBLAS runs for a matmul is chosen,
+  and autotuned by XLA, per shape) and whether a multiply-add rounds once or twice (fused or not).
+
+  A sum of K fp32 terms, added in any order, is within gamma_K = K u / (1 - K u) (u = 2^-24) of the sum of its terms'
+  magnitudes from the exact sum (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5); two
+  orders are within twice that of each other. A logit's path crosses, per layer, the q, k and v projections
+  (K = embed each), the attention scores (K = head_dim) and their weighted values (K = T), the output projection
+  (K = q_heads x head_dim), the MLP's gate and up (K = embed each) and down (K = ffw_size), then the LM head
+  (K = embed). Counting every path term at the logits' own scale, first order (the residual stream adds each
+  layer's output to its input; the norms and the softmax rescale but do not amplify), gives the sum below: for the
+  tiny test model, 2.8e-4 of the largest logit. Mixed-up or stale rows differ by the logits' whole scale.
+  """
+  gamma = lambda k: k * 2.0**-24 / (1 - k * 2.0**-24)
+  layer = [cfg.embed] * 3 + [cfg.head_dim, T, cfg.q_heads * cfg.head_dim, cfg.embed, cfg.embed, cfg.ffw_size]
+  return 2 * (cfg.num_layers * sum(map(gamma, layer)) + gamma(cfg.embed))
+
+
 @pytest.mark.parametrize("name, options", METHODS + V2_METHODS)
 def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
-  """Prefill of 5 prompts in sub-batches of 2 (the last one overlapping) leaves the same cache, bit for bit,
-  and the same logits, as one call; so generation is unchanged."""
+  """Prefill of 5 prompts in sub-batches of 2 (the last one overlapping) leaves the same cache and the same logits
+  as one call, so generation is unchanged: bit for bit on the CPU, where XLA's arithmetic does not depend on the
+  batch. On a GPU the two calls are two programs (batch 5 and batch 2) whose matmuls may add their terms in
+  another order (an H100 run: ott and specache logits apart by up to 1.2e-6 in 74% of elements, others equal):
+  there the logits and the cache's floating-point arrays are held to ``reordering_bound``, the integer ones
+  (codes, counters, positions) stay exact."""
   _, m = tiny_llama
   cfg = m.config
   prompts = random_prompts(cfg.vocab_size, [5, 17, 32, 9, 28], seed=9)
@@ -172,9 +195,13 @@ def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
     cache = KVCache.create(method, CacheSpec.for_model(cfg, 5, 64), "xla")
     results.append(gen._prefill(m.params, cfg, tokens, positions, cache, budget))
   (logits_one, cache_one), (logits_sub, cache_sub) = results
-  np.testing.assert_array_equal(np.asarray(logits_sub), np.asarray(logits_one))
-  for a, b in zip(jax.tree.leaves(cache_one), jax.tree.leaves(cache_sub)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  bound = 0.0 if jax.default_backend() == "cpu" else reordering_bound(cfg, tokens.shape[1])
+  for a, b in zip([logits_one] + jax.tree.leaves(cache_one), [logits_sub] + jax.tree.leaves(cache_sub)):
+    a, b = np.asarray(a), np.asarray(b)
+    if np.issubdtype(a.dtype, np.floating) and bound:
+      np.testing.assert_allclose(b, a, rtol=0, atol=bound * np.abs(a).max())
+    else:
+      np.testing.assert_array_equal(b, a)
   one = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=10, eos_ids=(), chunk=5)
   sub = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=10, eos_ids=(), chunk=5,
                      prefill_tokens=64)
