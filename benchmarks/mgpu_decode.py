@@ -1,0 +1,200 @@
+"""The Mosaic GPU kernel (mgpu_decode_attention) against the Triton kernel and cuDNN, in one run on one GPU.
+
+Checks first, then times, one decode step (one query row), 32 query heads over 8 KV heads, D = 128, bf16:
+
+    check        mgpu_decode_attention on pack_mma_store(store) against decode_attention_reference on the store,
+                 real quantized data (keys and values drawn normal, quantized by the library's quantizer),
+                 ragged lengths; KIVI-1/2/4 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
+                 error of o and lse (fails the run above 2e-2, like kernel_decode.py's check)
+    mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L)
+    mgpu_kivi4   4-bit
+    triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
+    triton_kivi4   segment: the same tokens and codes as the mgpu rows
+    cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
+    device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
+
+at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 the new kernel's splits and pipeline depth.
+Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). Results go to
+benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machine); ``--table`` prints the table.
+
+    python benchmarks/mgpu_decode.py              # on an H100
+    python benchmarks/mgpu_decode.py --check-only
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import re
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv_kernels import quantization
+from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
+from jkv_kernels.mgpu_decode_attention import default_splits, mgpu_decode_attention
+from jkv_kernels.mma_layout import pack_mma_store
+from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
+                           time_calls)
+from records import save
+
+HERE = pathlib.Path(__file__).resolve().parent
+RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
+CHECKS = (  # k_bits, v_bits, k_group, v_group, dtype, step_tiles
+    (2, 2, 32, 32, jnp.bfloat16, 1), (2, 2, 32, 32, jnp.bfloat16, 2), (2, 2, 32, 32, jnp.bfloat16, 4),
+    (4, 4, 32, 32, jnp.bfloat16, 2), (1, 1, 32, 32, jnp.bfloat16, 2), (4, 2, 128, 32, jnp.bfloat16, 1),
+    (4, 2, 128, 32, jnp.bfloat16, 4), (2, 2, 32, 32, jnp.float16, 2), (2, 4, 64, 64, jnp.float16, 2))
+VARIANTS = tuple((step_tiles, stages) for step_tiles in (1, 2, 4) for stages in (2, 3, 4))  # at B = 8, L = 32768
+
+
+def store(key, shape: Shape, *, k_bits, v_bits, k_group, v_group, meta_dtype, lengths, from_data: bool):
+  """A QuantizedStore of capacity L: quantized normal data (``from_data``) or random words and scales (timing)."""
+  b, h, d, capacity = shape.batch, shape.kv_heads, shape.head_dim, shape.seq_len
+  lead = (1, b, h)
+  kk, kv, ks = jax.random.split(key, 3)
+  if from_data:
+    k = jax.random.normal(kk, (*lead, d, capacity), jnp.float32)
+    v = jax.random.normal(kv, (*lead, capacity, d), jnp.float32)
+    k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group, meta_dtype=meta_dtype)
+    v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group, meta_dtype=meta_dtype)
+    k_codes = quantization.pack(k_codes, bits=k_bits, axis=4)
+    v_codes = quantization.pack(v_codes, bits=v_bits, axis=4)
+  else:
+    k_codes = jax.random.bits(kk, (*lead, d, capacity // (32 // k_bits)), jnp.uint32)
+    v_codes = jax.random.bits(kv, (*lead, capacity, d // (32 // v_bits)), jnp.uint32)
+    meta = lambda k, s: jax.random.uniform(k, s, meta_dtype, 0.01, 0.1)
+    k_scale, k_zero, v_scale, v_zero = (
+        meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(*lead, d, capacity // k_group)] * 2
+                                   + [(*lead, capacity, d // v_group)] * 2))
+  return QuantizedStore(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.asarray(lengths, jnp.int32),
+                        k_bits, v_bits, k_group, v_group)
+
+
+def relative_error(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if not np.all(np.isfinite(got)):
+    return float("inf")
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(batch=3, seq_len=4096, q_heads=32, kv_heads=8) -> list[dict]:
+  """Every CHECKS case against the reference; lengths full, ragged (not a multiple of 64) and short."""
+  results = []
+  lengths = [seq_len, seq_len - 77, 1000][:batch]
+  for index, (k_bits, v_bits, k_group, v_group, dtype, step_tiles) in enumerate(CHECKS):
+    shape = Shape(batch, seq_len, q_heads, kv_heads, dtype=dtype)
+    kq, ks = jax.random.split(jax.random.key(100 + index))
+    q = jax.random.normal(kq, (batch, kv_heads, 1, shape.q_per_kv, shape.head_dim), dtype)
+    s = store(ks, shape, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, meta_dtype=dtype,
+              lengths=lengths, from_data=True)
+    name = f"{k_bits}x{v_bits}bit G{k_group}x{v_group} {jnp.dtype(dtype).name} step_tiles={step_tiles}"
+    try:
+      o, lse = mgpu_decode_attention(q, 0, pack_mma_store(s), return_lse=True, step_tiles=step_tiles)
+      o_ref, lse_ref = decode_attention_reference(q, 0, (s,), (), return_lse=True)
+      errors = {"o": relative_error(o, o_ref), "lse": relative_error(lse, lse_ref)}
+    except Exception as error:  # keep checking the other cases; the run fails at the end
+      traceback.print_exc()
+      errors = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    ok = "error" not in errors and all(e <= 2e-2 for e in errors.values())
+    print(f"check {name}: {errors} {'ok' if ok else 'FAILED'}")
+    results.append({"case": name, "errors": errors, "ok": ok})
+  return results
+
+
+def bytes_read(shape: Shape, bits: int, group: int = 32) -> int:
+  """Codes and 16-bit scale + zero of keys (per G tokens) and values (per G channels), and q."""
+  per_head = shape.seq_len * shape.head_dim * (2 * bits / 8 + 2 * 2 * 2 / group)
+  return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
+
+
+def timing(device, settings: Settings, batches, seq_lens) -> list[dict]:
+  records = []
+  mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
+  triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
+  cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+
+  def inputs(shape, bits, seed, packed):
+    kq, ks = jax.random.split(jax.random.key(seed))
+    q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
+    s = store(ks, shape, k_bits=bits, v_bits=bits, k_group=32, v_group=32, meta_dtype=shape.dtype,
+              lengths=[shape.seq_len] * shape.batch, from_data=False)
+    return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
+
+  def run(impl, fn, make, nbytes, shape, config):
+    sets = input_set_count(nbytes, settings)
+    try:
+      median_us, compile_s = time_calls(fn, [make(seed) for seed in range(sets)], settings)
+    except Exception as error:
+      print(f"skip {impl} B={shape.batch} L={shape.seq_len} {config}: {type(error).__name__}: {str(error)[:300]}")
+      return
+    records.append(record(impl, shape.batch, shape.seq_len, median_us, nbytes, device, config=config,
+                          compile_s=compile_s))
+    print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} {config} {median_us:9.1f} µs "
+          f"{records[-1]['gbps']:7.1f} GB/s")
+
+  for batch in batches:
+    for seq_len in seq_lens:
+      shape = Shape(batch, seq_len)
+      for bits in (2, 4):
+        nbytes = bytes_read(shape, bits)
+        run(f"mgpu_kivi{bits}", mgpu(), functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)),
+            nbytes, shape, {"splits": default_splits(batch, shape.kv_heads, seq_len // 64 // 4)})
+        run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
+            nbytes, shape, {})
+      run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
+      if (batch, seq_len) == (8, 32768):
+        for step_tiles, stages in VARIANTS:
+          for splits in (8, 16):
+            run("mgpu_kivi2", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages),
+                lambda seed: inputs(shape, 2, seed, True), bytes_read(shape, 2), shape,
+                {"splits": splits, "step_tiles": step_tiles, "stages": stages})
+  return records
+
+
+def table(records: list[dict]) -> str:
+  cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if not r["config"].get("stages")}
+  keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
+  impls = ["mgpu_kivi2", "triton_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense"]
+  lines = ["| B | L | " + " | ".join(impls) + " | cuDNN / mgpu_kivi2 | cuDNN / mgpu_kivi4 |",
+           "|---|---|" + "---|" * (len(impls) + 2)]
+  for batch, seq_len in keys:
+    get = lambda i: cells.get((i, batch, seq_len))
+    row = [f"{get(i)['median_us']:.1f} µs ({get(i)['gbps']:.0f} GB/s)" if get(i) else "–" for i in impls]
+    ratio = lambda i: (f"{get('cudnn_dense')['median_us'] / get(i)['median_us']:.2f}x"
+                       if get(i) and get("cudnn_dense") else "–")
+    lines.append(f"| {batch} | {seq_len} | " + " | ".join(row) + f" | {ratio('mgpu_kivi2')} | {ratio('mgpu_kivi4')} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--check-only", action="store_true")
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768])
+  parser.add_argument("--out", type=pathlib.Path)
+  parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
+  args = parser.parse_args()
+  device = jax.devices()[0]
+  slug = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
+  out = args.out or HERE / "results" / f"mgpu_decode_{slug}.json"
+  if args.table:
+    print(table(json.loads(out.read_text())))
+    return
+  checks = check()
+  records = [{"impl": "check", "batch": None, "seq_len": None, "config": {}, "device": device.device_kind,
+              "jax_version": jax.__version__, "results": checks}]
+  if not args.check_only:
+    settings = Settings()
+    records.append(copy_bandwidth(device, settings))
+    records += timing(device, settings, args.batches, args.seq_lens)
+  records = save(out, records, RECORD_KEY)
+  print("\n" + table(records))
+  if not all(c["ok"] for c in checks):
+    raise SystemExit("mgpu_decode_attention disagrees with the reference (see the check lines)")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,359 @@
+"""Decode attention over a low-bit KIVI store on Hopper tensor cores (Pallas, Mosaic GPU lowering).
+
+The first cut of the fast kernel of KERNEL.md, for one store in the MMA-ready packing (``mma_layout.py``): codes
+become 16-bit operands in registers with a shift, one three-input logic op, an exact subtraction and one fused
+multiply-add per two codes, and both products run on ``wgmma``:
+
+    logits^T [64 tokens, 16] = K_hat [64, D] (registers)           @ q^T [D, 16] (shared memory)
+    o^T      [64 channels, 16] += V_hat^T [64, 64 tokens] (registers) @ p^T [64 tokens, 16] (shared memory)
+
+with the query rows of a KV head (T * g <= 16, padded to 16) as the N side, so K and V are read once per KV head.
+A register pair is ``((word >> bits * f) & mask) | magic``: the code c sits in the mantissa of ``magic`` (1024.0
+in fp16, 128.0 in bf16), so ``pair - magic`` is c exactly, and ``c * scale + zero`` is one ``fma.rn.f16x2``
+(``.bf16x2``) with the scale and zero pair the thread reads once per tile. The key group is per channel (the pair's
+two channels), the value group per token (the pair's two tokens), so one pair of scale words serves a pair of
+codes either way.
+
+Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (sequence, KV head) through a TMA
+pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
+over the tile's tokens (rows of the logits, reduced across the warpgroup), and writes its partial (o, l, m) in
+fp32 with m in log2 units; a few jnp lines merge the partials exactly. Tokens at and past ``length[b]`` are
+masked; a split whose first token is past the length still runs (every tile masked), the next step of this work
+is to stop at the length.
+
+Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale, no
+full-precision segment (the KIVI window, pools and fetched rows go through ``decode_attention`` today), D a
+multiple of 64, T * g <= 16. ``decode_attention_reference`` on the store the packing came from is the reference.
+"""
+
+import functools
+from typing import Optional
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.numpy as jnp
+
+from jkv_kernels.attention_reference import MASK_VALUE
+from jkv_kernels.mma_layout import TILE, THREADS, MmaStore, load_vector, words_per_thread
+
+try:  # Mosaic GPU's Python API (jax >= 0.11 is where this kernel is built and measured)
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+except ImportError:  # pragma: no cover - an older jax: the kernel is unavailable, the module still imports
+  plgpu = mgpu = None
+
+ROWS = 16       # the N of both products: query rows of a KV head, padded (16 halves = the smallest swizzle, 32 B)
+LOG2E = 1.4426950408889634
+# fp16 1024.0 / bf16 128.0 in both halves: 10 (7) mantissa bits hold a 1-, 2- or 4-bit code exactly.
+_MAGIC = {"float16": (0x64006400, "f16"), "bfloat16": (0x43004300, "bf16")}
+
+
+def available() -> bool:
+  """Whether this jax has the Mosaic GPU API the kernel is written against."""
+  return plgpu is not None and hasattr(plgpu, "inline_mgpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registers from packed words (Mosaic GPU level, inside ``plgpu.inline_mgpu``)
+
+
+def _i32():
+  return ir.IntegerType.get_signless(32)
+
+
+def _index(value):
+  return arith.index_cast(ir.IndexType.get(), value)
+
+
+def _load_words(ref, start, count, lead=()):
+  """``count`` consecutive 32-bit words of a shared-memory ref [..., rows, width] from word ``start`` (an i32
+  value) of its flattened last two axes (``lead``: i32 indices of the axes before), as i32 values, in loads of up
+  to 16 bytes (never across a row: starts and counts are multiples of 4, widths of 64)."""
+  words, vec = [], min(4, count)
+  width = mgpu.utils.c(ir.MemRefType(ref.type).shape[-1], _i32())
+  for k in range(0, count, vec):
+    at = arith.addi(start, mgpu.utils.c(k, _i32()))
+    loaded = vector.load(ir.VectorType.get((vec,), _i32()), ref,
+                         [*map(_index, lead), _index(arith.divui(at, width)), _index(arith.remui(at, width))])
+    words += [vector.extract(loaded, dynamic_position=[], static_position=[i]) for i in range(vec)]
+  return words
+
+
+def _dequantized_pair(word, field, bits, scale, zero, dtype):
+  """Two 16-bit lanes ``code * scale + zero`` from field ``field`` of both halves of ``word`` (one PTX block)."""
+  magic, ptx_type = _MAGIC[dtype]
+  mask = ((1 << bits) - 1) * 0x00010001
+  shift = f"shr.b32 t, $1, {bits * field};" if field else "mov.b32 t, $1;"
+  asm = ("{ .reg .b32 t, m; " + shift +
+         f" mov.b32 m, {magic:#x}; lop3.b32 t, t, {mask:#x}, m, 0xea; sub.{ptx_type}x2 t, t, m;"
+         f" fma.rn.{ptx_type}x2 $0, t, $2, $3; }}")
+  pair = llvm.inline_asm(_i32(), [word, scale, zero], asm, "=r,r,r,r")
+  element = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
+  return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), element))
+
+
+def _thread():
+  """(warp, lane) of this thread within its warpgroup, as i32 values."""
+  tau = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(THREADS, _i32()))
+  return arith.divui(tau, mgpu.utils.c(32, _i32())), arith.remui(tau, mgpu.utils.c(32, _i32())), tau
+
+
+def _this_threads_code_words(codes_ref, tile, bits, head_dim, tau):
+  """The thread's words of tile ``tile`` (static) of a [tiles, rows, width] ref."""
+  vec = load_vector(bits, head_dim)
+  words = []
+  for k0 in range(0, words_per_thread(bits, head_dim), vec):
+    start = arith.addi(mgpu.utils.c(k0 * THREADS, _i32()), arith.muli(tau, mgpu.utils.c(vec, _i32())))
+    words += _load_words(codes_ref, start, vec, lead=(mgpu.utils.c(tile, _i32()),))
+  return words
+
+
+def _wgmma_array(pairs, rows_by_cols):
+  """A [64, cols] FragmentedArray in the WGMMA layout from its registers ``pairs[(j, h)]``."""
+  registers = mgpu.WGMMA_LAYOUT.registers_shape(rows_by_cols)
+  regs = __import__("numpy").empty(registers, dtype=object)
+  for (j, h), pair in pairs.items():
+    regs[0, j, 0, 0, h, 0, 0, 0, 0] = pair
+  return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _key_tile(codes_ref, meta_ref, *, tile, step_tiles, bits, head_dim, group, dtype):
+  """K_hat [64 tokens, D] of tile ``tile`` of a step of ``step_tiles``, dequantized in registers (WGMMA layout).
+
+  The step's key scale block holds its groups (G <= 64 * step_tiles) or the one group it lies in."""
+  warp, lane, tau = _thread()
+  words = _this_threads_code_words(codes_ref, tile, bits, head_dim, tau)
+  fields = 16 // bits
+  # The thread's tokens 64 tile + 16 w + l // 4 (+ 8) lie in one key group; its channel pairs (2 (l % 4) + 8 j, +1).
+  first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
+  group_in_tile = (arith.divui(first_token, mgpu.utils.c(group, _i32()))
+                   if group <= TILE * step_tiles else mgpu.utils.c(0, _i32()))
+  start = arith.muli(arith.remui(lane, mgpu.utils.c(4, _i32())), mgpu.utils.c(head_dim // 8 * 2, _i32()))
+  meta = _load_words(meta_ref, start, head_dim // 8 * 2, lead=(group_in_tile,))
+  pairs = {}
+  for j in range(head_dim // 8):
+    for h in range(2):
+      rho = 2 * j + h
+      pairs[j, h] = _dequantized_pair(words[rho // fields], rho % fields, bits, meta[2 * j], meta[2 * j + 1], dtype)
+  return _wgmma_array(pairs, (TILE, head_dim))
+
+
+def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
+  """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels, dequantized in registers
+  (WGMMA layout)."""
+  warp, lane, tau = _thread()
+  words = _this_threads_code_words(codes_ref, tile, bits, head_dim, tau)
+  fields = 16 // bits
+  quad = arith.remui(lane, mgpu.utils.c(4, _i32()))
+  blocks = []
+  for m in range(head_dim // 64):
+    # The thread's channels 64 m + 16 w + l // 4 (+ 8) lie in one value group; its token pairs (2 (l % 4) + 8 j, +1).
+    channel = arith.addi(mgpu.utils.c(64 * m, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
+    value_group = arith.divui(channel, mgpu.utils.c(group, _i32()))
+    start = arith.addi(arith.muli(value_group, mgpu.utils.c(4 * 8 * 2, _i32())),
+                       arith.muli(quad, mgpu.utils.c(8 * 2, _i32())))
+    meta = _load_words(meta_ref, start, 8 * 2, lead=(mgpu.utils.c(tile, _i32()),))
+    pairs = {}
+    for j in range(8):
+      for h in range(2):
+        rho = 16 * m + 2 * j + h
+        pairs[j, h] = _dequantized_pair(words[rho // fields], rho % fields, bits, meta[2 * j], meta[2 * j + 1],
+                                        dtype)
+    blocks.append(_wgmma_array(pairs, (64, TILE)))
+  return tuple(blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel
+
+
+def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
+  """One Mosaic GPU kernel over grid (Hkv, B, splits): the fp32 partials o [B, Hkv, S, D, 8], l, m [B, Hkv, S, 8]
+  (m in log2 units)."""
+  batch, kv_heads, _, head_dim = q.shape
+  dtype = jnp.dtype(store.dtype)
+  tiles = store.k_codes.shape[3] // splits  # per program
+  steps = tiles // step_tiles
+  # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
+  rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
+  k_codes, k_meta, v_codes, v_meta = rows(store.k_codes), rows(store.k_meta), rows(store.v_codes), rows(store.v_meta)
+  step_tokens = TILE * step_tiles
+  k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
+  key_tile = lambda tile: plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct((TILE, head_dim), dtype, layout=plgpu.Layout.WGMMA))(
+          lambda ctx, c, m: _key_tile(c, m, tile=tile, step_tiles=step_tiles, bits=store.k_bits,
+                                      head_dim=head_dim, group=store.k_group, dtype=store.dtype))
+  value_tiles = lambda tile: plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType()),
+      return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA)
+                        for _ in range(head_dim // 64)))(
+          lambda ctx, c, m: _value_tiles(c, m, tile=tile, bits=store.v_bits, head_dim=head_dim,
+                                         group=store.v_group, dtype=store.dtype))
+  q_swizzle = plgpu.find_swizzle(head_dim * dtype.itemsize * 8, "q")
+  q_transforms = (plgpu.TilingTransform((8, q_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(q_swizzle))
+  p_swizzle = plgpu.find_swizzle(ROWS * dtype.itemsize * 8, "p")
+  p_transforms = (plgpu.TilingTransform((8, p_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(p_swizzle))
+  scale_log2 = sm_scale * LOG2E
+
+  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, o_ref, l_ref, m_ref,
+             q_smem, p_smem, o_smem, l_smem, m_smem, q_barrier):
+    h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
+    at = layer_ref[0]
+    seq_len = length_ref[b]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
+    plgpu.barrier_wait(q_barrier)
+
+    def body(index, kc, km, vc, vm, carry):
+      # A step is ``step_tiles`` tiles: their key products are issued back to back and waited for once, one
+      # softmax update covers all their tokens, and their value products accumulate before one wait.
+      *o_blocks, m_run, l_run = carry
+      a_ks = [key_tile(t)(kc, km) for t in range(step_tiles)]
+
+      def qk(*acc_refs):
+        for acc_ref, a_k in zip(acc_refs, a_ks):
+          plgpu.wgmma(acc_ref, a_k, q_smem.transpose((1, 0)))
+        return [acc_ref[...] for acc_ref in acc_refs]
+      logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, ROWS), jnp.float32) for _ in range(step_tiles)])
+      row = plgpu.broadcasted_iota(jnp.int32, (TILE, ROWS), 0, layout=plgpu.Layout.WGMMA)
+      step_start = (split * tiles + index[0] * step_tiles) * TILE
+      valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
+      s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
+      m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
+      alpha = jnp.exp2(m_run - m_next)
+      along_tokens = lambda x: lax.broadcast_in_dim(x, (TILE, ROWS), [1])
+      # Masked entries are zeroed, not just made small: a tile with no valid token has m_next = MASK_VALUE.
+      p = [jnp.where(v, jnp.exp2(x - along_tokens(m_next)), 0.0) for v, x in zip(valid, s)]
+      l_run = l_run * along_tokens(alpha) + functools.reduce(jnp.add, p)  # summed over tokens after the loop
+      for t in range(step_tiles):
+        p_smem[t] = p[t].astype(dtype)
+      plgpu.commit_smem()
+      a_vs = [value_tiles(t)(vc, vm) for t in range(step_tiles)]  # [tile][channel block]
+
+      def pv(acc_refs):
+        for block, acc_ref in enumerate(acc_refs):
+          for t in range(step_tiles):
+            plgpu.wgmma(acc_ref, a_vs[t][block], p_smem.at[t])
+      next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * along_tokens(alpha)) for o in o_blocks))
+      return (*next_blocks, m_next, l_run)
+
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
+            plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+            zeros((TILE, ROWS)))
+    first = split * tiles
+    pipeline = plgpu.emit_pipeline(
+        body,
+        grid=(steps,),
+        in_specs=[
+            plgpu.BlockSpec((step_tiles, *k_codes.shape[-2:]), lambda i: (i, 0, 0)),   # key codes
+            plgpu.BlockSpec((k_groups, *k_meta.shape[-2:]),                            # key scale pairs
+                            lambda i: (i * step_tokens // store.k_group // k_groups, 0, 0)),
+            plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), lambda i: (i, 0, 0)),   # value codes
+            plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), lambda i: (i, 0, 0)),    # value scale pairs
+        ],
+        max_concurrent_steps=max_concurrent_steps,
+        init_carry=init)
+    *o_blocks, m_run, l_run = pipeline(
+        kc_ref.at[at, b, h, pl.ds(first, tiles)],
+        km_ref.at[at, b, h, pl.ds(first * TILE // store.k_group, tiles * TILE // store.k_group)],
+        vc_ref.at[at, b, h, pl.ds(first, tiles)],
+        vm_ref.at[at, b, h, pl.ds(first, tiles)])
+    for i, o_block in enumerate(o_blocks):
+      o_smem[pl.ds(64 * i, 64), :] = o_block
+    l_smem[...] = l_run.sum(axis=0)
+    m_smem[...] = m_run
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, split])
+    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, h, split])
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, ROWS), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32))
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      grid=(kv_heads, batch, splits),
+      grid_names=("h", "b", "s"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=q_transforms),
+          p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
+          o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
+          l_smem=plgpu.SMEM((ROWS,), jnp.float32),
+          m_smem=plgpu.SMEM((ROWS,), jnp.float32),
+          q_barrier=plgpu.Barrier(),
+      ),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
+
+
+def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int = 528) -> int:
+  """The largest power of two dividing ``tiles`` (the units a split must keep whole) with batch * kv_heads *
+  splits <= about ``target_programs`` (four programs per SM of an H100), at least 1."""
+  splits = 1
+  while splits * 2 <= tiles and tiles % (splits * 2) == 0 and batch * kv_heads * splits * 2 <= target_programs:
+    splits *= 2
+  return splits
+
+
+@functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
+                                             "max_concurrent_steps"])
+def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
+                          splits: Optional[int] = None, step_tiles: int = 4, max_concurrent_steps: int = 3):
+  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
+
+  Args:
+    q: [B, Hkv, T, g, D] with T * g <= 16, in the store's scale dtype (fp16 or bf16).
+    layer: int32 scalar (clamped to [0, L)).
+    store: ``MmaStore`` (``mma_layout.pack_mma_store``).
+    splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
+      ``default_splits``.
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product).
+    max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: the best of
+      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (206.5 µs at 4 tiles and 3 steps,
+      218.5 at 2 and 3, 220.1 at 1 and 3; 4 tiles at 4 steps 276.6).
+
+  Returns:
+    o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
+    float32 (MASK_VALUE for a row with no valid key), as ``decode_attention`` returns them.
+  """
+  if not available():
+    raise RuntimeError("mgpu_decode_attention needs jax's Mosaic GPU API (jax >= 0.11)")
+  batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
+  n_rows = t_rows * q_per_kv
+  if n_rows > ROWS:
+    raise ValueError(f"mgpu_decode_attention takes T * g <= {ROWS} query rows per KV head, got {n_rows}")
+  if q.dtype != jnp.dtype(store.dtype):
+    raise ValueError(f"q is {q.dtype} but the store's scales are {store.dtype}: the products take one 16-bit type")
+  if store.k_codes.shape[1:3] != (batch, kv_heads):
+    raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
+  tiles = store.k_codes.shape[3]
+  # A split covers whole steps and whole key groups.
+  splits = default_splits(batch, kv_heads, tiles // max(step_tiles, store.k_group // TILE)) if splits is None else splits
+  if tiles % (splits * step_tiles) or (tiles // splits * TILE) % store.k_group:
+    raise ValueError(f"splits={splits} x step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens "
+                     f"into whole key groups of {store.k_group}")
+  sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  num_layers = store.k_codes.shape[0]
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+  length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
+  q_rows = jnp.zeros((batch, kv_heads, ROWS, head_dim), q.dtype).at[:, :, :n_rows].set(
+      q.reshape(batch, kv_heads, n_rows, head_dim))
+  o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
+                      max_concurrent_steps=max_concurrent_steps)
+  # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
+  m_all = jnp.max(m, axis=2)
+  alpha = jnp.exp2(m - m_all[:, :, None])
+  l_all = jnp.sum(alpha * l, axis=2)
+  empty = l_all == 0
+  o = jnp.sum(alpha[:, :, :, None, :] * o, axis=2) / jnp.where(empty, 1.0, l_all)[:, :, None, :]  # [B, H, D, 8]
+  o = jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape).astype(q.dtype)
+  if not return_lse:
+    return o
+  lse = jnp.where(empty, MASK_VALUE, (m_all + jnp.log2(jnp.where(empty, 1.0, l_all))) / LOG2E)
+  return o, lse[:, :, :n_rows].reshape(q.shape[:-1])

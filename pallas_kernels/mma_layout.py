@@ -1,0 +1,209 @@
+"""The MMA-ready packing of a KIVI-layout store: codes and scales placed where the Hopper kernel's threads read them.
+
+``mgpu_decode_attention`` feeds the tensor cores from registers: a 64-token tile of key codes is the A operand of
+``wgmma`` (tokens x channels), and a tile of value codes transposed is the A operand of the value product
+(channels x tokens). In the A operand's register layout (``WGMMA_LAYOUT`` in Mosaic GPU; PTX "wgmma 64xNx16 A"),
+thread tau = 32 w + l of the warpgroup holds rows r0 = 16 w + l // 4 and r0 + 8 and, in every 8-column tile j,
+the column pair (c0 + 8 j, c0 + 8 j + 1), c0 = 2 (l % 4): one 32-bit register per (tile j, row half h), two
+16-bit lanes. This module lays the codes out so that each thread's registers come from its own consecutive
+words, a pair of lanes from one word:
+
+    register rho of a thread is word rho // F, field rho % F (F = 16 // bits fields per 16-bit half); the low
+    half's field holds the pair's first code, the high half's field its second.
+
+so ``((word >> bits * f) & mask) | magic`` is both lanes of a register at once, already in the order ``wgmma``
+wants (KERNEL.md section 2). Registers are numbered as Mosaic GPU numbers them (tile j major, row half h minor):
+keys rho = 2 j + h (j < D / 8); values rho = 16 m + 2 j + h over the D / 64 row blocks m of 64 channels (j < 8).
+A thread's 2 * bits words sit at ``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the
+order in which a ``WG_STRIDED`` load of ``vec`` words per thread hands them out, so every load is 16 bytes wide
+and a warp's loads are contiguous.
+
+Scales and zero-points travel as uint32 words of two 16-bit values, a pair's two lanes:
+  keys, per group of G tokens: [4 (l % 4), D / 8 (j), 2 (scale pair, zero pair)], the pair of channels
+    (2 q + 8 j, 2 q + 8 j + 1): the 8 lanes of a warp that share channels read the same words.
+  values, per 64-token tile: [D / Gv (channel group), 4 (l % 4), 8 (j), 2], the pair of tokens
+    (2 q + 8 j, 2 q + 8 j + 1) of that channel group.
+
+Nothing here reads a model or a method: ``pack_mma_store`` converts a ``QuantizedStore`` (the library's layout)
+by unpacking its codes with the library's ``unpack`` and packing them again with ``pack``; ``read_mma_store``
+dequantizes the packed form back, the plain-jnp check that the two layouts hold the same cache.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv_kernels.quantization import pack, unpack
+
+TILE = 64          # tokens per tile: the M of one wgmma for keys, its K for values
+THREADS = 128      # one warpgroup
+MMA_BITS = (1, 2, 4)  # 8-bit codes do not fit the bf16 magic number's 7 mantissa bits
+
+
+def words_per_thread(bits: int, head_dim: int) -> int:
+  """A tile's 64 * D codes over 128 threads, 32 // bits to a word (keys and values alike)."""
+  return head_dim * bits // 64
+
+
+def load_vector(bits: int, head_dim: int) -> int:
+  return min(4, words_per_thread(bits, head_dim))
+
+
+def _thread_coordinates():
+  tau = np.arange(THREADS)
+  warp, lane = tau // 32, tau % 32
+  return 16 * warp + lane // 4, 2 * (lane % 4)  # r0, c0
+
+
+def key_register_map(head_dim: int):
+  """[THREADS, 2 * D / 8, 2] (token, channel) of each register's two lanes in a key tile (rows are tokens)."""
+  r0, c0 = _thread_coordinates()
+  j, h = np.divmod(np.arange(head_dim // 8 * 2), 2)
+  token = r0[:, None] + 8 * h[None, :]
+  channel = c0[:, None] + 8 * j[None, :]
+  return np.stack([np.broadcast_to(token, channel.shape)] * 2, -1), np.stack([channel, channel + 1], -1)
+
+
+def value_register_map(head_dim: int):
+  """[THREADS, D / 64 * 16, 2] (token, channel) of each register's two lanes in a value tile (rows are channels)."""
+  r0, c0 = _thread_coordinates()
+  m, rest = np.divmod(np.arange(head_dim // 64 * 16), 16)
+  j, h = np.divmod(rest, 2)
+  channel = 64 * m[None, :] + r0[:, None] + 8 * h[None, :]
+  token = c0[:, None] + 8 * j[None, :]
+  return np.stack([token, token + 1], -1), np.stack([np.broadcast_to(channel, token.shape)] * 2, -1)
+
+
+def word_positions(bits: int, head_dim: int) -> np.ndarray:
+  """[THREADS, words_per_thread] position of each thread's k-th word in the tile's word array."""
+  vec = load_vector(bits, head_dim)
+  k = np.arange(words_per_thread(bits, head_dim))
+  tau = np.arange(THREADS)
+  return (k // vec)[None, :] * THREADS * vec + vec * tau[:, None] + (k % vec)[None, :]
+
+
+def _pack_registers(codes, bits):
+  """codes [..., THREADS, R, 2] (R registers, two lanes) -> tile words [..., THREADS * R * bits / 16] uint32."""
+  fields = 16 // bits
+  *lead, threads, registers, _ = codes.shape
+  # A word holds F registers: their low lanes in bits [0, 16), their high lanes in [16, 32), which is the
+  # library's packing of the 2F codes (low lanes first).
+  by_word = codes.reshape(*lead, threads, registers // fields, fields, 2)
+  lanes_in_order = jnp.concatenate([by_word[..., 0], by_word[..., 1]], axis=-1)
+  words = pack(lanes_in_order, bits=bits, axis=-1)[..., 0]  # [..., THREADS, words_per_thread]
+  order = np.argsort(word_positions(bits, 4 * registers).reshape(-1))  # R = D / 4 registers per thread
+  return words.reshape(*lead, -1)[..., order]
+
+
+def _unpack_registers(words, bits, registers):
+  """Inverse of ``_pack_registers``: tile words [..., W] -> codes [..., THREADS, R, 2] int32."""
+  fields = 16 // bits
+  per_thread = words[..., word_positions(bits, 4 * registers)]  # [..., THREADS, words]
+  codes = unpack(per_thread[..., None], bits=bits, axis=-1)  # [..., THREADS, words, 2F]
+  codes = jnp.stack([codes[..., :fields], codes[..., fields:]], -1)  # [..., THREADS, words, F, 2]
+  return codes.reshape(*codes.shape[:-4], THREADS, registers, 2).astype(jnp.int32)
+
+
+def _pair_words(a, b):
+  """Two 16-bit arrays -> one uint32 array, a in the low half."""
+  as_u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  return as_u32(a) | (as_u32(b) << 16)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k_codes", "k_meta", "v_codes", "v_meta", "length"],
+    meta_fields=["k_bits", "v_bits", "k_group", "v_group", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class MmaStore:
+  """A KIVI store in the MMA-ready packing (module docstring), every array stacked over layers."""
+  k_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * k_bits / 32] uint32
+  k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 8 * 2] uint32: (scale pair, zero pair) words
+  v_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * v_bits / 32] uint32
+  v_meta: jax.Array   # [L, B, Hkv, C / 64, D / Gv * 4 * 8 * 2] uint32
+  length: jax.Array   # [B] int32
+  k_bits: int
+  v_bits: int
+  k_group: int
+  v_group: int
+  dtype: str          # of the scales and zero-points: "float16" or "bfloat16"
+
+  @property
+  def capacity(self) -> int:
+    return self.k_codes.shape[3] * TILE
+
+
+def pack_mma_store(store) -> MmaStore:
+  """A ``QuantizedStore`` (codes packed along tokens / channels) in the MMA-ready packing."""
+  for name, bits in (("k_bits", store.k_bits), ("v_bits", store.v_bits)):
+    if bits not in MMA_BITS:
+      raise ValueError(f"the MMA packing takes {MMA_BITS}-bit codes, got {name}={bits}")
+  if store.valid is not None or store.v_channel_scale is not None:
+    raise ValueError("the MMA packing does not yet take stores with holes or a value channel scale")
+  num_layers, batch, kv_heads, capacity, _ = store.v_codes.shape
+  head_dim = store.k_codes.shape[3]
+  if capacity % TILE or head_dim % 64:
+    raise ValueError(f"the MMA packing needs the capacity ({capacity}) a multiple of {TILE} and head_dim "
+                     f"({head_dim}) a multiple of 64")
+  if store.k_group < 16 or store.v_group < 16 or head_dim % store.v_group:
+    raise ValueError(f"the MMA packing needs k_group and v_group >= 16 (got {store.k_group}, {store.v_group})")
+  lead = (num_layers, batch, kv_heads)
+  tiles = capacity // TILE
+  k = unpack(store.k_codes, bits=store.k_bits, axis=4)                     # [L, B, H, D, C]
+  k = jnp.swapaxes(k, 3, 4).reshape(*lead, tiles, TILE, head_dim)          # [.., tile, token, channel]
+  v = unpack(store.v_codes, bits=store.v_bits, axis=4).reshape(*lead, tiles, TILE, head_dim)
+  (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
+  k_codes = _pack_registers(k[..., kt, kc], store.k_bits)
+  v_codes = _pack_registers(v[..., vt, vc], store.v_bits)
+
+  # Key scales: [L, B, H, D, C/G] -> per group [4, D/8, 2] words of channel pairs (2q + 8j, +1).
+  q_idx, j_idx = np.meshgrid(np.arange(4), np.arange(head_dim // 8), indexing="ij")
+  ch = 2 * q_idx + 8 * j_idx
+  by_group = lambda a: jnp.moveaxis(a, 3, 4)  # [.., C/G, D]
+  ks, kz = by_group(store.k_scale), by_group(store.k_zero)
+  k_meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
+  k_meta = k_meta.reshape(*lead, capacity // store.k_group, -1)
+
+  # Value scales: [L, B, H, C, D/Gv] -> per tile [D/Gv, 4, 8, 2] words of token pairs (2q + 8j, +1).
+  tok = (2 * q_idx[:, :8] + 8 * j_idx[:, :8])  # [4, 8]
+  per_tile = lambda a: jnp.moveaxis(a.reshape(*lead, tiles, TILE, -1), -1, -2)  # [.., tile, D/Gv, 64]
+  vs, vz = per_tile(store.v_scale), per_tile(store.v_zero)
+  v_meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])],
+                     -1).reshape(*lead, tiles, -1)
+  return MmaStore(k_codes, k_meta, v_codes, v_meta, store.length, store.k_bits, store.v_bits, store.k_group,
+                  store.v_group, jnp.dtype(store.k_scale.dtype).name)
+
+
+def read_mma_store(mma: MmaStore, layer):
+  """Layer ``layer`` dequantized from the MMA packing: keys, values [B, Hkv, C, D] float32 (the check that
+  ``pack_mma_store`` kept every code, scale and zero-point)."""
+  dtype = jnp.dtype(mma.dtype)
+  _, batch, kv_heads, tiles, _ = mma.k_codes.shape
+  capacity = tiles * TILE
+  head_dim = mma.k_meta.shape[-1]  # 4 * D / 8 * 2 words per group
+  halves = lambda w: (jax.lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), dtype).astype(jnp.float32),
+                      jax.lax.bitcast_convert_type((w >> 16).astype(jnp.uint16), dtype).astype(jnp.float32))
+  (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
+  scatter = lambda codes, t, c: jnp.zeros((*codes.shape[:-3], TILE, head_dim), jnp.int32).at[..., t, c].set(codes)
+  k = scatter(_unpack_registers(mma.k_codes[layer], mma.k_bits, kt.shape[1]), kt, kc)  # [B, H, tiles, 64, D]
+  v = scatter(_unpack_registers(mma.v_codes[layer], mma.v_bits, vt.shape[1]), vt, vc)
+  k = k.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
+  v = v.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
+
+  k_meta = mma.k_meta[layer].reshape(batch, kv_heads, -1, 4, head_dim // 8, 2)
+  (s0, s1), (z0, z1) = halves(k_meta[..., 0]), halves(k_meta[..., 1])  # [B, H, C/G, 4, D/8]
+  # channel 2q + 8j (+1) -> index [.., j, q, pair]
+  per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(batch, kv_heads, -1, head_dim)
+  k_scale = jnp.repeat(per_channel(s0, s1), mma.k_group, axis=2)
+  k_zero = jnp.repeat(per_channel(z0, z1), mma.k_group, axis=2)
+
+  v_meta = mma.v_meta[layer].reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 4, 8, 2)
+  (s0, s1), (z0, z1) = halves(v_meta[..., 0]), halves(v_meta[..., 1])  # [B, H, tiles, D/Gv, 4, 8]
+  per_token = lambda a, b: jnp.moveaxis(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
+      batch, kv_heads, tiles, head_dim // mma.v_group, TILE), 3, -1).reshape(batch, kv_heads, capacity, -1)
+  v_scale = jnp.repeat(per_token(s0, s1), mma.v_group, axis=-1)
+  v_zero = jnp.repeat(per_token(z0, z1), mma.v_group, axis=-1)
+  return k * k_scale + k_zero, v * v_scale + v_zero

@@ -1,0 +1,153 @@
+"""The MMA-ready packing (jkv_kernels.mma_layout) and the Mosaic GPU decode kernel (jkv_kernels.mgpu_decode_attention).
+
+On the CPU: the packing keeps every code, scale and zero-point (dequantized back, it equals the store's own
+dequantization exactly); a thread's registers hold the codes the WGMMA layout assigns to it (checked against the
+PTX ISA's description, independently of the packing code); the kernel lowers to one Mosaic GPU custom call for
+each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the compiled kernel is held to
+``decode_attention_reference`` on the store the packing came from, on real quantized data with ragged lengths.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv_kernels import quantization
+from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
+from jkv_kernels.mgpu_decode_attention import available, mgpu_decode_attention
+from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, read_mma_store,
+                                    value_register_map)
+
+
+def make_store(seed, *, k_bits, v_bits, k_group, v_group, dtype, layers=2, batch=3, kv_heads=2, capacity=512,
+               head_dim=128, lengths=None):
+  """A KIVI-layout store of quantized normal keys and values, stacked over ``layers``."""
+  kk, kv = jax.random.split(jax.random.key(seed))
+  lead = (layers, batch, kv_heads)
+  k = jax.random.normal(kk, (*lead, head_dim, capacity), jnp.float32)
+  v = jax.random.normal(kv, (*lead, capacity, head_dim), jnp.float32)
+  k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group, meta_dtype=dtype)
+  v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group, meta_dtype=dtype)
+  lengths = [capacity, capacity - 77, 100][:batch] if lengths is None else lengths
+  return QuantizedStore(quantization.pack(k_codes, bits=k_bits, axis=4), k_scale, k_zero,
+                        quantization.pack(v_codes, bits=v_bits, axis=4), v_scale, v_zero,
+                        jnp.asarray(lengths, jnp.int32), k_bits, v_bits, k_group, v_group)
+
+
+CONFIGS = [  # k_bits, v_bits, k_group, v_group, head_dim, dtype
+    (2, 2, 32, 32, 128, jnp.bfloat16),
+    (4, 4, 32, 32, 128, jnp.float16),
+    (1, 1, 32, 32, 128, jnp.bfloat16),
+    (4, 2, 128, 32, 128, jnp.bfloat16),
+    (2, 4, 64, 64, 64, jnp.float16),
+    (1, 2, 16, 16, 64, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
+def test_packing_keeps_every_code_and_scale(k_bits, v_bits, k_group, v_group, head_dim, dtype):
+  store = make_store(1, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
+                     head_dim=head_dim)
+  packed = pack_mma_store(store)
+  for layer in range(2):
+    k_ref, v_ref, _ = store.read_layer(layer)
+    k, v = read_mma_store(packed, layer)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(v_ref))
+
+
+def test_register_maps_follow_the_ptx_wgmma_a_layout():
+  """PTX ISA, wgmma .m64nNk16 A fragment (16-bit): thread t of the warpgroup holds rows 16 (t // 32) + (t % 32) // 4
+  (+ 8) and, per 8-column block, columns 2 (t % 4) (+ 1). Every (row, column) of a tile is held exactly once."""
+  for head_dim in (64, 128):
+    for (rows, cols), (row_extent, col_extent) in (
+        (key_register_map(head_dim), (64, head_dim)),                          # keys: tokens x channels
+        (value_register_map(head_dim)[::-1], (head_dim, 64))):                 # values: channels x tokens
+      assert rows.shape == cols.shape == (128, head_dim // 4, 2)
+      seen = np.zeros((row_extent, col_extent), int)
+      np.add.at(seen, (rows.ravel(), cols.ravel()), 1)
+      assert np.all(seen == 1)
+      t = np.arange(128)[:, None, None]
+      assert np.all(rows % 64 % 8 == ((t % 32) // 4) % 8)
+      assert np.all(rows % 64 // 16 == t // 32)
+      assert np.all(cols % 8 // 2 == t % 4)
+      assert np.all(cols[..., 1] == cols[..., 0] + 1) and np.all(rows[..., 1] == rows[..., 0])
+
+
+def test_packing_refuses_what_the_kernel_does_not_take():
+  store = make_store(2, k_bits=8, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1)
+  with pytest.raises(ValueError, match="k_bits=8"):
+    pack_mma_store(store)
+  store = make_store(2, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1, capacity=96)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    pack_mma_store(store)
+
+
+def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2, batch=2, kv_heads=2,
+                    capacity=1024):
+  s = jax.ShapeDtypeStruct
+  lead = (layers, batch, kv_heads)
+  tiles = capacity // 64
+  return MmaStore(s((*lead, tiles, 2 * head_dim * k_bits), jnp.uint32), s((*lead, capacity // k_group, head_dim),
+                  jnp.uint32), s((*lead, tiles, 2 * head_dim * v_bits), jnp.uint32),
+                  s((*lead, tiles, head_dim // v_group * 64), jnp.uint32), s((batch,), jnp.int32),
+                  k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name)
+
+
+@pytest.mark.parametrize("step_tiles", [1, 4])
+@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS[:4])
+def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles):
+  store = _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype)
+  q = jax.ShapeDtypeStruct((2, 2, 1, 4, head_dim), dtype)
+  fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, step_tiles=step_tiles,
+                                                             return_lse=True))
+  text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_bad_arguments_raise():
+  store = pack_mma_store(make_store(3, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, layers=1,
+                                    batch=2))
+  q = jnp.zeros((2, 2, 1, 4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="query rows"):
+    mgpu_decode_attention(jnp.zeros((2, 2, 5, 4, 128), jnp.bfloat16), 0, store)
+  with pytest.raises(ValueError, match="one 16-bit type"):
+    mgpu_decode_attention(q.astype(jnp.float16), 0, store)
+  with pytest.raises(ValueError, match="splits=3"):
+    mgpu_decode_attention(q, 0, store, splits=3)
+
+
+def _has_hopper() -> bool:
+  try:
+    device = jax.devices("gpu")[0]
+  except RuntimeError:
+    return False
+  return float(getattr(device, "compute_capability", "0")) >= 9.0 and available()
+
+
+@pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
+class TestMgpuDecodeAttentionGpu:
+  @pytest.mark.parametrize("step_tiles", [1, 4])
+  @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
+  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles):
+    store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
+                       head_dim=head_dim, capacity=1024, lengths=[1024, 947, 100])
+    q = jax.random.normal(jax.random.key(5), (3, 2, 1, 4, head_dim), dtype)
+    packed = pack_mma_store(store)
+    for layer in (0, 1):
+      o, lse = mgpu_decode_attention(q, layer, packed, return_lse=True, step_tiles=step_tiles)
+      o_ref, lse_ref = decode_attention_reference(q, layer, (store,), (), return_lse=True)
+      o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
+      assert np.all(np.isfinite(o))
+      tolerance = 1e-2 if dtype == jnp.bfloat16 else 2e-3  # p and the dequantized codes are rounded to 16 bits
+      assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= tolerance
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-4, atol=1e-4)
+
+  def test_rows_of_several_query_positions_and_a_short_sequence(self):
+    store = make_store(6, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
+                       lengths=[1, 600, 1024])
+    q = jax.random.normal(jax.random.key(7), (3, 2, 3, 5, 128), jnp.bfloat16)  # T * g = 15 rows
+    o = mgpu_decode_attention(q, 1, pack_mma_store(store))
+    o_ref = decode_attention_reference(q, 1, (store,), ())
+    o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
+    assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
