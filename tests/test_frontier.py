@@ -128,14 +128,19 @@ def test_sweep_resumes_after_a_kill_and_bytes_come_from_the_state(tiny_llama, ti
   dense_arrays = sum(x.nbytes for x in jax.tree.leaves(cache.state))
   annotated = frontier.annotate(rows)
   assert annotated[0]["bytes_per_token"] == dense_arrays / n
-  # KIVI (G = 32, R = 32 at n = 72 tokens): keys of 64 tokens and values of 40 quantized, with a float16 scale and
-  # zero per 32 tokens of a key channel and per 32 channels of a value; 8 keys and 32 values in float32; one
-  # int32 length.
-  per_head_layer = lambda bits: ((64 + 40) * cfg.head_dim * (bits / 8 + 2 * 2 / 32)
-                                 + (8 + 32) * cfg.head_dim * 4)
+  assert [t[0] for t in rows[0]["held_trace"]] == list(range(PLAN.context + 1, n + 1))
+  # KIVI (G = 32, R = 32), after each scored step: keys quantized in whole blocks of R tokens, the rest exact;
+  # values quantized but for the newest R; a float16 scale and zero per 32 tokens of a key channel and per 32
+  # channels of a value; exact ones in float32; one int32 length. Averaged over the steps, as the ppl is.
+  def kivi_bytes(bits, tokens):
+    n_k, n_v = 32 * (tokens // 32), tokens - 32
+    per_channel = (n_k + n_v) * (bits / 8 + 2 * 2 / 32) + (2 * tokens - n_k - n_v) * 4
+    return cfg.num_layers * cfg.kv_heads * cfg.head_dim * per_channel + 4
   for r, bits in zip(annotated[1:], (4, 2)):
-    expected = cfg.num_layers * cfg.kv_heads * per_head_layer(bits) + 4
-    assert r["bytes_per_token"] == pytest.approx(expected / n, rel=1e-12)
+    expected = np.mean([kivi_bytes(bits, t) / t for t in range(PLAN.context + 1, n + 1)])
+    assert r["bytes_per_token"] == pytest.approx(expected, rel=1e-12)
+    # The sawtooth is real: at 65 tokens one key is exact, at 72 eight (the trace is not one value repeated).
+    assert r["held_trace"][-1][1] - r["held_trace"][0][1] == pytest.approx(kivi_bytes(bits, 72) - kivi_bytes(bits, 65))
 
   # The front and the marks follow the rows.
   front = frontier.pareto_front([(r["bytes_per_token"], r["ppl"]) for r in annotated])

@@ -7,8 +7,13 @@ same thing. A sweep writes its JSON after every configuration (to a temporary fi
 sweep keeps every configuration it finished, and running the same command again measures only the rest. A
 configuration is identified by its method and full settings, so two spellings of one setting are measured once.
 
-Bytes are device bytes per token (``kv_bytes / kv_tokens``) at the plan's context + scored tokens: the budget a
-user spends on the accelerator. SpeCache's 16-bit copy in host memory is reported beside them, not in them.
+Bytes are device bytes per token, the budget a user spends on the accelerator, averaged over the scored steps as
+the perplexity is: after every step of one window, ``held_trace`` reads the cache's ``held_bytes`` (from its state)
+and divides by the tokens held. One length alone would favour some methods by phase: KIVI's full-precision keys
+drop to none each time R tokens are flushed, OTT's buffer fills to G + R before a block is quantized, ZipCache's
+window to its interval before it is compressed; at 576 tokens KIVI-2 (R = 32) holds no full-precision key and
+OTT (G = 32, R = 32) its fullest buffer. SpeCache's 16-bit copy in host memory is reported beside the device
+bytes, not in them.
 """
 
 import ast
@@ -19,9 +24,14 @@ import math
 import os
 from typing import Callable, Optional, Sequence
 
+import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
+from jkv import generate as gen
 from jkv import methods as methods_lib
+from jkv.attention import choose_impl
+from jkv.cache import CacheSpec, KVCache
 from jkv.evaluation import compare as compare_lib
 from jkv.evaluation import perplexity as ppl_lib
 
@@ -104,14 +114,39 @@ def pareto_front(points: Sequence[tuple]) -> list:
   return sorted(front)
 
 
+def held_trace(model, method, window: np.ndarray, context: int, attention_impl: str = "auto") -> list:
+  """Device and host bytes the cache holds after each decode step of one window [context + S + 1] (the
+  perplexity's decode path, one step per call): [(tokens held, device bytes, host bytes)] * S."""
+  cfg = model.config
+  scored = len(window) - context - 1
+  cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
+  cache = KVCache.create(method, CacheSpec.for_model(cfg, 1, cap), choose_impl(attention_impl))
+  window = jnp.asarray(window[None], jnp.int32)
+  cache = ppl_lib._prefill(model.params, window[:, :context], cache, cfg=cfg)
+  trace = []
+  for t in range(context, context + scored):
+    # A speculative method runs its pre-decode pass at every call here: it stores nothing, so the bytes held
+    # after each step are those of a run in one go.
+    cache, _ = ppl_lib._score(model.params, cache, window[:, t:t + 1], window[:, t + 1:t + 2], cfg=cfg)
+    held = cache.held_bytes()
+    trace.append((t + 1, held.device, held.host))
+  return trace
+
+
 def bytes_per_token(row) -> float:
-  return row["kv_bytes"] / row["kv_tokens"]
+  """Device bytes per token held, averaged over the scored steps (``held_trace``)."""
+  return float(np.mean([device / n for n, device, _ in row["held_trace"]]))
+
+
+def host_bytes_per_token(row) -> float:
+  return float(np.mean([host / n for n, _, host in row["held_trace"]]))
 
 
 def annotate(rows: Sequence[dict]) -> list:
   """The rows with ``bytes_per_token``, ``on_front`` (the whole sweep's Pareto front), ``on_method_front`` (the
   method's own), ``default`` and ``label`` filled in from the current defaults and presets."""
-  out = [dict(r, bytes_per_token=bytes_per_token(r), label=label(r), default=is_default(r)) for r in rows]
+  out = [dict(r, bytes_per_token=bytes_per_token(r), host_bytes_per_token=host_bytes_per_token(r), label=label(r),
+              default=is_default(r)) for r in rows]
   points = [(r["bytes_per_token"], r["ppl"]) for r in out]
   front = set(pareto_front(points))
   for i, r in enumerate(out):
@@ -162,13 +197,16 @@ def sweep(model, specs: Sequence[compare_lib.MethodSpec], *, token_ids: Sequence
           path: str, meta: dict, progress: Optional[bool] = None, attention_impl: str = "auto", mesh=None,
           measure: Callable = compare_lib.compare) -> dict:
   """Measure every configuration of ``specs`` not yet in the sweep file ``path``; return the file's contents
-  ({"meta", "rows"}: every row measured so far, in the order measured).
+  ({"meta", "rows"}: every row measured so far, in the order measured). A row is ``compare.compare``'s, plus
+  ``held_trace`` over the first window.
 
   After each configuration the file holds every row so far (``write_json``). ``meta`` must carry the keys of
   ``SAME`` and ``command``, which joins the file's list of ``commands`` that measured its rows. ``measure`` is
   ``compare.compare`` (a test may count its calls)."""
   for spec in specs:
     spec.method()  # every configuration is valid before the first one runs
+  ids = np.asarray(token_ids, np.int32)
+  first_window = ids[plan.starts(len(ids))[0]:][:plan.window]
   data = load_sweep(path, meta)
   rows = data["rows"]
   done = {config_key(_row_method(r)) for r in rows}
@@ -186,7 +224,7 @@ def sweep(model, specs: Sequence[compare_lib.MethodSpec], *, token_ids: Sequence
     bar.set_postfix_str(spec.label)
     row, = measure(model, [spec], token_ids=token_ids, ppl=plan, passkey=None, baseline=None, progress=False,
                    attention_impl=attention_impl, mesh=mesh)
-    rows.append(row)
+    rows.append(dict(row, held_trace=held_trace(model, spec.method(), first_window, plan.context, attention_impl)))
     write_json(path, data)
     bar.update(1)
   bar.close()
@@ -268,15 +306,15 @@ def markdown_report(rows: Sequence[dict], meta: dict) -> str:
   mark = lambda x: "✓" if x else ""
   for r in sorted(rows, key=lambda r: (list(SWEEP).index(r["name"]) if r["name"] in SWEEP else len(SWEEP),
                                        r["name"], r["bytes_per_token"], r["ppl"])):
-    out.append(f"| `{r['label']}` | {r['bytes_per_token']:,.0f} | {r['kv_host_bytes'] / r['kv_tokens']:,.0f} "
-               f"| {r['compression']:.2f}x | {r['ppl']:.3f} | {_delta(r, dense)} | {mark(r['on_front'])} "
+    out.append(f"| `{r['label']}` | {r['bytes_per_token']:,.0f} | {r['host_bytes_per_token']:,.0f} "
+               f"| {dense['bytes_per_token'] / r['bytes_per_token']:.2f}x | {r['ppl']:.3f} | {_delta(r, dense)} | {mark(r['on_front'])} "
                f"| {mark(r['default'])} | {mark(r['on_method_front'])} |")
   out += ["", f"- perplexity: {meta['text']}; {plan['num_windows']} windows (seed {plan['seed']}) of "
           f"{plan['context']} prefilled + {plan['scored']} scored tokens, every scored token predicted by a decode "
           f"step over the compressed cache; the same windows for every configuration.",
-          f"- bytes/token: device bytes the cache holds after the last step (`held_bytes`, from its state), "
-          f"divided by the {dense['kv_tokens']} tokens held; dense holds K and V in {meta['dtype']}. Host bytes: "
-          "SpeCache's 16-bit copy in host memory, not counted in bytes/token.",
+          f"- bytes/token: device bytes the cache holds (`held_bytes`, from its state) divided by the tokens it "
+          f"holds, after each of the {plan['scored']} scored steps of the first window, averaged; dense holds K "
+          f"and V in {meta['dtype']}. Host bytes: SpeCache's 16-bit copy in host memory, not in bytes/token.",
           f"- {len(rows)} configurations, {meta['environment']['device']}, jax {meta['environment']['jax']}."]
   return "\n".join(out) + "\n"
 
