@@ -11,6 +11,7 @@ XLA's log lines and, on failure, the whole error before its line.
 # Only the standard library at module level: importing jax and flax takes seconds, and ``main`` installs its
 # Ctrl-C handling before that (an interrupt during those imports printed a 40-line traceback).
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -22,9 +23,12 @@ import threading
 import traceback
 import typing
 import warnings
+from typing import Optional
 
 DTYPES = ["float32", "bfloat16", "float16"]
 MAX_SEED = 2 ** 63 - 1  # jax.random.key takes a signed 64-bit seed
+MAX_INT = 2 ** 31 - 1  # counts and sizes: token positions and array shapes are int32 inside jax
+MAX_DEVICE_GIB = 2 ** 20  # a PiB: past any device, and past what byte counts in int64 need
 JSON_HELP = "print one JSON object on standard output instead of text"
 
 
@@ -53,20 +57,36 @@ def _number(text, kind):
     raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
 
 
+def _within(value, low, high: tuple):
+  """``value`` unless it lies outside [low, high]; ``high`` is (bound, how the message writes it)."""
+  if value < low:
+    raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+  if value > high[0]:
+    raise argparse.ArgumentTypeError(f"must be <= {high[1]}, got {value}")
+  return value
+
+
 def positive_int(text):
-  """An argparse type: an integer >= 1."""
-  value = _number(text, int)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  """An argparse type: an integer in [1, 2**31 - 1]."""
+  return _within(_number(text, int), 1, (MAX_INT, "2**31 - 1"))
+
+
+def int32(text):
+  """An argparse type: an integer a method option can hold (jax computes with it in int32)."""
+  return _within(_number(text, int), -MAX_INT - 1, (MAX_INT, "2**31 - 1"))
+
+
+def device_gib(text):
+  """An argparse type: a device's memory in GiB, > 0 (a finite float, at most a PiB)."""
+  value = finite_float(text)
+  if not 0 < value <= MAX_DEVICE_GIB:
+    raise argparse.ArgumentTypeError(f"must lie in (0, {MAX_DEVICE_GIB}] GiB, got {text}")
   return value
 
 
 def seed(text):
   """An argparse type: an integer seed that ``jax.random.key`` takes (0 to 2**63 - 1)."""
-  value = _number(text, int)
-  if not 0 <= value <= MAX_SEED:
-    raise argparse.ArgumentTypeError(f"must lie in [0, 2**63 - 1], got {value}")
-  return value
+  return _within(_number(text, int), 0, (MAX_SEED, "2**63 - 1"))
 
 
 def finite_float(text):
@@ -132,7 +152,8 @@ def add_method_args(parser):
   for option, fields in owners.items():
     typ = _field_type(fields[0][1])
     group.add_argument("--" + option.replace("_", "-"), dest="opt_" + option, default=None,
-                       type=_bool if typ is bool else typ, metavar=typ.__name__.upper(), help=_option_help(fields))
+                       type={bool: _bool, int: int32}.get(typ, typ), metavar=typ.__name__.upper(),
+                       help=_option_help(fields))
   return owners
 
 
@@ -296,7 +317,9 @@ def cmd_generate(args):
 
 def cmd_convert(args):
   from jkv.load import convert
-  model = convert(args.src, args.out, args.dtype, progress=_progress)
+  # The checkpoint is written beside the target and renamed into place once verified; an interrupt removes it.
+  with kept_on_interrupt(f"nothing written to {args.out}"):
+    model = convert(args.src, args.out, args.dtype, progress=_progress)
   if args.json:
     print(json.dumps(dict(out=args.out, config=dataclasses.asdict(model.config))))
   else:
@@ -401,7 +424,7 @@ def build_parser():
   i.add_argument("--tokens", type=positive_int, default=4096,
                  help="sequence length (prompt + generated tokens) the bytes and the largest batch are counted at "
                       "(default: 4096)")
-  i.add_argument("--device-gib", type=finite_float, default=None,
+  i.add_argument("--device-gib", type=device_gib, default=None,
                  help="device memory in GiB for the largest batch (default: what this device reports)")
   i.add_argument("--json", action="store_true", help=JSON_HELP)
   i.set_defaults(fn=cmd_info)
@@ -441,12 +464,26 @@ def _importing(frame) -> bool:
   return False
 
 
-def _say_interrupted():
-  """The one line of an interrupted run. Warnings are silenced first: an interrupted checkpoint save abandons
-  orbax's coroutines, and their 'never awaited' RuntimeWarning, printed whenever they are collected, would come
-  after the line."""
+def _say_interrupted(e: Optional[BaseException] = None):
+  """The one line of an interrupted run, with what the command kept (``kept_on_interrupt``). Warnings are silenced
+  first: an interrupted checkpoint save abandons orbax's coroutines, and their 'never awaited' RuntimeWarning,
+  printed whenever they are collected, would come after the line."""
   warnings.simplefilter("ignore")
-  _say("jkv: interrupted")
+  notes = []
+  while e is not None:  # the KeyboardInterrupt, or what it caused
+    notes += getattr(e, "__notes__", [])
+    e = e.__cause__ or e.__context__
+  _say("; ".join(["jkv: interrupted"] + notes))
+
+
+@contextlib.contextmanager
+def kept_on_interrupt(what: str):
+  """Ctrl-C inside ends in one line that says ``what`` the command kept of its output (nothing half-written)."""
+  try:
+    yield
+  except KeyboardInterrupt as e:
+    e.add_note(what)
+    raise
 
 
 class _ProgramInterrupts:
@@ -541,7 +578,7 @@ def _run(argv) -> int:
     return e.code
   except BaseException as e:
     if _caused_by_interrupt(e):
-      _say_interrupted()
+      _say_interrupted(e)
       return 130
     if getattr(args, "verbose", False):  # the whole error first: XLA's allocator report, a traceback
       _close_progress_bars()
@@ -556,7 +593,9 @@ def _run(argv) -> int:
     if isinstance(e, (ValueError, OSError, RuntimeError, NotImplementedError)):
       _say(f"jkv: error: {_first_line(e)}")
       return 2
-    raise
+    # Anything else is a failure of jkv's, not of the input: one line still, the traceback with --verbose.
+    _say(f"jkv: error: internal error, {type(e).__name__}: {_first_line(e)} (--verbose shows where)")
+    return 1
 
 
 def quiet_xla_logs(argv) -> None:

@@ -49,6 +49,17 @@ def device_memory(device=None) -> Optional[dict]:
               peak=int(stats.get("peak_bytes_in_use", 0)))
 
 
+def host_memory() -> Optional[dict]:
+  """{"limit", "in_use", "peak"} bytes of this machine's memory (``/proc/meminfo``: in use is what is not available;
+  no peak), or None where there is no such file. A CPU's device memory: jax reports none for it."""
+  try:
+    with open("/proc/meminfo") as f:
+      kib = {key: int(value.split()[0]) for key, value in (line.split(":", 1) for line in f)}
+    return dict(limit=kib["MemTotal"] << 10, in_use=(kib["MemTotal"] - kib["MemAvailable"]) << 10, peak=0)
+  except (OSError, KeyError, ValueError):
+    return None
+
+
 def prefill_token_budget(cfg: ModelConfig, device=None) -> int:
   """Prompt tokens one prefill call may process: what the device's free memory holds of prefill activations
   (call after the cache and weights are allocated), or 2**16 where the device does not report its memory."""
@@ -173,10 +184,11 @@ class CacheRequest:
 def guard(request: CacheRequest):
   """Around the allocation and use of a cache: refuse the request (``DeviceMemoryError``) when its cache alone
   exceeds the device's free memory, which no prefill sub-batching can help, and turn XLA's out-of-memory failure
-  inside into a ``DeviceMemoryError`` saying the same. Nothing is checked where jax reports no memory (CPU)."""
+  inside into a ``DeviceMemoryError`` saying the same. On a CPU the device's memory is the machine's
+  (``host_memory``); nothing is checked where neither is known."""
   # Settings that cannot serve this model are their own one-line error, before their cache is sized.
   request.method.check(CacheSpec.for_model(request.cfg, request.batch, request.capacity))
-  mem = device_memory()
+  mem = device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
   if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
     raise request.error(f"{request} does not fit", mem)
   try:

@@ -150,7 +150,7 @@ def test_an_interrupted_convert_leaves_nothing(capsys, tiny_hf_dir, tmp_path, mo
   monkeypatch.setattr(checkpoint, "_file_digests", interrupt)
   out = tmp_path / "out"
   rc, _, err = run(capsys, "convert", str(tiny_hf_dir), str(out))
-  assert rc == 130 and err.splitlines()[-1] == "jkv: interrupted" and "Traceback" not in err
+  assert rc == 130 and err.splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err
   assert os.listdir(tmp_path) == []
 
 
@@ -271,7 +271,7 @@ def test_ctrl_c_during_convert_removes_the_partial_checkpoint(tmp_path):
   out = tmp_path / "ckpt"
   rc, err = _interrupt_when(["convert", "default", str(out)], "saving to")
   assert rc == 130, err
-  assert err.strip().splitlines()[-1] == "jkv: interrupted" and "Traceback" not in err
+  assert err.strip().splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err
   assert os.listdir(tmp_path) == []
 
 
@@ -326,6 +326,20 @@ def test_interrupts_wait_for_imports(program_interrupts, tmp_path, monkeypatch):
 
 BAD_INPUT = [
     (["info", "--tokens", "0"], ["--tokens", "must be >= 1, got 0"]),
+    # Issue 28, past the limits: sizes beyond int32 (jax's positions and shapes) and method options too large for
+    # jax, which overflowed in numpy with a traceback; a device of no or absurd memory.
+    (["info", "--tokens", str(2 ** 31)], ["--tokens", "must be <= 2**31 - 1, got 2147483648"]),
+    (["generate", FRANCE, "--capacity", str(10 ** 20)], ["--capacity", "must be <= 2**31 - 1"]),
+    (["eval", "passkey", "--trials", str(10 ** 20)], ["--trials", "must be <= 2**31 - 1"]),
+    (["info", "--method", "ott", "--residual", str(10 ** 20)], ["--residual", "must be <= 2**31 - 1"]),
+    (["info", "--method", "zipcache", "--interval", str(-2 ** 40)], ["--interval", "must be >= -2147483648"]),
+    (["info", "--device-gib", "0"], ["--device-gib", "must lie in (0, 1048576] GiB, got 0"]),
+    (["info", "--device-gib", "-1"], ["--device-gib", "got -1"]),
+    (["info", "--device-gib", "1e30"], ["--device-gib", "got 1e30"]),
+    (["compare", "--methods", "kivi:bits=2,bits=4"], ["option bits is given twice"]),
+    (["compare", "--methods", "dense", "kivi", "dense"], ["method dense is given twice"]),
+    (["compare", "--methods", "dense", "kivi:bits=2", "--baseline", "kivi"],
+     ["--baseline kivi is none of the methods compared: dense, kivi:bits=2"]),
     (["info", "--method", "kivi", "--tokens", "-5"], ["--tokens", "got -5"]),
     (["eval", "passkey", "--lengths", "0"], ["--lengths", "got 0"]),
     (["generate", FRANCE, "--stream", "--max-new-tokens", "-5"], ["--max-new-tokens", "got -5"]),

@@ -222,3 +222,64 @@ def test_generation_that_stops_inside_a_character_prints_whole_characters(capsys
     rc, out, err = run(capsys, "generate", THANKS, "--max-new-tokens", str(n), *flags)
     assert rc == 0 and out == res["text"] + "\n", (flags, out, err)
   assert jkv.Model.wrap(default_model).generate(THANKS, max_new_tokens=n).texts == [res["text"]]
+
+
+# ------------------------------------------------------------------------------------------------- hostile use
+
+
+def test_on_a_cpu_the_cache_is_held_to_the_machines_memory(tiny_llama, monkeypatch):
+  """jax reports no memory for a CPU, whose device memory is the machine's: there the guard reads that."""
+  _, m = tiny_llama
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: None)
+  monkeypatch.setattr(memory, "host_memory", lambda: dict(limit=4 * GIB, in_use=4 * GIB - (1 << 20), peak=0))
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  with pytest.raises(memory.DeviceMemoryError, match=r"has 0\.00 GiB free of 4\.00 GiB"):
+    gen.generate(m.params, m.config, [[3, 4, 5]] * 8, max_new_tokens=1000)
+
+
+COMPARE = ["compare", "--methods", "dense", "kivi", "--no-passkey", "--windows", "1", "--context", "16", "--scored", "2"]
+
+
+@pytest.mark.usefixtures("default_model_once")
+@pytest.mark.parametrize("where", ["while the methods run", "while the outputs are written"])
+def test_an_interrupted_compare_writes_nothing_and_says_so(capsys, monkeypatch, tmp_path, where):
+  from jkv.evaluation import compare as compare_lib
+  from jkv.evaluation import perplexity as ppl_lib
+  prefix = tmp_path / "cmp"
+  (tmp_path / "cmp.json").write_text('{"rows": "an earlier run"}')
+  if where == "while the methods run":
+    monkeypatch.setattr(ppl_lib, "perplexity", raising(KeyboardInterrupt))
+  else:  # the table and JSON are written (under their temporary names), the plot is under way
+    def half_a_plot(rows, path, title=""):
+      with open(path, "wb") as f:
+        f.write(b"\x89PNG")
+      raise KeyboardInterrupt
+    monkeypatch.setattr(compare_lib, "plot", half_a_plot)
+  rc, out, err = run(capsys, *COMPARE, "--output", str(prefix))
+  assert rc == 130 and "Traceback" not in err
+  assert err.strip().splitlines()[-1] == (f"jkv: interrupted; nothing written ({prefix}.json, .md and .png come once "
+                                          "every method has run)")
+  assert os.listdir(tmp_path) == ["cmp.json"] and "an earlier run" in (tmp_path / "cmp.json").read_text()
+
+
+@pytest.mark.usefixtures("default_model_once")
+def test_an_interrupted_passkey_plot_leaves_no_image(capsys, monkeypatch, tmp_path):
+  from jkv.evaluation import passkey as passkey_lib
+  def half_a_plot(result, path, title=""):
+    with open(path, "wb") as f:
+      f.write(b"\x89PNG")
+    raise KeyboardInterrupt
+  monkeypatch.setattr(passkey_lib, "plot_heatmap", half_a_plot)
+  plot = tmp_path / "p.png"
+  rc, _, err = run(capsys, "eval", "passkey", "--lengths", "80", "--trials", "1", "--depths", "0.5", "--plot", str(plot))
+  assert rc == 130 and err.strip().splitlines()[-1] == f"jkv: interrupted; {plot} not written"
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_failure_of_jkvs_own_is_one_line_and_the_traceback_with_verbose(capsys, monkeypatch, tmp_path):
+  monkeypatch.setattr(load_lib, "load_model", raising(TypeError("unhashable type: 'list'")))
+  rc, out, err = run(capsys, "info", "--model", str(tmp_path))
+  assert rc == 1 and err.strip().splitlines() == [
+      "jkv: error: internal error, TypeError: unhashable type: 'list' (--verbose shows where)"]
+  rc, out, err = run(capsys, "info", "--model", str(tmp_path), "--verbose")
+  assert rc == 1 and "Traceback" in err and err.strip().splitlines()[-1].startswith("jkv: error: internal error")

@@ -113,13 +113,14 @@ def cmd_passkey(args, cli):
     cli.check_output(args.plot)
   mesh = cli.mesh_from_args(args)
   model = _load(args)
-  res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid,
-                                attention_impl=args.attention_impl, mesh=mesh)
-  if not cli.is_lead_process():
-    return 0
-  if args.plot:
-    passkey_lib.plot_heatmap(res, args.plot, title=f"pass-key retrieval: {args.model}, "
-                                                   f"{_label(args, method)}")
+  with cli.kept_on_interrupt(f"{args.plot} not written" if args.plot else "nothing written"):
+    res = passkey_lib.run_passkey(model.params, model.config, model.tokenizer, method=method, grid=grid,
+                                  attention_impl=args.attention_impl, mesh=mesh)
+    if not cli.is_lead_process():
+      return 0
+    if args.plot:
+      with compare_lib.written_together([args.plot]) as (partial,):  # no half-written image
+        passkey_lib.plot_heatmap(res, partial, title=f"pass-key retrieval: {args.model}, {_label(args, method)}")
   if args.json:
     print(json.dumps(dict(method=_label(args, method), method_config=dataclasses.asdict(method),
                           grid=dataclasses.asdict(grid), **res.as_dict())))
@@ -135,6 +136,13 @@ def cmd_compare(args, cli):
   specs = compare_lib.parse_methods(args.methods)  # bad specs fail before the model loads
   for spec in specs:
     spec.method()  # and so do settings a method refuses whatever the model (kivi bits=3)
+  labels = [spec.label for spec in specs]
+  twice = next((label for i, label in enumerate(labels) if label in labels[:i]), None)
+  if twice is not None:
+    raise ValueError(f"method {twice} is given twice (rows are told apart by their labels)")
+  if args.baseline is not None and args.baseline not in labels:
+    raise ValueError(f"--baseline {args.baseline} is none of the methods compared: {', '.join(labels)}")
+  baseline = "dense" if args.baseline is None else args.baseline
   plan = _plan(args)
   grid = None if args.no_passkey else _grid(args, prefix="passkey_")
   if args.output:
@@ -147,16 +155,21 @@ def cmd_compare(args, cli):
   if grid is not None:
     grid.validate(model.config, model.tokenizer)  # every length, before the first method runs
   ids = model.tokenizer.encode(text, add_bos=False)
-  rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=args.baseline,
-                             attention_impl=args.attention_impl, mesh=mesh)
-  if not cli.is_lead_process():
-    return 0
-  meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
-              ppl=dataclasses.asdict(plan), passkey=None if grid is None else dataclasses.asdict(grid),
-              baseline=args.baseline, environment=compare_lib.environment(mesh), seconds=time.perf_counter() - t0)
-  if args.output:
-    for path in compare_lib.write_outputs(rows, meta, args.output):
-      _progress(f"wrote {path}")
+  kept = "nothing written" + (f" ({args.output}.json, .md and .png come once every method has run)"
+                              if args.output else "")
+  paths = []
+  with cli.kept_on_interrupt(kept):
+    rows = compare_lib.compare(model, specs, token_ids=ids, ppl=plan, passkey=grid, baseline=baseline,
+                               attention_impl=args.attention_impl, mesh=mesh)
+    if not cli.is_lead_process():
+      return 0
+    meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
+                ppl=dataclasses.asdict(plan), passkey=None if grid is None else dataclasses.asdict(grid),
+                baseline=baseline, environment=compare_lib.environment(mesh), seconds=time.perf_counter() - t0)
+    if args.output:
+      paths = compare_lib.write_outputs(rows, meta, args.output)
+  for path in paths:
+    _progress(f"wrote {path}")
   if args.json:
     print(json.dumps(dict(meta=meta, rows=rows)))
   else:
@@ -222,7 +235,8 @@ def add_commands(sub, cli):
   c.add_argument("--methods", nargs="+", default=list(compare_lib.DEFAULT_METHODS), metavar="SPEC",
                  help="configurations as NAME or NAME:OPTION=VALUE,... (default: dense, KIVI-4, KIVI-2 and the "
                       "four 2-bit fake-quant layouts)")
-  c.add_argument("--baseline", default="dense", help="label of the row Δppl is measured from (default: dense)")
+  c.add_argument("--baseline", default=None, help="label of the row Δppl is measured from (default: dense, when "
+                                                   "compared)")
   _add_ppl_args(c, compare_lib.DEFAULT_PPL, cli)
   _add_passkey_args(c, compare_lib.DEFAULT_PASSKEY, cli, prefix="passkey-")
   c.add_argument("--no-passkey", action="store_true", help="skip pass-key retrieval")

@@ -5,6 +5,7 @@ the types of the method's config fields, so any registered method joins by regis
 and options are rejected in one line before anything runs.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,6 +84,8 @@ class MethodSpec:
         continue
       if key not in fields:
         raise ValueError(f"method {name!r} has no option {key}; its options: {', '.join(sorted(fields)) or 'none'}")
+      if key in dict(options):
+        raise ValueError(f"method spec {text!r}: option {key} is given twice")
       options.append((key, _coerce(value.strip(), hints[key], f"method {name!r} option {key}")))
     return cls(name, tuple(options))
 
@@ -260,12 +263,32 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
 
 
 def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:
-  """``prefix``.json (meta + rows), ``prefix``.md (command, table, settings) and ``prefix``.png (the plot)."""
+  """``prefix``.json (meta + rows), ``prefix``.md (command, table, settings) and ``prefix``.png (the plot).
+
+  All three are written under temporary names first and renamed into place together, so a failure or an interrupt
+  while writing leaves no half-written file (and earlier outputs of the same prefix as they were)."""
   paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
-  with open(paths[0], "w") as f:
-    json.dump(dict(meta=meta, rows=list(rows)), f, indent=1)
-    f.write("\n")
-  with open(paths[1], "w") as f:
-    f.write(markdown_report(rows, meta))
-  plot(rows, paths[2], title=f"{meta['model']}: compression vs quality")
+  with written_together(paths) as partial:
+    with open(partial[0], "w") as f:
+      json.dump(dict(meta=meta, rows=list(rows)), f, indent=1)
+      f.write("\n")
+    with open(partial[1], "w") as f:
+      f.write(markdown_report(rows, meta))
+    plot(rows, partial[2], title=f"{meta['model']}: compression vs quality")
   return paths
+
+
+@contextlib.contextmanager
+def written_together(paths: Sequence[str]):
+  """Yield a temporary path beside each of ``paths`` (same extension, which matplotlib reads the format from); once
+  the block has written them all, rename each into place. On any failure, an interrupt included, the temporary
+  files are removed and ``paths`` stay as they were."""
+  partial = [f"{root}.partial{ext}" for root, ext in map(os.path.splitext, paths)]
+  try:
+    yield partial
+    for src, dst in zip(partial, paths):
+      os.replace(src, dst)
+  finally:
+    for p in partial:
+      if os.path.exists(p):
+        os.remove(p)
