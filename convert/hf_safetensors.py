@@ -268,9 +268,12 @@ def _read_json(directory: str, name: str, required: bool) -> Optional[dict]:
     return None
   try:
     with open(path) as f:
-      return json.load(f)
+      data = json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(data, dict):  # every file read here is a JSON object of named fields
+    raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of named fields")
+  return data
 
 
 def _shard_files(directory: str) -> list[str]:

@@ -343,3 +343,17 @@ def test_config_missing_a_required_key(capsys, tmp_path):
       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, vocab_size=128)))
   (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
   assert_one_line_error(jkv(capsys, "info", "--model", str(tmp_path), memo=False), "max_position_embeddings")
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: (d / "m.gguf").write_bytes(b""), ["m.gguf", "empty file"]),
+    (lambda d: (d / "m.gguf").write_bytes(np.random.default_rng(0).bytes(4096)), ["m.gguf", "GGUF magic invalid"]),
+    (lambda d: (d / "m.gguf").mkdir(), ["cannot tell what model", "m.gguf"]),
+    (lambda d: (d / "m").mkdir() or (d / "m" / "config.json").write_text("[1, 2]"), ["config.json holds a JSON list"]),
+    (lambda d: (d / "m").mkdir() or (d / "m" / "config.json").write_text("{"), ["config.json is not valid JSON"]),
+], ids=["empty-gguf", "random-gguf", "directory-named-gguf", "config-a-list", "config-not-json"])
+def test_bad_model_files(capsys, tmp_path, make, words):
+  """Issue 28: files that are not what their name says, each one line naming it."""
+  make(tmp_path)
+  model = next(p for p in tmp_path.iterdir())
+  assert_one_line_error(jkv(capsys, "info", "--model", str(model), memo=False), *words)
