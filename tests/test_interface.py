@@ -178,7 +178,7 @@ def reordering_bound(cfg, T: int) -> float:
 
 
 @pytest.mark.parametrize("name, options", METHODS + V2_METHODS)
-def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
+def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options, record_property):
   """Prefill of 5 prompts in sub-batches of 2 (the last one overlapping) leaves the same cache and the same logits
   as one call, so generation is unchanged: bit for bit on the CPU, where XLA's arithmetic does not depend on the
   batch. On a GPU the two calls are two programs (batch 5 and batch 2) whose matmuls may add their terms in
@@ -196,6 +196,9 @@ def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options):
     results.append(gen._prefill(m.params, cfg, tokens, positions, cache, budget))
   (logits_one, cache_one), (logits_sub, cache_sub) = results
   bound = 0.0 if jax.default_backend() == "cpu" else reordering_bound(cfg, tokens.shape[1])
+  # In the JUnit report (--junitxml): how far apart the GPU's two programs came, against the bound.
+  record_property("logits_max_abs_difference", float(np.abs(np.asarray(logits_sub) - np.asarray(logits_one)).max()))
+  record_property("logits_allowed_difference", float(bound * np.abs(np.asarray(logits_one)).max()))
   for a, b in zip([logits_one] + jax.tree.leaves(cache_one), [logits_sub] + jax.tree.leaves(cache_sub)):
     a, b = np.asarray(a), np.asarray(b)
     if np.issubdtype(a.dtype, np.floating) and bound:
