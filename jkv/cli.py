@@ -4,8 +4,9 @@ Method options become flags by themselves: every field of every registered metho
 (``--group-size``), so a new method joins the CLI by registration alone. Bad input exits 2 with one line
 ``jkv: error: ...``, checked before the model loads wherever the model is not needed; a batch that does not fit
 the device's memory (``jkv.memory.DeviceMemoryError``, or XLA's own out-of-memory error) exits 1 with one line
-``jkv: error: out of device memory: ...``; Ctrl-C exits 130 with one line ``jkv: interrupted``. ``--verbose`` shows
-XLA's log lines and, on failure, the whole error before its line.
+``jkv: error: out of device memory: ...``, and so does any failure of jkv's own (``internal error``); Ctrl-C exits
+130 with one line ``jkv: interrupted; <what was kept>``. ``--verbose`` shows XLA's log lines and, on failure, the
+whole error before its line.
 """
 
 # Only the standard library at module level: importing jax and flax takes seconds, and ``main`` installs its
@@ -606,8 +607,8 @@ def quiet_xla_logs(argv) -> None:
 
 
 def main(argv=None) -> int:
-  """Run ``jkv ARGV`` and return its exit status: 0, 2 for bad input (one line), 1 out of memory (one line), 130
-  when interrupted.
+  """Run ``jkv ARGV`` and return its exit status: 0, 2 for bad input (one line), 1 out of memory or an internal
+  error (one line), 130 when interrupted.
 
   With ``argv`` None, ``jkv`` runs as the program (the console script, ``python -m jkv.cli``): Ctrl-C is
   handled as ``_ProgramInterrupts`` says, from before jax is imported, and an interrupted run ends the process
