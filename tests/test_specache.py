@@ -94,13 +94,13 @@ class Driver:
 _DRIVERS = {}
 
 
-def _driver(method, impl="xla") -> Driver:
-  if (method, impl) not in _DRIVERS:
-    _DRIVERS[method, impl] = Driver(method, impl=impl)
-  return _DRIVERS[method, impl]
+def _driver(method, impl="xla", layer=1) -> Driver:
+  if (method, impl, layer) not in _DRIVERS:
+    _DRIVERS[method, impl, layer] = Driver(method, layer=layer, impl=impl)
+  return _DRIVERS[method, impl, layer]
 
 
-def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
+def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla", layer=1):
   """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns each step's output
   [steps, B, H, T, g, D] (T = 2 rows for a speculative method, the real one first) and the states after
   pre-decode and after each step."""
@@ -108,7 +108,7 @@ def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla"):
   sq, sk, sv = spec_rows
   lengths = np.asarray(lengths)
   B = len(lengths)
-  driver = _driver(method, impl)
+  driver = _driver(method, impl, layer)
   state = driver.start(_spec(B, capacity), k[:, :, :lengths.max()], v[:, :, :lengths.max()], lengths)
   if method.speculative_rows:
     _, state = driver.pre_decode(state, _at(q, lengths), _at(k, lengths), _at(v, lengths), lengths)
@@ -303,6 +303,30 @@ def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
   every, _ = _run(SpeCache(fetch_rows=256, residual=32, speculate=False), real, spec_rows, lengths, 4)
   for t in range(4):
     np.testing.assert_allclose(every[t], _dense(real, lengths + t), rtol=2e-5, atol=2e-5)
+
+
+def test_repair_checks_the_guess_and_recomputes_misses():
+  """``repair=True``: layer 0's real-row key tells whether the previous speculative token was the real one. Where
+  it was (the speculative rows are the next real rows), every output is plain SpeCache's; where it was not, the
+  real row's output is the fetch-then-recompute baseline's (the stored rows are the same, so are the states) and
+  the speculative row's stays SpeCache's. The first step's rows were chosen by the real first token: right."""
+  rng = np.random.default_rng(13)
+  real, wrong = _data(rng, 2, 256)
+  lengths, steps = np.array([61, 140]), 6
+  repair = SpeCache(fetch_rows=8, residual=32, repair=True)
+  run = lambda method, spec_rows: _run(method, real, spec_rows, lengths, steps, layer=0)
+  out, states = run(repair, real)
+  np.testing.assert_allclose(out, run(FEW, real)[0], rtol=1e-6, atol=1e-6)
+  assert all(np.asarray(s.guess_right[0]).all() for s in states[1:])
+  out, states = run(repair, wrong)
+  plain, base = run(FEW, wrong)[0], run(SpeCache(fetch_rows=8, residual=32, speculate=False), wrong)[0]
+  assert np.asarray(states[1].guess_right[0]).all()
+  assert not any(np.asarray(s.guess_right[0]).any() for s in states[2:])
+  np.testing.assert_allclose(out[0], plain[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out[1:, :, :, :1], base[1:], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out[:, :, :, 1:], plain[:, :, :, 1:], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out[1:, :, :, :1], plain[1:, :, :, :1], rtol=1e-3, atol=1e-3)  # the repair did something
+  assert SpeCache(repair=True, speculate=False).repairs is False  # no guess, nothing to repair
 
 
 def test_batch_rows_are_independent():

@@ -52,7 +52,8 @@ SWEEP = {
        "zipcache:high_bits=2,low_bits=2,interval=32"),
     "specache": tuple(f"specache:bits={b},fetch_rows={k}" for b in (1, 2) for k in (0, 16, 32, 64, 128))
     + tuple(f"specache:bits=1,fetch_rows={k},residual=32" for k in (32, 64))
-    + tuple(f"specache:bits=1,fetch_rows={k},speculate=false" for k in (16, 64, 128)),
+    + tuple(f"specache:bits=1,fetch_rows={k},speculate=false" for k in (16, 64, 128))
+    + tuple(f"specache:bits={b},fetch_rows={k},repair=true" for b in (1, 2) for k in (64, 128)),
 }
 
 
@@ -354,6 +355,32 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# The committed frontiers of the default model (float32), read by ``jkv info`` in a source checkout (the README's
+# install is editable); (context, path), shortest context first.
+COMMITTED = tuple((n, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results",
+                                   f"frontier_{n}.json")) for n in (512, 2048))
+
+
+def advice(fraction: float, committed=COMMITTED) -> list:
+  """What the committed frontiers say about a budget of ``fraction`` of dense's bytes: for each one present, a line
+  naming the lowest-perplexity configuration measured within that budget."""
+  lines = []
+  for context, path in committed:
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      data = json.load(f)
+    rows = annotate(data["rows"])
+    dense = next(r for r in rows if r["name"] == "dense")
+    (_, best), = best_within(rows, (fraction,))
+    where = f"default model, {context} + {data['meta']['ppl']['scored']} tokens"
+    lines.append(f"{where}: nothing measured within {fraction:.3f}x dense's bytes" if best is None else
+                 f"{where}: within {fraction:.3f}x dense's bytes the lowest perplexity measured is "
+                 f"{best['label']} ({best['bytes_per_token'] / dense['bytes_per_token']:.3f}x dense's bytes, ppl "
+                 f"{_delta(best, dense)} vs dense; benchmarks/results/frontier_{context}.md)")
+  return lines
 
 
 def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:

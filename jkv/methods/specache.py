@@ -46,6 +46,18 @@ bound on the selection): one row per step and no pre-decode pass; in each layer 
 cache, its own probabilities pick the top k, those rows come from host memory and it attends again. It measures
 what the guess costs in quality.
 
+``repair=True`` checks each step's guess and repairs a miss (not in the paper, which never checks: spec §2.5). The
+guess was right exactly when the real token is the previous step's speculative token, and then the two rows'
+layer-0 keys (same token, same position) agree; a different token's key differs in every channel. Where the
+guess was wrong, the real row gets the fetch-then-recompute pass (its own top k, fetched and attended again); the
+speculative row and the rows it picks for the next step are unchanged. A step pays the second pass only when some
+sequence missed (``lax.cond``). Why (issue 27, benchmarks/results/specache_quality_512.json, default model, 16
+windows of 512 + 64 tokens of pydoc_data.topics): scored on a text, the speculative token was the text's next token
+at 10.8% of the steps (each guess continues the previous guess, never the real token), and SpeCache-1 reached
+perplexity 13.649 against dense's 11.851; with the text's own next token as the guess it reached 12.712, the
+non-speculative baseline's 12.670. In greedy generation from the same contexts the guess was right at 50% of the
+steps.
+
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
 top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
 heads, layers, sequences and steps.
@@ -210,6 +222,9 @@ class SpeCacheState:
   hit_sum: jax.Array  # [L, B, H] float32: per step, the fraction of the real row's top k that was fetched
   hit_steps: jax.Array  # [L, B, H] float32: steps counted in hit_sum (per KV head, so a mesh that splits the
                         # heads counts every shard's); both None unless counts_hits
+  spec_key: jax.Array  # [L, B, H, D] model dtype: the previous step's speculative row's key (layer 0's is read)
+  guess_right: jax.Array  # [L, B, H] bool: layer 0's verdict on this step's guess (the others read row 0); both
+                          # None unless repair
 
 
 @register
@@ -238,9 +253,19 @@ class SpeCache(CacheMethod):
               "them from the low-bit copy and attends again with them (the paper's fetch-then-recompute "
               "baseline: no guess, two attention passes per layer; prefetch does not apply)"})
 
+  repair: bool = dataclasses.field(default=False, metadata={
+      "help": "check each step's guess (the real row's layer-0 key equals the previous speculative row's only when "
+              "the guess was the real token) and, where it was wrong, give the real row the fetch-then-recompute "
+              "pass (its own top k)"})
+
   @property
   def speculative_rows(self) -> int:
     return 1 if self.speculate else 0
+
+  @property
+  def repairs(self) -> bool:
+    """Whether steps check the guess and repair misses: only a speculative guess can miss."""
+    return self.repair and self.speculate
 
   @property
   def counts_hits(self) -> bool:
@@ -293,6 +318,8 @@ class SpeCache(CacheMethod):
         fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch and self.speculate else None,
         hit_sum=counter,
         hit_steps=counter,
+        spec_key=ArrayInfo((L, B, H, D), spec.dtype, lead + ("kv_channels",)) if self.repairs else None,
+        guess_right=ArrayInfo((L, B, H), jnp.bool_, lead) if self.repairs else None,
     )
 
   # ---------------------------------------------------------------------------------------------- calls
@@ -310,6 +337,8 @@ class SpeCache(CacheMethod):
     """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,
     nothing fetched and nothing stored (spec §2.4); its probabilities pick the first step's rows."""
     n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
+    if self.repairs:  # the first step's real row is this token: its guess is right
+      state = state.replace(spec_key=write_layer(state.spec_key, layer, k[:, :, 0]))
     own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
     out, scores = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
     if k_rows:
@@ -330,7 +359,9 @@ class SpeCache(CacheMethod):
     low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl)
     staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
     if not self.speculate:
-      return self._fetch_then_recompute(state.replace(low=low, staged_kv=staged), layer, q, n, k_rows, ctx)
+      out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, ctx.positions, n, k_rows, ctx.impl)
+      state = state.replace(low=low, staged_kv=staged)
+      return out, (state if fetched is None else self._keep(state, layer, *fetched[:2]))
     fetched = None
     if k_rows:
       idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
@@ -344,24 +375,41 @@ class SpeCache(CacheMethod):
     mass_rows = ((0, 1) if self.counts_hits else (1,)) if k_rows else ()
     out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
     state = state.replace(low=low, staged_kv=staged)
+    if self.repairs and k_rows:
+      state, right = self._verify(state, layer, k)
+      repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
+          low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, k_rows, ctx.impl)[0])
+      out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
     if k_rows:
       if self.counts_hits:
         state = self._count_hits(state, layer, idx, ok, scores[:, :, 0], self.low_bit.key_boundary(n + 1))
       state = self._keep(state, layer, *self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows))
     return out, state
 
-  def _fetch_then_recompute(self, state, layer, q, n, k_rows, ctx: StepContext):
-    """The non-speculative baseline (spec §8.15's upper bound, §8.19's A/B): the real row (its K/V already in the
-    window) attends the low-bit cache, its own probabilities pick the top k among this step's quantized keys,
-    those rows come from host memory, and it attends again with them."""
+  def _fetch_then_recompute(self, low, host_kv, layer, q, positions, n, k_rows, impl):
+    """The non-speculative baseline (spec §8.15's upper bound, §8.19's A/B): the real row q [B, H, 1, g, D] at
+    positions [B, 1] (its K/V already in the window) attends the low-bit cache, its own probabilities pick the
+    top k among this step's quantized keys, those rows come from host memory, and it attends again with them.
+    Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
     fetched = None
     if k_rows:
-      _, scores = self._attend(state.low, layer, q, ctx.positions, n + 1, None, None, (0,), ctx.impl)
+      _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
       idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
-      state = self._keep(state, layer, idx, ok)
-      fetched = (idx, ok, gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0])
-    out, _ = self._attend(state.low, layer, q, ctx.positions, n + 1, fetched, None, (), ctx.impl)
-    return out, state
+      fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
+    out, _ = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)
+    return out, fetched
+
+  @staticmethod
+  def _verify(state, layer, k):
+    """Whether the previous step's speculative token was this step's real token, per (sequence, KV head): the same
+    token at the same position gives the same layer-0 key (up to the last bits of how the two rows were
+    computed), a different token a key that differs everywhere. Every layer stores its speculative row's key;
+    the verdict is layer 0's, read by the later layers of the step. Returns the state and right [B, H]."""
+    real, guess = k[:, :, 0].astype(jnp.float32), state.spec_key[layer].astype(jnp.float32)
+    same = jnp.max(jnp.abs(real - guess), axis=-1) <= 1e-2 * jnp.max(jnp.abs(real), axis=-1)
+    state = state.replace(spec_key=write_layer(state.spec_key, layer, k[:, :, 1]),
+                          guess_right=write_layer(state.guess_right, layer, same))
+    return state, state.guess_right[0]
 
   def end_step(self, state, ctx: StepContext):
     """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
@@ -446,7 +494,8 @@ class SpeCache(CacheMethod):
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     """Device: the low-bit copy (KIVI's count at residual R), the k fetched 16-bit K/V rows per layer and KV head
-    with their positions and flags, the step's staged row and the hit counters (``counts_hits``): the spec's
+    with their positions and flags, the step's staged row, the hit counters (``counts_hits``) and the guess check's
+    keys and verdicts (``repairs``): the spec's
     2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer plus those few bytes. Host: every stored token's K and V in the
     model dtype."""
     del state
@@ -455,5 +504,6 @@ class SpeCache(CacheMethod):
     act = jnp.dtype(spec.dtype).itemsize
     low = self.low_bit.held_bytes(spec, None, n)
     fetched = L * len(n) * H * self.fetch_capacity(spec) * (2 * D * act + 4 + 1)
-    staged_and_counters = L * len(n) * H * (2 * D * act + (2 * 4 if self.counts_hits else 0))
+    staged_and_counters = L * len(n) * H * (2 * D * act + (2 * 4 if self.counts_hits else 0)
+                                            + ((D * act + 1) if self.repairs else 0))
     return HeldBytes(device=low.device + fetched + staged_and_counters, host=int(2 * L * H * D * act * n.sum()))
