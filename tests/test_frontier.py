@@ -146,6 +146,10 @@ def test_sweep_resumes_after_a_kill_and_bytes_come_from_the_state(tiny_llama, ti
   front = frontier.pareto_front([(r["bytes_per_token"], r["ppl"]) for r in annotated])
   assert [i for i, r in enumerate(annotated) if r["on_front"]] == front
   assert [r["default"] for r in annotated] == [True, False, False]
+  # jkv info's advice names the best configuration within a budget, from a sweep file.
+  (_, best), = frontier.best_within(annotated, (0.5,))
+  line, = frontier.advice(0.5, committed=((PLAN.context, path), (2048, str(tmp_path / "absent.json"))))
+  assert f"the lowest perplexity measured is {best['label']} (" in line
   prefix = str(tmp_path / "out")
   frontier.write_outputs(annotated, data["meta"], prefix)
   report = open(prefix + ".md").read()

@@ -375,7 +375,7 @@ def advice(fraction: float, committed=COMMITTED) -> list:
     rows = annotate(data["rows"])
     dense = next(r for r in rows if r["name"] == "dense")
     (_, best), = best_within(rows, (fraction,))
-    where = f"default model, {context} + {data['meta']['ppl']['scored']} tokens"
+    where = f"default model (float32), {context} + {data['meta']['ppl']['scored']} tokens"
     lines.append(f"{where}: nothing measured within {fraction:.3f}x dense's bytes" if best is None else
                  f"{where}: within {fraction:.3f}x dense's bytes the lowest perplexity measured is "
                  f"{best['label']} ({best['bytes_per_token'] / dense['bytes_per_token']:.3f}x dense's bytes, ppl "
