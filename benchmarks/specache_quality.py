@@ -104,7 +104,8 @@ def main(argv=None):
   windows = np.stack([ids[s:s + plan.window] for s in starts])
   record = dict(command=" ".join(["python", "benchmarks/specache_quality.py"] + sys.argv[1:]),
                 method=compare_lib.method_label(method), plan=dataclasses.asdict(plan),
-                text="pydoc_data.topics (Python stdlib)", environment=compare_lib.environment(), variants={}, generate={})
+                text="pydoc_data.topics (Python stdlib)", environment=compare_lib.environment(), variants={},
+                generate={})
   for name, m in (("dense", None), ("oracle", oracle)):
     r = ppl_lib.perplexity(model.params, model.config, ids, plan=plan, progress=False,
                            **({} if m is None else dict(method=m)))

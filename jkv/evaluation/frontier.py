@@ -22,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import textwrap
 from typing import Callable, Optional, Sequence
 
 import jax.numpy as jnp
@@ -308,7 +309,8 @@ def markdown_report(rows: Sequence[dict], meta: dict) -> str:
   for r in sorted(rows, key=lambda r: (list(SWEEP).index(r["name"]) if r["name"] in SWEEP else len(SWEEP),
                                        r["name"], r["bytes_per_token"], r["ppl"])):
     out.append(f"| `{r['label']}` | {r['bytes_per_token']:,.0f} | {r['host_bytes_per_token']:,.0f} "
-               f"| {dense['bytes_per_token'] / r['bytes_per_token']:.2f}x | {r['ppl']:.3f} | {_delta(r, dense)} | {mark(r['on_front'])} "
+               f"| {dense['bytes_per_token'] / r['bytes_per_token']:.2f}x | {r['ppl']:.3f} | {_delta(r, dense)} "
+               f"| {mark(r['on_front'])} "
                f"| {mark(r['default'])} | {mark(r['on_method_front'])} |")
   out += ["", f"- perplexity: {meta['text']}; {plan['num_windows']} windows (seed {plan['seed']}) of "
           f"{plan['context']} prefilled + {plan['scored']} scored tokens, every scored token predicted by a decode "
@@ -321,11 +323,14 @@ def markdown_report(rows: Sequence[dict], meta: dict) -> str:
 
 
 def plot(rows: Sequence[dict], path: str, title: str) -> None:
-  """Perplexity against bytes per token (log-log): each method's configurations with its own front as a line, the
-  whole sweep's front dashed, dense and each default marked."""
+  """Perplexity against bytes per token: each method's configurations with its own front as a line, the whole
+  sweep's front dashed, dense and each default marked. Perplexity is cut at 1.6x dense's (a linear axis reads
+  the gaps near dense); the configurations above are counted in the title."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  dense = next(r for r in rows if r["name"] == "dense")
+  top = 1.6 * dense["ppl"]
   fig, ax = plt.subplots(figsize=(10, 6.5))
   names = [n for n in SWEEP if any(r["name"] == n for r in rows)]
   names += sorted({r["name"] for r in rows} - set(names))
@@ -340,18 +345,21 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
       if r["default"]:
         ax.scatter(r["bytes_per_token"], r["ppl"], s=140, marker="*" if name == "dense" else "D", color=color,
                    edgecolor="black", linewidth=1.2, zorder=4)
-        ax.annotate(f"{name} default", (r["bytes_per_token"], r["ppl"]), textcoords="offset points",
+        ax.annotate(f"{name} default", (r["bytes_per_token"], min(r["ppl"], top)), textcoords="offset points",
                     xytext=(7, 6), fontsize=8, color=color)
   front = sorted((r for r in rows if r["on_front"]), key=lambda r: r["bytes_per_token"])
   ax.step([r["bytes_per_token"] for r in front], [r["ppl"] for r in front], where="post", color="gray", ls="--",
           lw=1.5, label="Pareto front (all methods)", zorder=1)
+  low = min(r["ppl"] for r in rows)
+  ax.set_ylim(low - 0.03 * (top - low), top)
   ax.set_xscale("log")
-  ax.set_yscale("log")
   ax.set_xlabel("device KV bytes per token (log)")
-  ax.set_ylabel("perplexity (log)")
+  ax.set_ylabel("perplexity")
   ax.grid(True, which="both", alpha=0.25)
   ax.legend(fontsize=8, loc="upper right")
-  ax.set_title(title, fontsize=10)
+  above = sum(r["ppl"] > top for r in rows)
+  title += f" ({above} configurations above {top:.1f}, off the chart)" if above else ""
+  ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -391,6 +399,6 @@ def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:
     f.write(markdown_report(rows, meta))
   plan = meta["ppl"]
   plot(rows, paths[1], title=f"{meta['model']} ({meta['dtype']}): perplexity vs KV bytes per token, "
-                             f"{plan['num_windows']} windows of {plan['context']} + {plan['scored']} tokens, "
-                             f"{meta['text'].split(' (')[0][:60]}")
+                             f"{plan['num_windows']} windows of {plan['context']} + {plan['scored']} tokens of "
+                             f"{textwrap.shorten(meta['text'], 60)}")
   return paths
