@@ -361,6 +361,9 @@ def cmd_info(args):
               kv_bytes_per_token=held.device / n, dense_kv_bytes_per_token=dense / n,
               compression=dense / max(held.device, 1), device_bytes=device_bytes, largest_batch=batch,
               mesh=sharding.mesh_label(mesh))
+  from jkv.evaluation import frontier  # what the committed frontier measured within this method's bytes
+  measured = args.model == "default" and args.dtype == "float32"
+  info["frontier"] = frontier.advice(held.device / dense) if measured else []
   if args.json:
     print(json.dumps(info))
   else:
@@ -373,6 +376,8 @@ def cmd_info(args):
     print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB{per}"
                                          if batch is not None else "unknown (this device reports no memory "
                                                                    "size; give --device-gib)"))
+    for line in info["frontier"]:
+      print(f"{'frontier':>16}: {line}")
   return 0
 
 

@@ -308,7 +308,7 @@ def test_planted_outliers_are_found_and_their_channels_quantize_10x_better():
   G, n, D, planted = 128, 1024, 128, (0, 300, 700)
   rng = np.random.default_rng(0)
   k, v, channels = _planted(rng, n, D, planted)
-  methods = {s: Ott(prefill_selection=s) for s in ("oneshot", "sequential")}
+  methods = {s: make_method("ott", preset="paper", prefill_selection=s) for s in ("oneshot", "sequential")}
   states = {s: _prefill(m, m.init(_spec(1, n, head_dim=D)), 2, k, v, [n]) for s, m in methods.items()}
   n_q = G * ((n - 1 - 32) // G)
   for s, state in states.items():
@@ -464,18 +464,19 @@ def test_memory_matches_the_first_principles_count():
   pool the asymptotic ratio to fp16 is 16 / (2 + 32/G) = 7.11x (spec §9.23)."""
   spec = CacheSpec(num_layers=32, batch=1, capacity=32768, kv_heads=32, head_dim=128, q_per_kv=1,
                    dtype=jnp.float16)
+  paper = lambda **options: make_method("ott", preset="paper", **options)  # the spec's setting, not jkv's default
   heads = 32 * 32
   for n in (100, 1000, 4096, 32768):
     n_q = 128 * max(0, (n - 1 - 32) // 128)
     pooled, aux = min(3, n_q), min(32, max(n_q - 3, 0))
     plain = heads * (72 * n_q + 512 * (n - n_q)) + 4
     with_pool = plain + heads * n_q + 30 * 32 * (pooled * 520 + aux * 516 + 5)
-    assert Ott(pool_size=0).held_bytes(spec, None, np.array([n])).device == plain
-    assert Ott().held_bytes(spec, None, np.array([n])).device == with_pool
+    assert paper(pool_size=0).held_bytes(spec, None, np.array([n])).device == plain
+    assert paper().held_bytes(spec, None, np.array([n])).device == with_pool
   big = np.array([1 << 24])
   dense = 2 * 2 * 128 * heads * big[0]
-  assert dense / Ott(pool_size=0).held_bytes(spec, None, big).device == pytest.approx(16 / (2 + 32 / 128), rel=1e-4)
-  assert dense / Ott().held_bytes(spec, None, big).device == pytest.approx(512 / 73, rel=1e-4)
+  assert dense / paper(pool_size=0).held_bytes(spec, None, big).device == pytest.approx(16 / (2 + 32 / 128), rel=1e-4)
+  assert dense / paper().held_bytes(spec, None, big).device == pytest.approx(512 / 73, rel=1e-4)
 
 
 @pytest.mark.parametrize("options, message", [

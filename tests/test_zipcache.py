@@ -194,8 +194,8 @@ def test_exact_counts():
   """Spec A7 with exact fractions: ceil(0.6 * 100) is 60 (61 in float32) and ceil(0.07 * 100) is 7 (8 in
   float64); probe counts round half to even, at least one recent probe, never more probes than tokens."""
   assert np.ceil(np.float32(0.6) * np.float32(100)) == 61 and np.ceil(0.07 * 100) == 8
-  assert ZipCache(salient_ratio=0.6).window_high == 60
-  assert ZipCache(salient_ratio=0.07).window_high == 7
+  assert ZipCache(salient_ratio=0.6, interval=100).window_high == 60
+  assert ZipCache(salient_ratio=0.07, interval=100).window_high == 7
   assert ZipCache(salient_ratio=0.6, interval=37).window_high == 23
   from fractions import Fraction
   n = np.arange(0, 400)
