@@ -18,11 +18,13 @@ _EXPORTS = {
     "Stats": "jkv.api",  # KV bytes on the device and host, dense bytes, timings
     "convert": "jkv.api",  # convert(src, out, dtype) -> Model
     "device_info": "jkv.api",  # the accelerator and whether the Pallas kernels run on it
+    "DeviceMemoryError": "jkv.memory",  # a batch that does not fit the device: what fits (a MemoryError)
     "make_method": "jkv.methods",  # make_method(name, **options) -> a method object
     "known_methods": "jkv.methods",  # the registered method names
 }
 
-__all__ = ["Generation", "Model", "Stats", "convert", "device_info", "known_methods", "make_method"]
+__all__ = ["DeviceMemoryError", "Generation", "Model", "Stats", "convert", "device_info", "known_methods",
+           "make_method"]
 
 
 def __getattr__(name):

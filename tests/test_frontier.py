@@ -186,3 +186,14 @@ def test_frontier_cli_rejects_bad_input_before_loading(capsys, argv, message):
   assert main(["frontier", "--model", "/nonexistent"] + argv) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and message in err
+
+
+def test_info_names_the_committed_frontiers_choice_within_the_methods_bytes(capsys, default_model_once):
+  assert main(["info", "--json", "--method", "kivi", "--tokens", "576"]) == 0
+  info = json.loads(capsys.readouterr().out)
+  context, path = frontier.COMMITTED[0]
+  with open(path) as f:
+    rows = frontier.annotate(json.load(f)["rows"])
+  (_, best), = frontier.best_within(rows, (info["kv_bytes"] / info["dense_kv_bytes"],))
+  assert f"{context} + 64 tokens: within" in info["frontier"][0]
+  assert f"the lowest perplexity measured is {best['label']} (" in info["frontier"][0]

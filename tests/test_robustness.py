@@ -90,8 +90,8 @@ def test_a_cache_that_cannot_fit_is_refused_before_allocation(tiny_llama, monkey
                 f"has {free / GIB:.2f} GiB free of {(free + GIB) / GIB:.2f} GiB",
                 f"at most {err.largest_batch} sequences of {capacity} tokens fit, or 64 of {err.largest_capacity}"):
     assert words in str(err), str(err)
-  # The same through the one-hand API, which raises the error as it is.
-  with pytest.raises(memory.DeviceMemoryError, match="does not fit"):
+  # The same through the one-hand API, which raises the error as it is and exports its type.
+  with pytest.raises(jkv.DeviceMemoryError, match="does not fit"):
     jkv.Model.wrap(m).generate(prompts, method="kivi", bits=2, residual=32, max_new_tokens=1000)
 
 
