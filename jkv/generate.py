@@ -75,6 +75,10 @@ def round_up(n: int, multiple: int) -> int:
 def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_tokens: int, chunk: int,
                   capacity: Optional[int] = None) -> int:
   """Cache capacity for these prompts, or a one-line ValueError when they cannot fit."""
+  multiple = method.capacity_multiple()
+  if multiple > cfg.max_position:  # a group or window longer than any sequence: a cache of that many tokens, unused
+    raise ValueError(f"cache method {method.name!r} holds tokens in blocks of {multiple} (its settings), more than the "
+                     f"model's context of {cfg.max_position} tokens")
   longest = max(prompt_lens)
   need = longest + max_new_tokens
   if need > cfg.max_position:
@@ -86,9 +90,9 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
     if need > capacity:
       raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the cache "
                        f"capacity of {capacity} tokens")
-    capacity = round_up(capacity, method.capacity_multiple())
+    capacity = round_up(capacity, multiple)
   else:
-    capacity = round_up(bucket(longest) + round_up(max_new_tokens, chunk), method.capacity_multiple())
+    capacity = round_up(bucket(longest) + round_up(max_new_tokens, chunk), multiple)
   return capacity
 
 

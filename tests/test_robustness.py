@@ -239,6 +239,15 @@ def test_on_a_cpu_the_cache_is_held_to_the_machines_memory(tiny_llama, monkeypat
     gen.generate(m.params, m.config, [[3, 4, 5]] * 8, max_new_tokens=1000)
 
 
+@pytest.mark.parametrize("name, options", [("ott", dict(group_size=4096)), ("kivi", dict(residual=4096))])
+def test_a_method_block_longer_than_the_context_is_one_line(tiny_llama, name, options):
+  """A group or window past the model's context made a cache of that many tokens for a few (ott --group-size
+  100000: 10 GB of host memory for 40 tokens on the default model)."""
+  _, m = tiny_llama
+  with pytest.raises(ValueError, match=f"blocks of 4096 .* more than the model's context of {m.config.max_position}"):
+    gen.generate(m.params, m.config, [[3, 4, 5]], method=make_method(name, **options), max_new_tokens=4)
+
+
 COMPARE = ["compare", "--methods", "dense", "kivi", "--no-passkey", "--windows", "1", "--context", "16", "--scored", "2"]
 
 
