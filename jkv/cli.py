@@ -351,7 +351,7 @@ def cmd_info(args):
   # The largest batch of --tokens-token sequences (the prompt and what is generated) on this device, or on one of
   # --device-gib GiB: every sequence's cache is allocated at capacity, beside the weights and one prefill. With a
   # --mesh, every device of the mesh holds that much: its share of the weights and of the cache.
-  mem = memory.device_memory()
+  mem = memory.available_memory()  # a CPU's is the machine's
   device_bytes = int(args.device_gib * 2**30) if args.device_gib else (mem["limit"] if mem else None)
   batch = None if device_bytes is None else memory.largest_batch(
       cfg, method, spec.capacity, n, device_bytes=device_bytes,

@@ -60,6 +60,12 @@ def host_memory() -> Optional[dict]:
     return None
 
 
+def available_memory() -> Optional[dict]:
+  """What a cache may take: the first device's memory (``device_memory``), on a CPU the machine's
+  (``host_memory``); None where neither is known."""
+  return device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
+
+
 def prefill_token_budget(cfg: ModelConfig, device=None) -> int:
   """Prompt tokens one prefill call may process: what the device's free memory holds of prefill activations
   (call after the cache and weights are allocated), or 2**16 where the device does not report its memory."""
@@ -185,10 +191,10 @@ def guard(request: CacheRequest):
   """Around the allocation and use of a cache: refuse the request (``DeviceMemoryError``) when its cache alone
   exceeds the device's free memory, which no prefill sub-batching can help, and turn XLA's out-of-memory failure
   inside into a ``DeviceMemoryError`` saying the same. On a CPU the device's memory is the machine's
-  (``host_memory``); nothing is checked where neither is known."""
+  (``available_memory``); nothing is checked where neither is known."""
   # Settings that cannot serve this model are their own one-line error, before their cache is sized.
   request.method.check(CacheSpec.for_model(request.cfg, request.batch, request.capacity))
-  mem = device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
+  mem = available_memory()
   if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
     raise request.error(f"{request} does not fit", mem)
   try:

@@ -239,6 +239,18 @@ def test_on_a_cpu_the_cache_is_held_to_the_machines_memory(tiny_llama, monkeypat
     gen.generate(m.params, m.config, [[3, 4, 5]] * 8, max_new_tokens=1000)
 
 
+@pytest.mark.usefixtures("default_model_once")
+def test_info_counts_a_cpus_largest_batch_in_the_machines_memory(capsys, monkeypatch):
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: None)
+  monkeypatch.setattr(memory, "host_memory", lambda: dict(limit=16 * GIB, in_use=4 * GIB, peak=0))
+  rc, out, err = run(capsys, "info", "--json", "--tokens", "4096")
+  assert rc == 0, err
+  info = json.loads(out)
+  assert info["device_bytes"] == 16 * GIB and info["largest_batch"] > 0  # was None: "give --device-gib"
+  rc, out, _ = run(capsys, "info", "--json", "--tokens", "4096", "--device-gib", "16")
+  assert json.loads(out)["largest_batch"] == info["largest_batch"]  # the same count as for a device of that size
+
+
 @pytest.mark.parametrize("name, options", [("ott", dict(group_size=4096)), ("kivi", dict(residual=4096))])
 def test_a_method_block_longer_than_the_context_is_one_line(tiny_llama, name, options):
   """A group or window past the model's context made a cache of that many tokens for a few (ott --group-size
