@@ -1,9 +1,8 @@
 """The quality-per-byte frontier: every method's main knobs swept on the same windows, perplexity against the KV
 bytes each configuration holds per token, and which configurations no other one beats on both.
 
-Each configuration is one ``compare.compare`` row (perplexity scored token by token through the decode path, bytes
-from the cache state after decoding, ``CacheMethod.held_bytes``), so the frontier and ``jkv compare`` measure the
-same thing. A sweep writes its JSON after every configuration (to a temporary file, then renamed), so a killed
+Each configuration is one ``compare.compare`` row (perplexity scored token by token through the decode path), so the
+frontier and ``jkv compare`` measure the same thing, plus the bytes its cache holds after every scored step. A sweep writes its JSON after every configuration (to a temporary file, then renamed), so a killed
 sweep keeps every configuration it finished, and running the same command again measures only the rest. A
 configuration is identified by its method and full settings, so two spellings of one setting are measured once.
 
@@ -38,8 +37,8 @@ from jkv.evaluation import perplexity as ppl_lib
 
 DEFAULT_PPL = ppl_lib.WindowPlan(context=512, scored=64, num_windows=16, batch_size=4)
 
-# Each method's main knobs (issue 27), sized so that the whole sweep at 512 + 64 tokens takes about half an hour on
-# 2 CPU cores. Every method's default and its presets join the sweep whatever the grid says (``sweep_specs``).
+# Each method's main knobs (issue 27): 63 configurations, about an hour and a half at 512 + 64 tokens on 2 shared
+# CPU cores. Every method's default and its presets join the sweep whatever the grid says (``sweep_specs``).
 SWEEP = {
     "dense": ("dense",),
     "kivi": tuple(f"kivi:bits={b},residual={r}" for b in (1, 2, 4) for r in (32, 64, 128))
@@ -67,8 +66,7 @@ def sweep_specs(names: Optional[Sequence[str]] = None) -> list:
     raise ValueError(f"no frontier sweep for {', '.join(unknown)}; methods swept: {', '.join(SWEEP)}")
   specs, seen = [], set()
   for name in names:
-    presets = getattr(methods_lib.method_class(name), "presets", {})
-    texts = [name] + [f"{name}:preset={p}" for p in presets] + list(SWEEP[name])
+    texts = [name] + [f"{name}:preset={p}" for p in methods_lib.presets(name)] + list(SWEEP[name])
     for spec in compare_lib.parse_methods(texts):
       key = config_key(spec.method())
       if key not in seen:
@@ -83,14 +81,15 @@ def config_key(method) -> str:
 
 
 def _row_method(row):
+  """The method a row measured: every setting is stored; a setting the method gained since takes its default,
+  which therefore must be the behaviour before it (SpeCache's ``repair=False``)."""
   return methods_lib.make_method(row["name"], **row["settings"])
 
 
 def label(row) -> str:
   """The configuration's name as the current defaults write it (``ott:group_size=32``), or its preset's name."""
   method = _row_method(row)
-  cls = type(method)
-  for preset in getattr(cls, "presets", {}):
+  for preset in methods_lib.presets(method.name):
     if config_key(methods_lib.make_method(method.name, preset=preset)) == config_key(method):
       return f"{method.name}:preset={preset}"
   return compare_lib.method_label(method)
