@@ -110,18 +110,22 @@ def bytes_read(shape: Shape, bits: int, group: int = 32) -> int:
   return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
 
 
+def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True):
+  """(q, store) for timing: random words and scales, G = 32, every slot valid; the store MMA-packed or not."""
+  kq, ks = jax.random.split(jax.random.key(seed))
+  q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
+  s = store(ks, shape, k_bits=bits, v_bits=bits, k_group=32, v_group=32, meta_dtype=shape.dtype,
+            lengths=[shape.seq_len] * shape.batch, from_data=False)
+  return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
+
+
 def timing(device, settings: Settings, batches, seq_lens) -> list[dict]:
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
 
-  def inputs(shape, bits, seed, packed):
-    kq, ks = jax.random.split(jax.random.key(seed))
-    q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
-    s = store(ks, shape, k_bits=bits, v_bits=bits, k_group=32, v_group=32, meta_dtype=shape.dtype,
-              lengths=[shape.seq_len] * shape.batch, from_data=False)
-    return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
+  inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
   def run(impl, fn, make, nbytes, shape, config):
     sets = input_set_count(nbytes, settings)

@@ -3,6 +3,8 @@
     ncu --kernel-name regex:decode_attention_rows --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_kernel.py --batch 8 --seq-len 32768 --bits 2
     python benchmarks/profile_kernel.py --layout zipcache_pools   # a layout of kernel_decode.py's LAYOUTS
+    ncu --kernel-name regex:mosaic --launch-skip 2 --launch-count 1 --set full \
+        python benchmarks/profile_kernel.py --mgpu                 # the Mosaic GPU kernel (mgpu_decode.py's inputs)
 
 It uses the inputs and defaults of kernel_decode.py, so what the profiler sees is what that table timed: a
 QuantizedStore of L - 128 tokens plus a 128-token residual segment, stacked over one layer, read at layer 0 (or,
@@ -16,7 +18,9 @@ import argparse
 
 import jax
 
+from jkv_kernels.mgpu_decode_attention import mgpu_decode_attention
 from kernel_decode import LAYOUTS, Shape, fused, kivi_inputs, layout_config, layout_inputs
+from mgpu_decode import timing_inputs as mgpu_inputs
 
 
 def main():
@@ -25,10 +29,17 @@ def main():
   parser.add_argument("--seq-len", type=int, default=32768)
   parser.add_argument("--bits", type=int, default=2)
   parser.add_argument("--layout", choices=sorted(LAYOUTS), help="a method's layout instead of the KIVI store")
+  parser.add_argument("--mgpu", action="store_true",
+                      help="the Mosaic GPU kernel on one packed store of L tokens (mgpu_decode.py's timing inputs)")
+  parser.add_argument("--step-tiles", type=int, default=4, help="with --mgpu: tiles of 64 tokens per step")
+  parser.add_argument("--stages", type=int, default=3, help="with --mgpu: pipeline depth")
   parser.add_argument("--calls", type=int, default=4)
   args = parser.parse_args()
   shape = Shape(args.batch, args.seq_len)
-  if args.layout:
+  if args.mgpu:
+    inputs, fn = mgpu_inputs(shape, args.bits, seed=0), jax.jit(lambda q, s: mgpu_decode_attention(
+        q, 0, s, step_tiles=args.step_tiles, max_concurrent_steps=args.stages))
+  elif args.layout:
     inputs, fn = layout_inputs(shape, args.layout, seed=0), fused(layout_config({}, args.layout), interpret=False)
   else:
     inputs, fn = kivi_inputs(shape, args.bits, seed=0), fused({}, interpret=False)  # the widths come with the store

@@ -243,6 +243,7 @@ def test_on_a_cpu_the_cache_is_held_to_the_machines_memory(tiny_llama, monkeypat
 def test_info_counts_a_cpus_largest_batch_in_the_machines_memory(capsys, monkeypatch):
   monkeypatch.setattr(memory, "device_memory", lambda device=None: None)
   monkeypatch.setattr(memory, "host_memory", lambda: dict(limit=16 * GIB, in_use=4 * GIB, peak=0))
+  monkeypatch.setattr(memory.jax, "default_backend", lambda: "cpu")  # a CPU, also where the tests run on a GPU
   rc, out, err = run(capsys, "info", "--json", "--tokens", "4096")
   assert rc == 0, err
   info = json.loads(out)
