@@ -19,7 +19,7 @@ layouts the other methods hand it (LAYOUTS; L tokens in all, every store full):
     zipcache_pools       ZipCache: a 4-bit pool with 60% of the quantized tokens and a 2-bit pool with 40%, keys
                          in groups of 32 tokens, values per token over all D channels with a value channel scale,
                          per-step holes (5%), plus a 100-token bf16 window
-    ott2                 OTT (jkv/methods/ott.py ``Ott._attend``, sizes from ``Ott()``'s defaults): one 2-bit
+    ott2                 OTT (jkv/methods/ott.py ``Ott._attend``, sizes from its "paper" preset): one 2-bit
                          store, keys in groups of G = 128 tokens, values in groups of min(G, D) channels, with
                          stacked holes (one per pooled token: N + A = 35 per KV head), then two stacked segments
                          in the method's order: the full-precision buffer of G + R = 160 slots (mask [B, T, S])
@@ -227,7 +227,7 @@ class Layout:
   call: tuple[tuple[str, object], ...] = ()
 
 
-def ott_layout(method: Ott = Ott()) -> Layout:
+def ott_layout(method: Ott = Ott(**Ott.presets["paper"])) -> Layout:
   """What ``Ott._attend`` hands decode_attention (spec shared/specs/ott.md §3.6): one store of ``bits``-bit keys
   in groups of G tokens and values in groups of ``value_group_for(D)`` channels, whose stacked ``valid`` mask
   (state [L, B, H, C]) has a hole per pooled token (the pool and auxiliary positions, N + A per KV head once the
@@ -243,7 +243,7 @@ def ott_layout(method: Ott = Ott()) -> Layout:
 LAYOUTS = {
     "zipcache_pools": Layout((PoolSpec(0.6, 4, 4, 32, holes=0.05, channel_scale=True),
                               PoolSpec(0.4, 2, 2, 32, holes=0.05, channel_scale=True)), ((100, True, False),)),
-    "ott2": ott_layout(),  # OTT at its defaults (G = 128, R = 32, N = 3, A = 32, 2 bits)
+    "ott2": ott_layout(),  # OTT at the paper preset (G = 128, R = 32, N = 3, A = 32, 2 bits), the earlier default
     "specache1": Layout((PoolSpec(1.0, 1, 1, 32, 32, holes=64),), ((64, False, True), (RESIDUAL, True, False)),
                         t_rows=2, call=(("token_mass_rows", (1,)),)),
 }
