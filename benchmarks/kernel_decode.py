@@ -128,7 +128,7 @@ SMOKE = Settings(batches=(1, 2), seq_lens=(256,), q_heads=8, kv_heads=2, copy_by
 
 
 def store_arrays(key, shape: Shape, capacity: int, *, k_bits: int, v_bits: int, k_group: int, v_group: int,
-                 quantized_from_data: bool, num_layers: int = 1):
+                 quantized_from_data: bool, num_layers: int = 1, meta_dtype=jnp.float16):
   """The six code and scale arrays of a store of ``capacity`` tokens, stacked over ``num_layers`` layers.
 
   For timing, codes are random words (every word is valid at any width) and scales random, which is as fast as
@@ -140,13 +140,15 @@ def store_arrays(key, shape: Shape, capacity: int, *, k_bits: int, v_bits: int, 
   if quantized_from_data:
     k = jax.random.normal(kk, (*lead, d, capacity), jnp.float32)
     v = jax.random.normal(kv, (*lead, capacity, d), jnp.float32)
-    k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group)
-    v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group)
+    k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group,
+                                                     meta_dtype=meta_dtype)
+    v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group,
+                                                     meta_dtype=meta_dtype)
     return (quantization.pack(k_codes, bits=k_bits, axis=4), k_scale, k_zero,
             quantization.pack(v_codes, bits=v_bits, axis=4), v_scale, v_zero)
   k_codes = jax.random.bits(kk, (*lead, d, capacity // (32 // k_bits)), jnp.uint32)
   v_codes = jax.random.bits(kv, (*lead, capacity, d // (32 // v_bits)), jnp.uint32)
-  meta = lambda k, s: jax.random.uniform(k, s, jnp.float16, 0.01, 0.1)
+  meta = lambda k, s: jax.random.uniform(k, s, meta_dtype, 0.01, 0.1)
   k_scale, k_zero, v_scale, v_zero = (
       meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(*lead, d, capacity // k_group)] * 2
                                  + [(*lead, capacity, d // v_group)] * 2))

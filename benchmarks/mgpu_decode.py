@@ -22,7 +22,6 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
 """
 
 import argparse
-import dataclasses
 import functools
 import json
 import pathlib
@@ -33,12 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import default_splits, mgpu_decode_attention
 from jkv_kernels.mma_layout import pack_mma_store
 from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
-                           time_calls)
+                           store_arrays, time_calls)
 from records import save
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -51,26 +49,11 @@ VARIANTS = tuple((step_tiles, stages) for step_tiles in (1, 2, 4) for stages in 
 
 
 def store(key, shape: Shape, *, k_bits, v_bits, k_group, v_group, meta_dtype, lengths, from_data: bool):
-  """A QuantizedStore of capacity L: quantized normal data (``from_data``) or random words and scales (timing)."""
-  b, h, d, capacity = shape.batch, shape.kv_heads, shape.head_dim, shape.seq_len
-  lead = (1, b, h)
-  kk, kv, ks = jax.random.split(key, 3)
-  if from_data:
-    k = jax.random.normal(kk, (*lead, d, capacity), jnp.float32)
-    v = jax.random.normal(kv, (*lead, capacity, d), jnp.float32)
-    k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group, meta_dtype=meta_dtype)
-    v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group, meta_dtype=meta_dtype)
-    k_codes = quantization.pack(k_codes, bits=k_bits, axis=4)
-    v_codes = quantization.pack(v_codes, bits=v_bits, axis=4)
-  else:
-    k_codes = jax.random.bits(kk, (*lead, d, capacity // (32 // k_bits)), jnp.uint32)
-    v_codes = jax.random.bits(kv, (*lead, capacity, d // (32 // v_bits)), jnp.uint32)
-    meta = lambda k, s: jax.random.uniform(k, s, meta_dtype, 0.01, 0.1)
-    k_scale, k_zero, v_scale, v_zero = (
-        meta(k, s) for k, s in zip(jax.random.split(ks, 4), [(*lead, d, capacity // k_group)] * 2
-                                   + [(*lead, capacity, d // v_group)] * 2))
-  return QuantizedStore(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, jnp.asarray(lengths, jnp.int32),
-                        k_bits, v_bits, k_group, v_group)
+  """A QuantizedStore of capacity L (kernel_decode.store_arrays: quantized normal data, or random words and
+  scales for timing) with the given lengths."""
+  arrays = store_arrays(key, shape, shape.seq_len, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+                        quantized_from_data=from_data, meta_dtype=meta_dtype)
+  return QuantizedStore(*arrays, jnp.asarray(lengths, jnp.int32), k_bits, v_bits, k_group, v_group)
 
 
 def relative_error(got, want):
