@@ -33,6 +33,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
+import numpy as np
 
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.mma_layout import TILE, THREADS, MmaStore, load_vector, words_per_thread
@@ -96,7 +97,7 @@ def _dequantized_pair(word, field, bits, scale, zero, dtype):
 
 
 def _thread():
-  """(warp, lane) of this thread within its warpgroup, as i32 values."""
+  """(warp, lane, index) of this thread within its warpgroup, as i32 values."""
   tau = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(THREADS, _i32()))
   return arith.divui(tau, mgpu.utils.c(32, _i32())), arith.remui(tau, mgpu.utils.c(32, _i32())), tau
 
@@ -114,7 +115,7 @@ def _this_threads_code_words(codes_ref, tile, bits, head_dim, tau):
 def _wgmma_array(pairs, rows_by_cols):
   """A [64, cols] FragmentedArray in the WGMMA layout from its registers ``pairs[(j, h)]``."""
   registers = mgpu.WGMMA_LAYOUT.registers_shape(rows_by_cols)
-  regs = __import__("numpy").empty(registers, dtype=object)
+  regs = np.empty(registers, dtype=object)
   for (j, h), pair in pairs.items():
     regs[0, j, 0, 0, h, 0, 0, 0, 0] = pair
   return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
