@@ -102,7 +102,7 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True):
   return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
 
 
-def timing(device, settings: Settings, batches, seq_lens) -> list[dict]:
+def timing(device, settings: Settings, batches, seq_lens, variants: bool = True) -> list[dict]:
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -132,7 +132,7 @@ def timing(device, settings: Settings, batches, seq_lens) -> list[dict]:
         run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
             nbytes, shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
-      if (batch, seq_len) == (8, 32768):
+      if variants and (batch, seq_len) == (8, 32768):
         for step_tiles, stages in VARIANTS:
           for splits in (8, 16):
             run("mgpu_kivi2", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages),
@@ -161,6 +161,8 @@ def main():
   parser.add_argument("--check-only", action="store_true")
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768])
+  parser.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                      help="time the splits and pipeline depths at B = 8, L = 32768")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
   args = parser.parse_args()
@@ -176,7 +178,7 @@ def main():
   if not args.check_only:
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
-    records += timing(device, settings, args.batches, args.seq_lens)
+    records += timing(device, settings, args.batches, args.seq_lens, args.variants)
   records = save(out, records, RECORD_KEY)
   print("\n" + table(records))
   if not all(c["ok"] for c in checks):

@@ -83,6 +83,16 @@ def _load_words(ref, start, count, lead=()):
   return words
 
 
+def _quad_words(ref, base, quad, count, lead=()):
+  """The ``count`` meta words of a thread of quad ``quad`` in the block at word ``base`` (i32 values), at
+  ``mma_layout.quad_word_position``: 16-byte loads, the four quads of a warp in different banks."""
+  words = []
+  for chunk in range(count // 4):
+    at = arith.addi(base, arith.addi(mgpu.utils.c(16 * chunk, _i32()), arith.muli(quad, mgpu.utils.c(4, _i32()))))
+    words += _load_words(ref, at, 4, lead)
+  return words
+
+
 def _dequantized_pair(word, field, bits, scale, zero, dtype):
   """Two 16-bit lanes ``code * scale + zero`` from field ``field`` of both halves of ``word`` (one PTX block)."""
   magic, ptx_type = _MAGIC[dtype]
@@ -132,8 +142,8 @@ def _key_tile(codes_ref, meta_ref, *, tile, step_tiles, bits, head_dim, group, d
   first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
   group_in_tile = (arith.divui(first_token, mgpu.utils.c(group, _i32()))
                    if group <= TILE * step_tiles else mgpu.utils.c(0, _i32()))
-  start = arith.muli(arith.remui(lane, mgpu.utils.c(4, _i32())), mgpu.utils.c(head_dim // 8 * 2, _i32()))
-  meta = _load_words(meta_ref, start, head_dim // 8 * 2, lead=(group_in_tile,))
+  meta = _quad_words(meta_ref, mgpu.utils.c(0, _i32()), arith.remui(lane, mgpu.utils.c(4, _i32())),
+                     head_dim // 8 * 2, lead=(group_in_tile,))
   pairs = {}
   for j in range(head_dim // 8):
     for h in range(2):
@@ -154,9 +164,8 @@ def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
     # The thread's channels 64 m + 16 w + l // 4 (+ 8) lie in one value group; its token pairs (2 (l % 4) + 8 j, +1).
     channel = arith.addi(mgpu.utils.c(64 * m, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
     value_group = arith.divui(channel, mgpu.utils.c(group, _i32()))
-    start = arith.addi(arith.muli(value_group, mgpu.utils.c(4 * 8 * 2, _i32())),
-                       arith.muli(quad, mgpu.utils.c(8 * 2, _i32())))
-    meta = _load_words(meta_ref, start, 8 * 2, lead=(mgpu.utils.c(tile, _i32()),))
+    meta = _quad_words(meta_ref, arith.muli(value_group, mgpu.utils.c(4 * 8 * 2, _i32())), quad, 8 * 2,
+                       lead=(mgpu.utils.c(tile, _i32()),))
     pairs = {}
     for j in range(8):
       for h in range(2):
@@ -316,8 +325,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
       ``default_splits``.
     step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product).
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: the best of
-      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (206.5 µs at 4 tiles and 3 steps,
-      218.5 at 2 and 3, 220.1 at 1 and 3; 4 tiles at 4 steps 276.6).
+      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (154.0 µs at 4 tiles and 3 steps,
+      161.1 at 2 and 3, 165.2 at 1 and 3; 4 tiles at 4 steps 203.3).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]

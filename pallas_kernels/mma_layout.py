@@ -18,11 +18,14 @@ A thread's 2 * bits words sit at ``(k // vec) * 128 * vec + vec * tau + k % vec`
 order in which a ``WG_STRIDED`` load of ``vec`` words per thread hands them out, so every load is 16 bytes wide
 and a warp's loads are contiguous.
 
-Scales and zero-points travel as uint32 words of two 16-bit values, a pair's two lanes:
-  keys, per group of G tokens: [4 (l % 4), D / 8 (j), 2 (scale pair, zero pair)], the pair of channels
-    (2 q + 8 j, 2 q + 8 j + 1): the 8 lanes of a warp that share channels read the same words.
-  values, per 64-token tile: [D / Gv (channel group), 4 (l % 4), 8 (j), 2], the pair of tokens
-    (2 q + 8 j, 2 q + 8 j + 1) of that channel group.
+Scales and zero-points travel as uint32 words of two 16-bit values, a pair's two lanes. A thread of quad
+q = l % 4 reads K words of a block (k = 2 j + 0 for the scale pair, 2 j + 1 for the zero pair), the 8 lanes of a
+warp that share q reading the same words; its word k sits at ``(k // 4) * 16 + 4 q + k % 4``, so each 16-byte
+load of a warp touches four consecutive 16-byte pieces, one per quad, in different banks (quads K words apart
+would put all four in the same banks: a 4-way conflict on every load, which bounded the first build):
+  keys, per group of G tokens: K = D / 4 words over j < D / 8, the pair of channels (2 q + 8 j, 2 q + 8 j + 1);
+  values, per 64-token tile and channel group (D / Gv blocks of 64 words): K = 16 over j < 8, the pair of
+    tokens (2 q + 8 j, 2 q + 8 j + 1) of that channel group.
 
 Nothing here reads a model or a method: ``pack_mma_store`` converts a ``QuantizedStore`` (the library's layout)
 by unpacking its codes with the library's ``unpack`` and packing them again with ``pack``; ``read_mma_store``
@@ -107,6 +110,23 @@ def _unpack_registers(words, bits, registers):
   return codes.reshape(*codes.shape[:-4], THREADS, registers, 2).astype(jnp.int32)
 
 
+def quad_word_position(q, k):
+  """Where word ``k`` of a thread of quad ``q`` sits in its block of 4 K words (module docstring)."""
+  return (k // 4) * 16 + 4 * q + k % 4
+
+
+def _interleave_quads(words):
+  """[..., 4 (q), K] -> [..., 4 K]: each quad's K words at ``quad_word_position``."""
+  *lead, quads, count = words.shape
+  return jnp.swapaxes(words.reshape(*lead, quads, count // 4, 4), -3, -2).reshape(*lead, quads * count)
+
+
+def _deinterleave_quads(block):
+  """Inverse of ``_interleave_quads``: [..., 4 K] -> [..., 4 (q), K]."""
+  *lead, size = block.shape
+  return jnp.swapaxes(block.reshape(*lead, size // 16, 4, 4), -3, -2).reshape(*lead, 4, size // 4)
+
+
 def _pair_words(a, b):
   """Two 16-bit arrays -> one uint32 array, a in the low half."""
   as_u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
@@ -121,9 +141,9 @@ def _pair_words(a, b):
 class MmaStore:
   """A KIVI store in the MMA-ready packing (module docstring), every array stacked over layers."""
   k_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * k_bits / 32] uint32
-  k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 8 * 2] uint32: (scale pair, zero pair) words
+  k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 4] uint32: (scale pair, zero pair) words, quads interleaved
   v_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * v_bits / 32] uint32
-  v_meta: jax.Array   # [L, B, Hkv, C / 64, D / Gv * 4 * 8 * 2] uint32
+  v_meta: jax.Array   # [L, B, Hkv, C / 64, D / Gv * 4 * 16] uint32: quads interleaved per channel group
   length: jax.Array   # [B] int32
   k_bits: int
   v_bits: int
@@ -165,14 +185,15 @@ def pack_mma_store(store) -> MmaStore:
   by_group = lambda a: jnp.moveaxis(a, 3, 4)  # [.., C/G, D]
   ks, kz = by_group(store.k_scale), by_group(store.k_zero)
   k_meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
-  k_meta = k_meta.reshape(*lead, capacity // store.k_group, -1)
+  k_meta = _interleave_quads(k_meta.reshape(*lead, capacity // store.k_group, 4, -1))
 
   # Value scales: [L, B, H, C, D/Gv] -> per tile [D/Gv, 4, 8, 2] words of token pairs (2q + 8j, +1).
   tok = (2 * q_idx[:, :8] + 8 * j_idx[:, :8])  # [4, 8]
   per_tile = lambda a: jnp.moveaxis(a.reshape(*lead, tiles, TILE, -1), -1, -2)  # [.., tile, D/Gv, 64]
   vs, vz = per_tile(store.v_scale), per_tile(store.v_zero)
   v_meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])],
-                     -1).reshape(*lead, tiles, -1)
+                     -1)  # [.., tile, D/Gv, 4, 8, 2]
+  v_meta = _interleave_quads(v_meta.reshape(*v_meta.shape[:-3], 4, 16)).reshape(*lead, tiles, -1)
   return MmaStore(k_codes, k_meta, v_codes, v_meta, store.length, store.k_bits, store.v_bits, store.k_group,
                   store.v_group, jnp.dtype(store.k_scale.dtype).name)
 
@@ -183,7 +204,7 @@ def read_mma_store(mma: MmaStore, layer):
   dtype = jnp.dtype(mma.dtype)
   _, batch, kv_heads, tiles, _ = mma.k_codes.shape
   capacity = tiles * TILE
-  head_dim = mma.k_meta.shape[-1]  # 4 * D / 8 * 2 words per group
+  head_dim = mma.k_meta.shape[-1]  # 4 quads x D / 4 words per group
   halves = lambda w: (jax.lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), dtype).astype(jnp.float32),
                       jax.lax.bitcast_convert_type((w >> 16).astype(jnp.uint16), dtype).astype(jnp.float32))
   (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
@@ -193,14 +214,15 @@ def read_mma_store(mma: MmaStore, layer):
   k = k.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
   v = v.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
 
-  k_meta = mma.k_meta[layer].reshape(batch, kv_heads, -1, 4, head_dim // 8, 2)
+  k_meta = _deinterleave_quads(mma.k_meta[layer]).reshape(batch, kv_heads, -1, 4, head_dim // 8, 2)
   (s0, s1), (z0, z1) = halves(k_meta[..., 0]), halves(k_meta[..., 1])  # [B, H, C/G, 4, D/8]
   # channel 2q + 8j (+1) -> index [.., j, q, pair]
   per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(batch, kv_heads, -1, head_dim)
   k_scale = jnp.repeat(per_channel(s0, s1), mma.k_group, axis=2)
   k_zero = jnp.repeat(per_channel(z0, z1), mma.k_group, axis=2)
 
-  v_meta = mma.v_meta[layer].reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 4, 8, 2)
+  v_meta = _deinterleave_quads(mma.v_meta[layer].reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 64))
+  v_meta = v_meta.reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 4, 8, 2)
   (s0, s1), (z0, z1) = halves(v_meta[..., 0]), halves(v_meta[..., 1])  # [B, H, tiles, D/Gv, 4, 8]
   per_token = lambda a, b: jnp.moveaxis(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
       batch, kv_heads, tiles, head_dim // mma.v_group, TILE), 3, -1).reshape(batch, kv_heads, capacity, -1)

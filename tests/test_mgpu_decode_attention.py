@@ -15,7 +15,7 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import available, mgpu_decode_attention
-from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, read_mma_store,
+from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     value_register_map)
 
 
@@ -72,6 +72,35 @@ def test_register_maps_follow_the_ptx_wgmma_a_layout():
       assert np.all(rows % 64 // 16 == t // 32)
       assert np.all(cols % 8 // 2 == t % 4)
       assert np.all(cols[..., 1] == cols[..., 0] + 1) and np.all(rows[..., 1] == rows[..., 0])
+
+
+def test_meta_words_sit_where_each_quad_reads_them():
+  """Word k of quad q (k = 2 j: scale pair, 2 j + 1: zero pair) at quad_word_position holds the pair the kernel's
+  thread needs: keys, channels 2 q + 8 j (+1) of the group; values, tokens 2 q + 8 j (+1) of the tile, per channel
+  group. And a warp's 16-byte load of one chunk reads the four quads from four different 16-byte bank groups."""
+  store = make_store(6, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, layers=1, batch=1,
+                     kv_heads=1, capacity=128)
+  packed = pack_mma_store(store)
+  halves = lambda w: [np.asarray(jax.lax.bitcast_convert_type(jnp.uint16(x), jnp.bfloat16), np.float32)
+                      for x in (int(w) & 0xFFFF, int(w) >> 16)]
+  k_meta, v_meta = np.asarray(packed.k_meta[0, 0, 0]), np.asarray(packed.v_meta[0, 0, 0])
+  k_scale, k_zero = (np.asarray(a[0, 0, 0], np.float32) for a in (store.k_scale, store.k_zero))  # [D, groups]
+  v_scale, v_zero = (np.asarray(a[0, 0, 0], np.float32) for a in (store.v_scale, store.v_zero))  # [C, D / Gv]
+  for q in range(4):
+    for j in range(128 // 8):
+      for s_, want in ((0, k_scale), (1, k_zero)):
+        for group in range(4):
+          assert halves(k_meta[group, quad_word_position(q, 2 * j + s_)]) == [want[2 * q + 8 * j, group],
+                                                                             want[2 * q + 8 * j + 1, group]]
+    for j in range(8):
+      for s_, want in ((0, v_scale), (1, v_zero)):
+        for tile in range(2):
+          for channel_group in range(4):
+            token = 64 * tile + 2 * q + 8 * j
+            word = v_meta[tile, 64 * channel_group + quad_word_position(q, 2 * j + s_)]
+            assert halves(word) == [want[token, channel_group], want[token + 1, channel_group]]
+  for chunk in range(32 // 4):
+    assert len({quad_word_position(q, 4 * chunk) * 4 // 16 % 8 for q in range(4)}) == 4
 
 
 def test_packing_refuses_what_the_kernel_does_not_take():
