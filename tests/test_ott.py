@@ -252,8 +252,8 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
   q = rng.normal(size=(2, 2, n, 2, D)).astype(np.float32)
   state = _prefill(method, method.init(_spec(2, n + G, head_dim=D)), 1, k[:, :, :100], v[:, :, :100], lengths)
   whole = G * (n // G)  # quantizing every block at once gives each block's codes: blocks are independent
-  (kc, ks, kz), (vc, vs, vz), k_hat, v_hat = _kivi_blocks(k.reshape(-1, n, D), v.reshape(-1, n, D), whole, G, G,
-                                                          bits)
+  (kc, ks, kz), (vc, vs, vz), k_hat, v_hat = _kivi_blocks(k.reshape(-1, n, D), v.reshape(-1, n, D), whole, G,
+                                                          method.value_group_for(D), bits)
   pad = lambda x: np.pad(np.asarray(x).reshape(2, 2, whole, D), ((0, 0), (0, 0), (0, n - whole), (0, 0)))
   k_hat, v_hat = pad(k_hat), pad(v_hat)
   reference = jax.jit(gqa_attention_reference)
@@ -360,7 +360,7 @@ def test_forced_overflow_freezes_after_ten_evicting_events():
   assert sorted(pos[3:][pos[3:] >= 0]) == planted(range(10))
   holes = np.flatnonzero(~np.asarray(state.valid[2, 0, 0, :blocks * G]))
   assert list(holes) == planted(range(11))
-  (kc, ks, _), (vc, _, _), _, _ = _kivi_blocks(k[0], v[0], blocks * G, G, G, 2)
+  (kc, ks, _), (vc, _, _), _, _ = _kivi_blocks(k[0], v[0], blocks * G, G, method.value_group_for(D), 2)
   late = slice(11 * G, blocks * G)
   np.testing.assert_array_equal(np.asarray(unpack(state.k_codes[2, 0], bits=2, axis=2))[:, :, late], kc[:, :, late])
   np.testing.assert_array_equal(np.asarray(state.k_scale[2, 0, :, :, 11:blocks]), ks[:, :, 11:])
@@ -477,6 +477,25 @@ def test_memory_matches_the_first_principles_count():
   dense = 2 * 2 * 128 * heads * big[0]
   assert dense / paper(pool_size=0).held_bytes(spec, None, big).device == pytest.approx(16 / (2 + 32 / 128), rel=1e-4)
   assert dense / paper().held_bytes(spec, None, big).device == pytest.approx(512 / 73, rel=1e-4)
+
+
+def test_default_and_paper_preset_layouts_and_bytes_per_token():
+  """The default (issue 27's frontier: 2-bit, G = 16, Gv = 32, R = 32, N = 8) and the paper preset, whose values are
+  grouped as its keys (Gv = min(G, D), the layout benchmarks/kernel_decode.py times). Bytes per token once the
+  pools are full, from first principles at D = 64 in fp16: 2-bit K and V codes (32 bytes), an fp16 scale and zero
+  per G tokens of a key channel (4 * 64 / G) and per Gv channels of a value (4 * 64 / Gv), one hole bool with a
+  pool: 57 for the default, 39 for the paper preset (G = 128, Gv = 64), 48 for KIVI-2 (G = 32, no holes)."""
+  ott = Ott()
+  assert (ott.bits, ott.group_size, ott.value_group_for(64), ott.residual, ott.pool_size) == (2, 16, 32, 32, 8)
+  assert ott.value_group_for(128) == 32 and ott.value_group_for(16) == 16  # at most the head dim
+  paper = make_method("ott", preset="paper")
+  assert (paper.group_size, paper.residual, paper.pool_size) == (128, 32, 3)
+  assert [paper.value_group_for(d) for d in (64, 128, 256)] == [64, 128, 128]
+  spec = CacheSpec(num_layers=4, batch=1, capacity=1 << 16, kv_heads=2, head_dim=64, q_per_kv=1, dtype=jnp.float16)
+  n, step = 10_001, 2048  # a multiple of every G and of KIVI's R: the buffers end in the same phase
+  per_token = lambda m: (m.held_bytes(spec, None, np.array([n + step])).device
+                         - m.held_bytes(spec, None, np.array([n])).device) / (step * 4 * 2)
+  assert per_token(ott) == 57 and per_token(paper) == 39 and per_token(make_method("kivi")) == 48
 
 
 @pytest.mark.parametrize("options, message", [

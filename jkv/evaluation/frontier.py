@@ -37,16 +37,26 @@ from jkv.evaluation import perplexity as ppl_lib
 
 DEFAULT_PPL = ppl_lib.WindowPlan(context=512, scored=64, num_windows=16, batch_size=4)
 
-# Each method's main knobs (issue 27): 63 configurations, about an hour and a half at 512 + 64 tokens on 2 shared
+# Each method's main knobs (issue 27): 77 configurations, about an hour and a half at 512 + 64 tokens on 2 shared
 # CPU cores. Every method's default and its presets join the sweep whatever the grid says (``sweep_specs``).
 SWEEP = {
     "dense": ("dense",),
     "kivi": tuple(f"kivi:bits={b},residual={r}" for b in (1, 2, 4) for r in (32, 64, 128))
     + ("kivi:k_bits=4,v_bits=2,residual=32", "kivi:k_bits=2,v_bits=4,residual=32", "kivi:bits=8,residual=32",
        "kivi:bits=2,group_size=64,residual=64", "kivi:bits=2,group_size=64,residual=128"),
-    "ott": tuple(f"ott:group_size={g},residual={r},pool_size={n}"
+    # value_group=none: values grouped as keys (min(G, head dim)), as these rows were first measured.
+    "ott": tuple(f"ott:group_size={g},residual={r},pool_size={n},value_group=none"
                  for g, r in ((128, 32), (64, 32), (32, 32), (32, 64), (32, 128)) for n in (0, 3, 8))
-    + ("ott:group_size=32,residual=16,pool_size=3", "ott:bits=4,group_size=32,residual=32,pool_size=3"),
+    + tuple(f"ott:{c},value_group=none" for c in (
+        "group_size=32,residual=16,pool_size=3", "bits=4,group_size=32,residual=32,pool_size=3",
+        "group_size=32,residual=16,pool_size=8", "group_size=32,residual=48,pool_size=8",
+        "group_size=32,residual=32,pool_size=16", "group_size=32,residual=32,pool_size=8,no_pool_layers=0",
+        "group_size=16,residual=32,pool_size=8"))
+    # Key groups of 16 tokens (issue 27: the current default is G = 16, Gv = 32, R = 32, N = 8).
+    + tuple(f"ott:group_size=16,residual={r},pool_size={n},value_group={gv}"
+            for r, n, gv in ((32, 0, 32), (32, 3, 32), (32, 16, 32), (16, 8, 32), (48, 8, 32), (32, 8, 64),
+                             (48, 8, 64)))
+    + ("ott:group_size=32,residual=32,pool_size=8,value_group=64",),
     "zipcache": tuple(f"zipcache:salient_ratio={r},interval={n}" for r in (0.1, 0.2, 0.3, 0.6) for n in (32, 100))
     + ("zipcache:high_bits=8,salient_ratio=0.1,interval=32", "zipcache:high_bits=4,low_bits=4,interval=32",
        "zipcache:high_bits=2,low_bits=2,interval=32"),

@@ -102,21 +102,31 @@ def _quantize_pack(x, *, bits, group_size, axis, meta_dtype, impl):
 @dataclasses.dataclass(frozen=True)
 class Ott(CacheMethod):
   """OTT settings. The defaults were chosen on the default model's quality-per-byte frontier (issue 27,
-  ``jkv frontier``, README "Choosing a method"): 2-bit codes, G = 32, R = 32 and an 8-token pool reached perplexity
-  12.815 where KIVI-2's default reached 14.341 (dense 11.851) at 0.84x its bytes per token on pydoc_data.topics,
-  and 14.135 against 15.423 (dense 12.609) on the held-out text. The paper's main configuration (spec §5: G = 128,
-  R = 32, N = 3) is the preset ``paper``; there it reached 14.014 and 15.672 at 1.09x KIVI-2's bytes: a
-  128-token key group spans more spread on this model than the pool repairs."""
+  ``jkv frontier``, README "Choosing a method"): 2-bit codes, key groups of G = 16 tokens, values in groups of 32
+  channels, R = 32 and an 8-token pool. At 512 + 64 tokens they reached perplexity 12.526 where KIVI-2's default
+  reached 14.341 (dense 11.851) at 0.84x its bytes per token on pydoc_data.topics (73% of KIVI-2's loss recovered),
+  13.538 against 15.423 (dense 12.609; 67%) on the held-out text, and 8.447 against 9.402 (dense 7.910; 64%) at
+  0.98x its bytes at 2048 + 128 tokens. The lever is the key group: G = 32 (the previous default) recovered 61% on
+  the tuning text but 46% on the held-out one; pool size, residual and the first layers' pool moved little. A
+  16-token key group costs one fp16 scale and zero per 16 tokens of a channel: 57 bytes per quantized token and KV
+  head at D = 64 against KIVI-2's 48, so past about 2,500 tokens this default holds more than KIVI-2 (by
+  ``held_bytes``, 1.12x at 8k and 1.17x at 32k tokens; ``group_size=32`` stays near 1.0x); below that, its small
+  full-precision part (R = 32 against KIVI's 128) pays for the metadata. The paper's main
+  configuration (spec §5: G = 128, R = 32, N = 3, values grouped as keys) is the preset ``paper``; there it
+  reached 14.014 and 15.672 at 1.09x KIVI-2's bytes: a 128-token key group spans more spread on this model than
+  the pool repairs."""
 
   name = "ott"
-  presets = {"paper": dict(bits=2, group_size=128, residual=32, pool_size=3, aux_size=32, no_pool_layers=2)}
+  presets = {"paper": dict(bits=2, group_size=128, residual=32, value_group=None, pool_size=3, aux_size=32,
+                           no_pool_layers=2)}
   bits: int = dataclasses.field(default=2, metadata={"help": "code width of keys and values"})
-  group_size: int = dataclasses.field(default=32, metadata={
+  group_size: int = dataclasses.field(default=16, metadata={
       "help": "G: tokens per key group; also the quantization period (a block of G tokens every G steps)"})
   residual: int = dataclasses.field(default=32, metadata={
       "help": "R: newest tokens that always stay in full precision (the buffer holds R to G+R-1 between steps)"})
-  value_group: Optional[int] = dataclasses.field(default=None, metadata={
-      "help": "Gv: channels per value group (default: min(G, head dim), as KIVI's code)"})
+  value_group: Optional[int] = dataclasses.field(default=32, metadata={
+      "help": "Gv: channels per value group, at most the head dim (value_group=none in a spec: min(G, head dim), "
+              "as KIVI's code and the paper preset)"})
   pool_size: int = dataclasses.field(default=8, metadata={
       "help": "N: outlier-pool slots per layer and KV head, for the whole sequence (0: KIVI on OTT's schedule)"})
   aux_size: int = dataclasses.field(default=32, metadata={
@@ -164,7 +174,8 @@ class Ott(CacheMethod):
     return self.pool_size + self.aux_size if self.pool_size else 0
 
   def value_group_for(self, head_dim: int) -> int:
-    return self.value_group or min(self.group_size, head_dim)
+    """Gv for this head dim: ``value_group`` (or G where it is None), at most the head dim."""
+    return min(self.value_group or self.group_size, head_dim)
 
   def check(self, spec: CacheSpec) -> None:
     Gv = self.value_group_for(spec.head_dim)
