@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,10 +35,47 @@ JSON_HELP = "print one JSON object on standard output instead of text"
 
 
 class _Parser(argparse.ArgumentParser):
-  """argparse with its errors on one line in jkv's form (argparse prints the whole usage block)."""
+  """argparse with its errors on one line in jkv's form (argparse prints the whole usage block), and a command's
+  positionals free to mix with its options: ``jkv generate "Hi" --method kivi "Second prompt"`` runs two prompts
+  (plain argparse took the prompts only as one run, and refused "Second prompt" as unrecognized)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # What reads as a negative number is a value, not an option (no jkv option looks like one): argparse's own
+    # pattern takes in -1 and -.5 only, so ``--temperature -1e-3`` or ``--random-probes -inf`` ended in "expected one
+    # argument" instead of the option's own check.
+    self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
 
   def error(self, message):
     self.exit(2, f"jkv: error: {message} (see `{self.prog} --help`)\n")
+
+  def parse_known_args(self, args=None, namespace=None):
+    """A command's own parser (``jkv generate``'s, reached through the subcommand action, which calls this method)
+    parses in two passes, as argparse's ``parse_known_intermixed_args`` does: the options wherever they stand, then
+    the positionals in their order. Done here rather than through that method, which takes the ``--`` that ends the
+    options as a value of the positionals it sets aside (``jkv generate -- -x`` then refused ``-x``; Python 3.11).
+    The top-level parser, whose subcommand positional takes everything after it, parses as argparse does."""
+    if self._subparsers is not None:
+      return super().parse_known_args(args, namespace)
+    args = list(sys.argv[1:] if args is None else args)
+    end = args.index("--") if "--" in args else len(args)
+    positionals, optionals = self._get_positional_actions(), self._get_optional_actions()
+    saved = [(a, a.nargs, a.default) for a in positionals]
+    try:
+      for a in positionals:  # set aside: the first pass leaves their strings in the remainder
+        a.nargs = a.default = argparse.SUPPRESS
+      namespace, rest = super().parse_known_args(args[:end], namespace)
+    finally:
+      for a, nargs, default in saved:
+        a.nargs, a.default = nargs, default
+    required = [(a, a.required) for a in optionals]
+    try:
+      for a in optionals:  # seen (or reported missing) in the first pass
+        a.required = False
+      return super().parse_known_args(rest + args[end:], namespace)
+    finally:
+      for a, was in required:
+        a.required = was
 
 
 # ------------------------------------------------------------------------------------------------- flag types
@@ -95,6 +133,20 @@ def finite_float(text):
   value = _number(text, float)
   if not math.isfinite(value):
     raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+  return value
+
+
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127  # float32's smallest normal and largest
+
+
+def temperature(text):
+  """An argparse type: 0 (greedy), or a temperature the sampling's float32 holds: one past float32's largest value
+  became inf with numpy's overflow warning in the output (1e308), one below its smallest normal became 0, and the
+  logits divided by it inf (1e-300)."""
+  value = finite_float(text)
+  if value != 0 and not FLOAT32_TINY <= value <= FLOAT32_MAX:
+    raise argparse.ArgumentTypeError(f"must be 0 or lie in [1.2e-38, 3.4e38] (float32, which sampling computes in), "
+                                     f"got {text}")
   return value
 
 
@@ -398,7 +450,7 @@ def build_parser():
   add_model_args(g)
   add_method_args(g)
   g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default: 64)")
-  g.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature; 0 means greedy "
+  g.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature; 0 means greedy "
                                                                        "(default: 0)")
   g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (needs a "
                                                          "temperature; default: all)")
