@@ -19,6 +19,9 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
 
     python benchmarks/mgpu_decode.py              # on an H100
     python benchmarks/mgpu_decode.py --check-only
+    python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants \\
+        --out benchmarks/results/mgpu_rounds/<n>_before_<change>.json     # a round's A/B (then _after_)
+    python benchmarks/mgpu_decode.py --rounds                         # the rounds' table
 """
 
 import argparse
@@ -156,6 +159,25 @@ def table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def rounds_table(directory: pathlib.Path) -> str:
+  """One row per round of kernel work: ``<n>_before_<change>.json`` and ``<n>_after_<change>.json``, two runs of
+  this script on one machine minutes apart (the build before the change, then after it), at B = 8, L = 32768."""
+  def cell(path, impl):
+    found = [r for r in json.loads(path.read_text()) if r["impl"] == impl and r["batch"] == 8
+             and r["seq_len"] == 32768 and not r["config"].get("stages")]
+    return found[0]["median_us"] if found else None
+
+  lines = ["| round | change | KIVI-2 before | KIVI-2 after | KIVI-4 before | KIVI-4 after | cuDNN (after's run) "
+           "| cuDNN / KIVI-2 after |", "|---|---|---|---|---|---|---|---|"]
+  for after in sorted(directory.glob("*_after_*.json"), key=lambda p: int(p.name.split("_")[0])):
+    number, change = after.stem.split("_after_")
+    before = after.with_name(f"{number}_before_{change}.json")
+    k2, k4, dense = cell(after, "mgpu_kivi2"), cell(after, "mgpu_kivi4"), cell(after, "cudnn_dense")
+    lines.append(f"| {number} | {change.replace('_', ' ')} | {cell(before, 'mgpu_kivi2'):.1f} µs | {k2:.1f} µs | "
+                 f"{cell(before, 'mgpu_kivi4'):.1f} µs | {k4:.1f} µs | {dense:.1f} µs | {dense / k2:.2f}x |")
+  return "\n".join(lines)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--check-only", action="store_true")
@@ -165,10 +187,14 @@ def main():
                       help="time the splits and pipeline depths at B = 8, L = 32768")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
+  parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_rounds and exit")
   args = parser.parse_args()
   device = jax.devices()[0]
   slug = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
   out = args.out or HERE / "results" / f"mgpu_decode_{slug}.json"
+  if args.rounds:
+    print(rounds_table(HERE / "results" / "mgpu_rounds"))
+    return
   if args.table:
     print(table(json.loads(out.read_text())))
     return

@@ -48,8 +48,7 @@ except ImportError:  # pragma: no cover - an older jax: the kernel is unavailabl
 
 ROWS = 16       # the N of both products: query rows of a KV head, padded (16 halves = the smallest swizzle, 32 B)
 LOG2E = 1.4426950408889634
-# fp16 1024.0 / bf16 128.0 in both halves: 10 (7) mantissa bits hold a 1-, 2- or 4-bit code exactly.
-_MAGIC = {"float16": (0x64006400, "f16"), "bfloat16": (0x43004300, "bf16")}
+_MANTISSA = {"float16": 10, "bfloat16": 7}
 
 
 def available() -> bool:
@@ -93,17 +92,51 @@ def _quad_words(ref, base, quad, count, lead=()):
   return words
 
 
-def _dequantized_pair(word, field, bits, scale, zero, dtype):
-  """Two 16-bit lanes ``code * scale + zero`` from field ``field`` of both halves of ``word`` (one PTX block)."""
-  magic, ptx_type = _MAGIC[dtype]
-  mask = ((1 << bits) - 1) * 0x00010001
-  shift = f"shr.b32 t, $1, {bits * field};" if field else "mov.b32 t, $1;"
-  asm = ("{ .reg .b32 t, m; " + shift +
-         f" mov.b32 m, {magic:#x}; lop3.b32 t, t, {mask:#x}, m, 0xea; sub.{ptx_type}x2 t, t, m;"
-         f" fma.rn.{ptx_type}x2 $0, t, $2, $3; }}")
+def field_plan(bits: int, dtype: str) -> list[tuple[int, int]]:
+  """(shift, offset) of each field f of a 16-bit half: ``word >> shift`` holds field f at bit ``offset`` of both
+  halves, with ``offset + bits`` within the mantissa (10 bits in fp16, 7 in bf16). Fields are taken where they
+  lie while they fit, so one shift serves several fields (2-bit fp16: fields 0-4 in place, 5-7 after one shift
+  by 10), instead of one shift per field."""
+  plan, shift = [], 0
+  for field in range(16 // bits):
+    if bits * field - shift + bits > _MANTISSA[dtype]:
+      shift = bits * field
+    plan.append((shift, bits * field - shift))
+  return plan
+
+
+def magic_half(offset: int, dtype: str) -> int:
+  """The 16-bit float 2^(mantissa - offset): its mantissa bit ``offset`` is worth exactly 1, so OR-ing a code c
+  in at that bit gives 2^(mantissa - offset) + c, and subtracting the constant leaves c exactly."""
+  bias = 15 if dtype == "float16" else 127
+  return (bias + _MANTISSA[dtype] - offset) << _MANTISSA[dtype]
+
+
+def _dequantized_pair(word, offset, bits, scale, zero, dtype):
+  """Two 16-bit lanes ``code * scale + zero`` from the field at bit ``offset`` of both halves of ``word``: one
+  three-input logic op, one exact subtraction, one fused multiply-add (one PTX block)."""
+  ptx_type = "f16" if dtype == "float16" else "bf16"
+  magic = magic_half(offset, dtype) * 0x00010001
+  mask = (((1 << bits) - 1) << offset) * 0x00010001
+  asm = (f"{{ .reg .b32 t, m; mov.b32 m, {magic:#x}; lop3.b32 t, $1, {mask:#x}, m, 0xea;"
+         f" sub.{ptx_type}x2 t, t, m; fma.rn.{ptx_type}x2 $0, t, $2, $3; }}")
   pair = llvm.inline_asm(_i32(), [word, scale, zero], asm, "=r,r,r,r")
   element = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
   return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), element))
+
+
+def _register_source(words, bits, dtype):
+  """rho -> (the word holding register rho, shifted as ``field_plan`` says, and the field's offset), each shift
+  computed once per word."""
+  plan, fields, shifted = field_plan(bits, dtype), 16 // bits, {}
+
+  def source(rho):
+    index, (shift, offset) = rho // fields, plan[rho % fields]
+    if (index, shift) not in shifted:
+      shifted[index, shift] = (arith.shrui(words[index], mgpu.utils.c(shift, _i32())) if shift
+                               else words[index])
+    return shifted[index, shift], offset
+  return source
 
 
 def _thread():
@@ -136,8 +169,7 @@ def _key_tile(codes_ref, meta_ref, *, tile, step_tiles, bits, head_dim, group, d
 
   The step's key scale block holds its groups (G <= 64 * step_tiles) or the one group it lies in."""
   warp, lane, tau = _thread()
-  words = _this_threads_code_words(codes_ref, tile, bits, head_dim, tau)
-  fields = 16 // bits
+  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
   # The thread's tokens 64 tile + 16 w + l // 4 (+ 8) lie in one key group; its channel pairs (2 (l % 4) + 8 j, +1).
   first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
   group_in_tile = (arith.divui(first_token, mgpu.utils.c(group, _i32()))
@@ -148,7 +180,7 @@ def _key_tile(codes_ref, meta_ref, *, tile, step_tiles, bits, head_dim, group, d
   for j in range(head_dim // 8):
     for h in range(2):
       rho = 2 * j + h
-      pairs[j, h] = _dequantized_pair(words[rho // fields], rho % fields, bits, meta[2 * j], meta[2 * j + 1], dtype)
+      pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
   return _wgmma_array(pairs, (TILE, head_dim))
 
 
@@ -156,8 +188,7 @@ def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
   """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels, dequantized in registers
   (WGMMA layout)."""
   warp, lane, tau = _thread()
-  words = _this_threads_code_words(codes_ref, tile, bits, head_dim, tau)
-  fields = 16 // bits
+  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
   quad = arith.remui(lane, mgpu.utils.c(4, _i32()))
   blocks = []
   for m in range(head_dim // 64):
@@ -170,8 +201,7 @@ def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
     for j in range(8):
       for h in range(2):
         rho = 16 * m + 2 * j + h
-        pairs[j, h] = _dequantized_pair(words[rho // fields], rho % fields, bits, meta[2 * j], meta[2 * j + 1],
-                                        dtype)
+        pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
     blocks.append(_wgmma_array(pairs, (64, TILE)))
   return tuple(blocks)
 

@@ -14,7 +14,7 @@ import pytest
 
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import available, mgpu_decode_attention
+from jkv_kernels.mgpu_decode_attention import available, field_plan, magic_half, mgpu_decode_attention
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     value_register_map)
 
@@ -103,6 +103,33 @@ def test_meta_words_sit_where_each_quad_reads_them():
     assert len({quad_word_position(q, 4 * chunk) * 4 // 16 % 8 for q in range(4)}) == 4
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_field_plan_turns_every_code_of_every_field_into_itself(bits, dtype):
+  """The kernel's unpack, emulated bit for bit in numpy: for every field of a word holding random codes in both
+  halves, ((word >> shift) & mask) | magic, read as two 16-bit floats, minus the magic, is the field's codes."""
+  rng = np.random.default_rng(bits)
+  fields = 16 // bits
+  codes = rng.integers(0, 1 << bits, size=(1000, 2, fields), dtype=np.uint32)  # [word, half, field]
+  words = np.zeros(1000, np.uint32)
+  for half in range(2):
+    for field in range(fields):
+      words |= codes[:, half, field] << (16 * half + bits * field)
+  as_float = lambda u16: u16.view(np.float16).astype(np.float64) if dtype == "float16" else (
+      (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+  plan = field_plan(bits, dtype)
+  if (bits, dtype) != (4, "bfloat16"):  # there 7 mantissa bits hold one 4-bit field: a shift for each
+    assert len({shift for shift, _ in plan}) < fields
+  for field, (shift, offset) in enumerate(plan):
+    magic = magic_half(offset, dtype)
+    assert magic & (((1 << bits) - 1) << offset) == 0
+    mask = (((1 << bits) - 1) << offset) * 0x00010001
+    pair = ((words >> np.uint32(shift)) & np.uint32(mask)) | np.uint32(magic * 0x00010001)
+    for half in range(2):
+      lane = ((pair >> np.uint32(16 * half)) & np.uint32(0xFFFF)).astype(np.uint16)
+      np.testing.assert_array_equal(as_float(lane) - as_float(np.uint16(magic)), codes[:, half, field])
+
+
 def test_packing_refuses_what_the_kernel_does_not_take():
   store = make_store(2, k_bits=8, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1)
   with pytest.raises(ValueError, match="k_bits=8"):
@@ -123,11 +150,11 @@ def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2,
                   k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name)
 
 
-@pytest.mark.parametrize("step_tiles", [1, 4])
+@pytest.mark.parametrize("step_tiles,q_per_kv", [(1, 4), (4, 4), (4, 12)])  # the key product 8 or 16 wide
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS[:4])
-def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles):
+def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, q_per_kv):
   store = _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype)
-  q = jax.ShapeDtypeStruct((2, 2, 1, 4, head_dim), dtype)
+  q = jax.ShapeDtypeStruct((2, 2, 1, q_per_kv, head_dim), dtype)
   fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, step_tiles=step_tiles,
                                                              return_lse=True))
   text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
@@ -179,10 +206,11 @@ class TestMgpuDecodeAttentionGpu:
                                          np.abs(np.asarray(k_ref, np.float64))).max(-1) * u
       assert np.all(np.abs(np.asarray(lse, np.float64) - np.asarray(lse_ref, np.float64)) <= bound + 1e-5)
 
-  def test_rows_of_several_query_positions_and_a_short_sequence(self):
+  @pytest.mark.parametrize("t_rows,q_per_kv", [(3, 5), (3, 3), (2, 4), (1, 1)])  # 15, 9, 8 and 1 rows: N 16 / 8
+  def test_rows_of_several_query_positions_and_a_short_sequence(self, t_rows, q_per_kv):
     store = make_store(6, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
                        lengths=[1, 600, 1024])
-    q = jax.random.normal(jax.random.key(7), (3, 2, 3, 5, 128), jnp.bfloat16)  # T * g = 15 rows
+    q = jax.random.normal(jax.random.key(7), (3, 2, t_rows, q_per_kv, 128), jnp.bfloat16)
     o = mgpu_decode_attention(q, 1, pack_mma_store(store))
     o_ref = decode_attention_reference(q, 1, (store,), ())
     o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
