@@ -307,3 +307,121 @@ def test_a_failure_of_jkvs_own_is_one_line_and_the_traceback_with_verbose(capsys
       "jkv: error: internal error, TypeError: unhashable type: 'list' (--verbose shows where)"]
   rc, out, err = run(capsys, "info", "--model", str(tmp_path), "--verbose")
   assert rc == 1 and "Traceback" in err and err.strip().splitlines()[-1].startswith("jkv: error: internal error")
+
+
+# ------------------------------------------------------------------------------------------------- sweep, past limits
+
+
+PAST_LIMITS = [
+    # A temperature past float32's range became inf (numpy's overflow warning, two lines, in the output); one below
+    # its smallest normal became 0, and the logits divided by it inf.
+    (["generate", "hi", "--temperature", "1e308"], ["--temperature", "must be 0 or lie in", "got 1e308"]),
+    (["generate", "hi", "--temperature", "1e-300"], ["--temperature", "got 1e-300"]),
+    (["generate", "hi", "--temperature", "-0.5"], ["--temperature", "got -0.5"]),
+    # Bad --model inputs: none, a device file, a plain file that is no model, a directory that holds none.
+    (["info", "--model", ""], ["no such model"]),
+    (["info", "--model", os.devnull], ["cannot tell what model", os.devnull]),
+    (["info", "--model", __file__], ["cannot tell what model", "test_robustness.py"]),
+    (["info", "--model", os.path.dirname(__file__)], ["cannot tell what model", "tests"]),
+    # Values that argparse read as options ("expected one argument"): what reads as a negative number is a value.
+    (["info", "--method", "zipcache", "--random-probes", "-inf"], ["random_probes=-inf must lie in [0, 1]"]),
+    (["generate", "hi", "--temperature", "-1e-3"], ["--temperature", "got -1e-3"]),
+    (["generate", "hi", "--top-p", "-.5e+2", "--temperature", "1"], ["top_p must be in (0, 1], got -50.0"]),
+    (["info", "--method", "zipcache", "--salient-ratio", "nan"], ["salient_ratio=nan"]),
+    (["info", "--method", "zipcache", "--recent-probes=-inf"], ["recent_probes=-inf"]),
+    (["info", "--method", "kivi", "--group-size", str(2**31 - 1)], ["group_size=2147483647"]),
+    (["info", "--method", "ott", "--pool-size", "-1"], ["pool_size=-1"]),
+    (["info", "--method", "specache", "--bits", "8"], ["bits=8"]),
+    (["info", "--method", "kivi", "--preset", "nope"], ["has no preset 'nope'"]),
+    (["info", "--method", ""], ["unknown cache method ''"]),
+    (["info", "--mesh", "data=0"], ["--mesh", "must be >= 1"]),
+    (["info", "--num-processes", "2", "--process-id", "5", "--coordinator", "localhost:1"], ["process id 5"]),
+]
+
+
+@pytest.mark.usefixtures("default_model_once")
+@pytest.mark.parametrize("argv, words", PAST_LIMITS, ids=[" ".join(argv) for argv, _ in PAST_LIMITS])
+def test_options_past_their_limits_are_one_line(capsys, argv, words):
+  rc, out, err = run(capsys, *argv)
+  assert rc == 2 and out == "" and "Traceback" not in err, (rc, out, err)
+  lines = err.strip("\n").splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jkv: error: "), err
+  for w in words:
+    assert w in lines[0], lines[0]
+
+
+@pytest.mark.usefixtures("default_model_once")
+@pytest.mark.parametrize("flags, words", [
+    # Sizes at int32's limit that no check of the method's own bounds: the cache they make is refused before it is
+    # allocated, whatever the machine (terabytes for a few tokens), not allocated in part or overflowed.
+    (["--method", "ott", "--pool-size", str(2**31 - 1)], ["with ott", "does not fit", "not one sequence fits"]),
+    (["--method", "ott", "--aux-size", str(2**31 - 1)], ["with ott", "does not fit"]),
+    (["--method", "zipcache", "--interval", str(2**31 - 1)], ["with zipcache", "does not fit"]),
+    (["--capacity", str(2**31 - 1)], ["2147483647 tokens with dense", "does not fit"]),
+], ids=["ott-pool", "ott-aux", "zipcache-interval", "capacity"])
+def test_sizes_at_the_int32_limit_are_refused_in_one_line(capsys, flags, words):
+  line = out_of_memory_line(run(capsys, "generate", "hi", "--max-new-tokens", "2", *flags))
+  for w in words:
+    assert w in line, line
+
+
+@pytest.mark.usefixtures("default_model_once")
+@pytest.mark.parametrize("flags", [
+    ["--method", "ott", "--pool-size", "0"],  # no outlier pool: KIVI with OTT's layout
+    ["--method", "ott", "--no-pool-layers", "1000"],  # more layers without a pool than the model has
+    ["--method", "specache", "--fetch-rows", "0"],  # nothing prefetched
+    ["--method", "specache", "--fetch-rows", str(2**31 - 1)],  # more rows than the cache holds: all of them
+    ["--method", "kivi", "--residual", "8192"],  # a residual of the model's whole context
+    ["--prefill-tokens", "1"],  # a prefill budget below one prompt: one prompt a call
+    ["--top-k", str(10**20), "--temperature", "1"],  # more than the vocabulary: all of it
+    ["--temperature", "3.4e38"],  # float32's largest: uniform sampling, no overflow
+], ids=["ott-pool-0", "ott-no-pool-layers-1000", "specache-fetch-0", "specache-fetch-max", "kivi-residual-context",
+        "prefill-tokens-1", "top-k-huge", "temperature-max"])
+def test_options_at_their_limits_run(capsys, flags):
+  """Values at the edge of what an option accepts run, with no warning or traceback on stderr."""
+  rc, out, err = run(capsys, "generate", "hi", "--max-new-tokens", "2", "--json", *flags)
+  assert rc == 0, err
+  assert len(json.loads(out)["tokens"]) >= 1
+  assert all(l.startswith(("loading model", "generating with")) for l in err.strip().splitlines()), err
+
+
+# ------------------------------------------------------------------------------------------------- the GPU script
+
+
+@pytest.fixture(scope="module")
+def robustness_gpu():
+  """benchmarks/robustness_gpu.py as a module (it imports the standard library only): the checks its GPU run makes."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("robustness_gpu", os.path.join(REPO, "benchmarks", "robustness_gpu.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_gpu_script_reads_the_refusal_jkv_writes(tiny_llama, monkeypatch, robustness_gpu):
+  """benchmarks/robustness_gpu.py asks for the issue's prompt and reads the numbers of jkv's out-of-memory line (it
+  runs the advised batch and context, and batches either side of the free memory): held to the line
+  jkv.memory writes, and its judgement of a failure's output to this file's."""
+  assert robustness_gpu.THANKS == THANKS
+  _, m = tiny_llama
+  method = make_method("kivi", bits=2, residual=32)
+  request = memory.CacheRequest(m.config, method, 64, 2048, 32)
+  monkeypatch.setattr(memory, "RESERVE_BYTES", request.need_bytes // 8)
+  mem = dict(limit=GIB + request.need_bytes // 2 + memory.RESERVE_BYTES, in_use=GIB)
+  err = request.error(f"{request} does not fit", mem)
+  got = robustness_gpu.parse_refusal(f"jkv: error: {err}")
+  assert (got["batch"], got["capacity"], got["method"]) == (64, 2048, "kivi")
+  assert (got["largest_batch"], got["largest_capacity"]) == (err.largest_batch, err.largest_capacity) != (0, 0)
+  assert got["free_gib"] == round(err.free_bytes / GIB, 2) and got["need_gib"] == round(err.need_bytes / GIB, 2)
+  per_sequence = memory.cache_bytes(method, m.config, 2, 2048) - memory.cache_bytes(method, m.config, 1, 2048)
+  base = memory.cache_bytes(method, m.config, 1, 2048) - per_sequence
+  under, over = robustness_gpu.batch_bounds(got, per_sequence, base)
+  assert memory.cache_bytes(method, m.config, under, 2048) <= err.free_bytes
+  assert memory.cache_bytes(method, m.config, over, 2048) > err.free_bytes and over - under <= 2 + GIB // 100 // per_sequence
+  nothing = request.error(f"{request} does not fit", dict(limit=GIB, in_use=GIB - 1))
+  assert "not one sequence fits" in str(nothing)
+  assert robustness_gpu.parse_refusal(f"jkv: error: {nothing}")["largest_batch"] == 0
+  line = f"jkv: error: {err}"
+  assert robustness_gpu.one_line_failure(1, "", f"loading model default ...\n{line}\n", 1) == []
+  assert robustness_gpu.one_line_failure(1, "", f"[1/2] dense\nppl dense:   0%|  | 0/9 [00:00<?, ?tok/s]\n{line}\n", 1) == []
+  assert len(robustness_gpu.one_line_failure(2, "x", f"Traceback\nW0 allocator\n{line}\n", 1)) == 4
