@@ -1,6 +1,6 @@
 """Issue 28 on the GPU, as a user meets it: the ``jkv`` command line in subprocesses, with the default model.
 
-    PYTHONPATH=. JKV_CACHE=<model cache> python benchmarks/robustness_gpu.py      # on the GPU (about 5 minutes)
+    PYTHONPATH=. JKV_CACHE=<model cache> python benchmarks/robustness_gpu.py      # on the GPU (about 8 minutes)
     python benchmarks/robustness_gpu.py --cpu-smoke                              # anywhere: a simulated device
 
 Each case runs one ``jkv`` command, checks what a user sees (exit status, stdout, stderr: one ``jkv: error:``
@@ -468,7 +468,8 @@ def main(argv=None) -> int:
                            "benchmarks/results/robustness_gpu_<device>.json)")
   parser.add_argument("--cpu-smoke", action="store_true",
                       help="run on the CPU against a simulated device (automatic where jax sees no GPU)")
-  parser.add_argument("--cases", nargs="+", default=None, metavar="NAME", help="run only these cases")
+  parser.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                      help="run only these cases; the other cases of an earlier run on this device stay in --output")
   parser.add_argument("--timeout", type=float, default=300, help="seconds one command may run (default: 300)")
   parser.add_argument("--python", default=sys.executable, help="interpreter that runs jkv (default: this one)")
   parser.add_argument("--helper", default=None, help=argparse.SUPPRESS)
@@ -489,7 +490,14 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   run_cases(r, env, info, smoke, set(args.cases) if args.cases else None)
   device = info["device"] + (" (simulated: CPU smoke)" if smoke else "")
-  done = [c for c in r.cases if c["passed"] is not None]
+  out = args.output or RESULTS / f"robustness_gpu_{slug(device if not smoke else 'cpu_smoke')}.json"
+  cases = r.cases
+  if args.cases and out.exists():  # a run of some cases keeps the other cases of an earlier run on this device
+    earlier = json.loads(out.read_text(encoding="utf-8"))
+    if earlier.get("device") == device:
+      ran = {c["case"] for c in r.cases}
+      cases = [c for c in earlier["cases"] if c["case"] not in ran] + r.cases
+  done = [c for c in cases if c["passed"] is not None]
   results = dict(device=device, platform=info["platform"], devices=info["devices"], bytes_limit=info["bytes_limit"],
                  mode="cpu-smoke" if smoke else "gpu", jax_version=info["jax_version"],
                  python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -498,8 +506,7 @@ def main(argv=None) -> int:
                                        reserve=SMOKE_RESERVE) if smoke else None,
                  env={k: v for k, v in env.items() if k.startswith(("XLA_", "JAX_", "TF_CPP"))},
                  passed=sum(c["passed"] for c in done), failed=sum(not c["passed"] for c in done),
-                 skipped=len(r.cases) - len(done), cases=r.cases)
-  out = args.output or RESULTS / f"robustness_gpu_{slug(device if not smoke else 'cpu_smoke')}.json"
+                 skipped=len(cases) - len(done), cases=cases)
   table = markdown(results)
   targets = [out] + ([pathlib.Path(os.environ["OUT"], out.name)] if os.environ.get("OUT") else [])
   for path in targets:
