@@ -4,15 +4,17 @@ The first cut of the fast kernel of KERNEL.md, for one store in the MMA-ready pa
 become 16-bit operands in registers with a shift, one three-input logic op, an exact subtraction and one fused
 multiply-add per two codes, and both products run on ``wgmma``:
 
-    logits^T [64 tokens, 16] = K_hat [64, D] (registers)           @ q^T [D, 16] (shared memory)
+    logits^T [64 tokens, N]  = K_hat [64, D] (registers)           @ q^T [D, N] (shared memory)
     o^T      [64 channels, 16] += V_hat^T [64, 64 tokens] (registers) @ p^T [64 tokens, 16] (shared memory)
 
-with the query rows of a KV head (T * g <= 16, padded to 16) as the N side, so K and V are read once per KV head.
-A register pair is ``((word >> bits * f) & mask) | magic``: the code c sits in the mantissa of ``magic`` (1024.0
-in fp16, 128.0 in bf16), so ``pair - magic`` is c exactly, and ``c * scale + zero`` is one ``fma.rn.f16x2``
-(``.bf16x2``) with the scale and zero pair the thread reads once per tile. The key group is per channel (the pair's
-two channels), the value group per token (the pair's two tokens), so one pair of scale words serves a pair of
-codes either way.
+with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
+head (p is widened to 16 columns for the value product: an MN-major operand takes no narrower swizzle).
+A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of ``magic`` at a bit
+worth exactly 1 (``magic_half``: 1024.0 in fp16, 128.0 in bf16 for a field at bit 0; smaller powers of two for
+fields higher up, so one shift serves several fields, ``field_plan``), so ``pair - magic`` is c exactly, and
+``c * scale + zero`` is one ``fma.rn.f16x2`` (``.bf16x2``) with the scale and zero pair the thread reads once per
+tile. The key group is per channel (the pair's two channels), the value group per token (the pair's two tokens),
+so one pair of scale words serves a pair of codes either way.
 
 Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (sequence, KV head) through a TMA
 pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
@@ -46,7 +48,10 @@ try:  # Mosaic GPU's Python API (jax >= 0.11 is where this kernel is built and m
 except ImportError:  # pragma: no cover - an older jax: the kernel is unavailable, the module still imports
   plgpu = mgpu = None
 
-ROWS = 16       # the N of both products: query rows of a KV head, padded (16 halves = the smallest swizzle, 32 B)
+ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
+# Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
+# logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
+M_FLOOR = MASK_VALUE / 2
 LOG2E = 1.4426950408889634
 _MANTISSA = {"float16": 10, "bfloat16": 7}
 
@@ -155,6 +160,18 @@ def _this_threads_code_words(codes_ref, tile, bits, head_dim, tau):
   return words
 
 
+def _pad_columns(p, rows):
+  """A [64, ROWS] WGMMA-layout array of p [64, rows] (rows = 8) and zero columns: the value product's B is 16
+  wide (an MN-major operand takes no narrower swizzle) while the logits and softmax are 8 wide."""
+  registers = p.registers
+  padded = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, ROWS)), dtype=object)
+  zero = arith.constant(registers.flat[0].type, ir.DenseElementsAttr.get_splat(
+      registers.flat[0].type, ir.FloatAttr.get(ir.VectorType(registers.flat[0].type).element_type, 0.0)))
+  for j in range(ROWS // 8):
+    padded[:, j] = registers[:, 0] if j < rows // 8 else zero
+  return mgpu.FragmentedArray(_registers=padded, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+
 def _wgmma_array(pairs, rows_by_cols):
   """A [64, cols] FragmentedArray in the WGMMA layout from its registers ``pairs[(j, h)]``."""
   registers = mgpu.WGMMA_LAYOUT.registers_shape(rows_by_cols)
@@ -211,15 +228,16 @@ def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
 
 
 def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
-  """One Mosaic GPU kernel over grid (Hkv, B, splits): the fp32 partials o [B, Hkv, S, D, 8], l, m [B, Hkv, S, 8]
-  (m in log2 units)."""
-  batch, kv_heads, _, head_dim = q.shape
+  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
+  product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, 16], l, m [B, Hkv, S, N] (m in log2
+  units)."""
+  batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
   tiles = store.k_codes.shape[3] // splits  # per program
   steps = tiles // step_tiles
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
-  rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
-  k_codes, k_meta, v_codes, v_meta = rows(store.k_codes), rows(store.k_meta), rows(store.v_codes), rows(store.v_meta)
+  as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
+  k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
   key_tile = lambda tile: plgpu.inline_mgpu(
@@ -236,6 +254,11 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   q_swizzle = plgpu.find_swizzle(head_dim * dtype.itemsize * 8, "q")
   q_transforms = (plgpu.TilingTransform((8, q_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(q_swizzle))
   p_swizzle = plgpu.find_swizzle(ROWS * dtype.itemsize * 8, "p")
+  pad_columns = lambda element: plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct((TILE, ROWS), element, layout=plgpu.Layout.WGMMA))(
+          lambda ctx, x: _pad_columns(x, rows))
+  widen = (lambda x: pad_columns(x.dtype)(x)) if rows < ROWS else (lambda x: x)  # [64, rows] -> [64, ROWS]
   p_transforms = (plgpu.TilingTransform((8, p_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(p_swizzle))
   scale_log2 = sm_scale * LOG2E
 
@@ -257,19 +280,18 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         for acc_ref, a_k in zip(acc_refs, a_ks):
           plgpu.wgmma(acc_ref, a_k, q_smem.transpose((1, 0)))
         return [acc_ref[...] for acc_ref in acc_refs]
-      logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, ROWS), jnp.float32) for _ in range(step_tiles)])
-      row = plgpu.broadcasted_iota(jnp.int32, (TILE, ROWS), 0, layout=plgpu.Layout.WGMMA)
+      logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
+      row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (split * tiles + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
       s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
       m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
       alpha = jnp.exp2(m_run - m_next)
-      along_tokens = lambda x: lax.broadcast_in_dim(x, (TILE, ROWS), [1])
-      # Masked entries are zeroed, not just made small: a tile with no valid token has m_next = MASK_VALUE.
-      p = [jnp.where(v, jnp.exp2(x - along_tokens(m_next)), 0.0) for v, x in zip(valid, s)]
+      along_tokens = lambda x, width=rows: lax.broadcast_in_dim(x, (TILE, width), [1])
+      p = [jnp.exp2(x - along_tokens(m_next)) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
       l_run = l_run * along_tokens(alpha) + functools.reduce(jnp.add, p)  # summed over tokens after the loop
       for t in range(step_tiles):
-        p_smem[t] = p[t].astype(dtype)
+        p_smem[t] = widen(p[t].astype(dtype))
       plgpu.commit_smem()
       a_vs = [value_tiles(t)(vc, vm) for t in range(step_tiles)]  # [tile][channel block]
 
@@ -277,13 +299,14 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         for block, acc_ref in enumerate(acc_refs):
           for t in range(step_tiles):
             plgpu.wgmma(acc_ref, a_vs[t][block], p_smem.at[t])
-      next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * along_tokens(alpha)) for o in o_blocks))
+      o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
+      next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
       return (*next_blocks, m_next, l_run)
 
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
-            plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
-            zeros((TILE, ROWS)))
+            plgpu.layout_cast(jnp.full((rows,), M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+            zeros((TILE, rows)))
     first = split * tiles
     pipeline = plgpu.emit_pipeline(
         body,
@@ -313,19 +336,19 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     plgpu.wait_smem_to_gmem(0)
 
   out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, ROWS), jnp.float32),
-              jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32),
-              jax.ShapeDtypeStruct((batch, kv_heads, splits, ROWS), jnp.float32))
+              jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       grid=(kv_heads, batch, splits),
       grid_names=("h", "b", "s"),
       scratch_types=dict(
-          q_smem=plgpu.SMEM((ROWS, head_dim), dtype, transforms=q_transforms),
+          q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
           p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
           o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
-          l_smem=plgpu.SMEM((ROWS,), jnp.float32),
-          m_smem=plgpu.SMEM((ROWS,), jnp.float32),
+          l_smem=plgpu.SMEM((rows,), jnp.float32),
+          m_smem=plgpu.SMEM((rows,), jnp.float32),
           q_barrier=plgpu.Barrier(),
       ),
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -354,9 +377,9 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
     splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
       ``default_splits``.
     step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product).
-    max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: the best of
-      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (154.0 µs at 4 tiles and 3 steps,
-      161.1 at 2 and 3, 165.2 at 1 and 3; 4 tiles at 4 steps 203.3).
+    max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: among the best of
+      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (126.3 µs at 4 tiles and 3 steps,
+      127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
@@ -382,7 +405,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   num_layers = store.k_codes.shape[0]
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
   length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
-  q_rows = jnp.zeros((batch, kv_heads, ROWS, head_dim), q.dtype).at[:, :, :n_rows].set(
+  rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
+  q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
                       max_concurrent_steps=max_concurrent_steps)
@@ -391,7 +415,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   alpha = jnp.exp2(m - m_all[:, :, None])
   l_all = jnp.sum(alpha * l, axis=2)
   empty = l_all == 0
-  o = jnp.sum(alpha[:, :, :, None, :] * o, axis=2) / jnp.where(empty, 1.0, l_all)[:, :, None, :]  # [B, H, D, 8]
+  o = jnp.sum(alpha[:, :, :, None, :] * o[..., :rows], axis=2) / jnp.where(empty, 1.0, l_all)[:, :, None, :]
   o = jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape).astype(q.dtype)
   if not return_lse:
     return o
