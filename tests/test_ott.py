@@ -501,6 +501,8 @@ def test_default_and_paper_preset_layouts_and_bytes_per_token():
 @pytest.mark.parametrize("options, message", [
     (dict(bits=3), "bits=3 is not supported"),
     (dict(group_size=24), "group_size=24 must be a positive multiple of 16"),
+    (dict(bits=1), r"group_size=16 must be a positive multiple of 32 \(1-bit codes pack 32 per word\); set "
+                   "group_size=32"),  # the default G = 16 is too short for 1-bit words
     (dict(residual=-1), "residual=-1 non-negative"),
     (dict(pool_size=-1), "pool_size=-1 must be non-negative"),
     (dict(aux_size=-2), "aux_size=-2 must be non-negative"),

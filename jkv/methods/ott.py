@@ -109,12 +109,12 @@ class Ott(CacheMethod):
   0.98x its bytes at 2048 + 128 tokens. The lever is the key group: G = 32 (the previous default) recovered 61% on
   the tuning text but 46% on the held-out one; pool size, residual and the first layers' pool moved little. A
   16-token key group costs one fp16 scale and zero per 16 tokens of a channel: 57 bytes per quantized token and KV
-  head at D = 64 against KIVI-2's 48, so past about 2,500 tokens this default holds more than KIVI-2 (by
-  ``held_bytes``, 1.12x at 8k and 1.17x at 32k tokens; ``group_size=32`` stays near 1.0x); below that, its small
-  full-precision part (R = 32 against KIVI's 128) pays for the metadata. The paper's main
-  configuration (spec §5: G = 128, R = 32, N = 3, values grouped as keys) is the preset ``paper``; there it
-  reached 14.014 and 15.672 at 1.09x KIVI-2's bytes: a 128-token key group spans more spread on this model than
-  the pool repairs."""
+  head at D = 64 against KIVI-2's 48 (the previous default's 49). Its small full-precision part (R = 32 against
+  KIVI's 128) pays for that up to about 2048 tokens; over long contexts the ratio to KIVI-2's bytes approaches
+  57/48 = 1.19x, where ``group_size=32`` stays near 49/48. With 1-bit codes (32 per word) G must be a multiple of
+  32: pass ``group_size=32``. The paper's main configuration (spec §5: G = 128, R = 32, N = 3, values grouped as
+  keys) is the preset ``paper``; there it reached 14.014 and 15.672 at 1.09x KIVI-2's bytes: a 128-token key
+  group spans more spread on this model than the pool repairs."""
 
   name = "ott"
   presets = {"paper": dict(bits=2, group_size=128, residual=32, value_group=None, pool_size=3, aux_size=32,
@@ -152,8 +152,9 @@ class Ott(CacheMethod):
     per_word = 32 // self.bits
     for label, size in (("group_size", G), ("value_group", self.value_group)):
       if size is not None and (size < 1 or size % per_word):
+        hint = f"; set {label}={per_word}" if size > 0 and per_word > size else ""  # 1-bit under G = 16
         raise ValueError(f"ott {label}={size} must be a positive multiple of {per_word} "
-                         f"({self.bits}-bit codes pack {per_word} per word)")
+                         f"({self.bits}-bit codes pack {per_word} per word){hint}")
     for label, n in (("pool_size", self.pool_size), ("aux_size", self.aux_size),
                      ("no_pool_layers", self.no_pool_layers)):
       if n < 0:
