@@ -271,14 +271,15 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     plgpu.barrier_wait(q_barrier)
 
     def body(index, kc, km, vc, vm, carry):
-      # A step is ``step_tiles`` tiles: their key products are issued back to back and waited for once, one
-      # softmax update covers all their tokens, and their value products accumulate before one wait.
+      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
+      # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
+      # A operands are live at once while the tensor cores work.
       *o_blocks, m_run, l_run = carry
-      a_ks = [key_tile(t)(kc, km) for t in range(step_tiles)]
 
       def qk(*acc_refs):
-        for acc_ref, a_k in zip(acc_refs, a_ks):
-          plgpu.wgmma(acc_ref, a_k, q_smem.transpose((1, 0)))
+        for t, acc_ref in enumerate(acc_refs):
+          plgpu.wgmma(acc_ref, key_tile(t)(kc, km), q_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
@@ -293,12 +294,12 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       for t in range(step_tiles):
         p_smem[t] = widen(p[t].astype(dtype))
       plgpu.commit_smem()
-      a_vs = [value_tiles(t)(vc, vm) for t in range(step_tiles)]  # [tile][channel block]
 
       def pv(acc_refs):
-        for block, acc_ref in enumerate(acc_refs):
-          for t in range(step_tiles):
-            plgpu.wgmma(acc_ref, a_vs[t][block], p_smem.at[t])
+        for t in range(step_tiles):
+          for acc_ref, a_v in zip(acc_refs, value_tiles(t)(vc, vm)):  # one product per block of 64 channels
+            plgpu.wgmma(acc_ref, a_v, p_smem.at[t])
+          plgpu.wgmma_wait(len(acc_refs))
       o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
       next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
       return (*next_blocks, m_next, l_run)
@@ -378,8 +379,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
       ``default_splits``.
     step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product).
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: among the best of
-      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (126.3 µs at 4 tiles and 3 steps,
-      127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
+      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (round 3's build: 126.3 µs at 4
+      tiles and 3 steps, 127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
