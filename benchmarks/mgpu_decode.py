@@ -6,7 +6,8 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
                  real quantized data (keys and values drawn normal, quantized by the library's quantizer),
                  ragged lengths; KIVI-1/2/4 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
                  error of o and lse (fails the run above 2e-2, like kernel_decode.py's check)
-    mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L)
+    mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L); at B = 8, L = 32768
+                 also a cache filled to L / 4 (config "fill": 0.25)
     mgpu_kivi4   4-bit
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
@@ -96,12 +97,13 @@ def bytes_read(shape: Shape, bits: int, group: int = 32) -> int:
   return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
 
 
-def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True):
-  """(q, store) for timing: random words and scales, G = 32, every slot valid; the store MMA-packed or not."""
+def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fill: float = 1.0):
+  """(q, store) for timing: random words and scales, G = 32, the first ``fill`` of the slots valid (every slot by
+  default); the store MMA-packed or not."""
   kq, ks = jax.random.split(jax.random.key(seed))
   q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
   s = store(ks, shape, k_bits=bits, v_bits=bits, k_group=32, v_group=32, meta_dtype=shape.dtype,
-            lengths=[shape.seq_len] * shape.batch, from_data=False)
+            lengths=[int(shape.seq_len * fill)] * shape.batch, from_data=False)
   return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
 
 
@@ -135,6 +137,9 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True)
         run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
             nbytes, shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
+      if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
+        run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
+            shape, {"splits": default_splits(batch, shape.kv_heads, seq_len // 64 // 4), "fill": 0.25})
       if variants and (batch, seq_len) == (8, 32768):
         for step_tiles, stages in VARIANTS:
           for splits in (8, 16):
@@ -144,8 +149,13 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True)
   return records
 
 
+def at_defaults(record) -> bool:
+  """A record of the kernel at its default step and depth on a full cache (not a variant or a partial fill)."""
+  return not {"stages", "fill"} & set(record["config"])
+
+
 def table(records: list[dict]) -> str:
-  cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if not r["config"].get("stages")}
+  cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
   impls = ["mgpu_kivi2", "triton_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense"]
   lines = ["| B | L | " + " | ".join(impls) + " | cuDNN / mgpu_kivi2 | cuDNN / mgpu_kivi4 |",
@@ -164,7 +174,7 @@ def rounds_table(directory: pathlib.Path) -> str:
   this script on one machine minutes apart (the build before the change, then after it), at B = 8, L = 32768."""
   def cell(path, impl):
     found = [r for r in json.loads(path.read_text()) if r["impl"] == impl and r["batch"] == 8
-             and r["seq_len"] == 32768 and not r["config"].get("stages")]
+             and r["seq_len"] == 32768 and at_defaults(r)]
     return found[0]["median_us"] if found else None
 
   lines = ["| round | change | KIVI-2 before | KIVI-2 after | KIVI-4 before | KIVI-4 after | cuDNN (after's run) "

@@ -20,8 +20,8 @@ Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (s
 pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
 over the tile's tokens (rows of the logits, reduced across the warpgroup), and writes its partial (o, l, m) in
 fp32 with m in log2 units; a few jnp lines merge the partials exactly. Tokens at and past ``length[b]`` are
-masked; a split whose first token is past the length still runs (every tile masked), the next step of this work
-is to stop at the length.
+masked; a split whose first token is at or past the length reads nothing (its partial is empty), so a cache
+filled to a fraction of its capacity costs about that fraction (at the granularity of a split).
 
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale, no
 full-precision segment (the KIVI window, pools and fetched rows go through ``decode_attention`` today), D a
@@ -305,9 +305,9 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       return (*next_blocks, m_next, l_run)
 
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    along_rows = lambda value: plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
-            plgpu.layout_cast(jnp.full((rows,), M_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
-            zeros((TILE, rows)))
+            along_rows(M_FLOOR), zeros((TILE, rows)))
     first = split * tiles
     pipeline = plgpu.emit_pipeline(
         body,
@@ -321,15 +321,24 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         ],
         max_concurrent_steps=max_concurrent_steps,
         init_carry=init)
-    *o_blocks, m_run, l_run = pipeline(
-        kc_ref.at[at, b, h, pl.ds(first, tiles)],
-        km_ref.at[at, b, h, pl.ds(first * TILE // store.k_group, tiles * TILE // store.k_group)],
-        vc_ref.at[at, b, h, pl.ds(first, tiles)],
-        vm_ref.at[at, b, h, pl.ds(first, tiles)])
-    for i, o_block in enumerate(o_blocks):
-      o_smem[pl.ds(64 * i, 64), :] = o_block
-    l_smem[...] = l_run.sum(axis=0)
-    m_smem[...] = m_run
+    @pl.when(first * TILE < seq_len)
+    def _attend():
+      *o_blocks, m_run, l_run = pipeline(
+          kc_ref.at[at, b, h, pl.ds(first, tiles)],
+          km_ref.at[at, b, h, pl.ds(first * TILE // store.k_group, tiles * TILE // store.k_group)],
+          vc_ref.at[at, b, h, pl.ds(first, tiles)],
+          vm_ref.at[at, b, h, pl.ds(first, tiles)])
+      for i, o_block in enumerate(o_blocks):
+        o_smem[pl.ds(64 * i, 64), :] = o_block
+      l_smem[...] = l_run.sum(axis=0)
+      m_smem[...] = m_run
+
+    @pl.when(first * TILE >= seq_len)
+    def _skip():  # a split wholly past the length reads nothing; its partial is empty (the merge gives it no weight)
+      o_smem[...] = jnp.zeros((head_dim, ROWS), jnp.float32)
+      l_smem[...] = along_rows(0.0)
+      m_smem[...] = along_rows(M_FLOOR)
+
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, split])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, h, split])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jkv_kernels import quantization
+from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import available, field_plan, magic_half, mgpu_decode_attention
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
@@ -215,3 +216,17 @@ class TestMgpuDecodeAttentionGpu:
     o_ref = decode_attention_reference(q, 1, (store,), ())
     o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
+
+  def test_splits_past_the_length_and_an_empty_sequence(self):
+    """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and
+    lse = MASK_VALUE, as the reference does."""
+    store = make_store(8, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=2048,
+                       lengths=[0, 70, 2048])
+    q = jax.random.normal(jax.random.key(9), (3, 2, 1, 4, 128), jnp.bfloat16)
+    o, lse = mgpu_decode_attention(q, 0, pack_mma_store(store), return_lse=True, splits=8)  # 256 tokens a split
+    o_ref, lse_ref = decode_attention_reference(q, 0, (store,), (), return_lse=True)
+    o, o_ref, lse = np.asarray(o, np.float64), np.asarray(o_ref, np.float64), np.asarray(lse)
+    assert np.all(o[0] == 0) and np.all(lse[0] == MASK_VALUE)
+    for b in (1, 2):
+      assert np.linalg.norm(o[b] - o_ref[b]) / np.linalg.norm(o_ref[b]) <= 1e-2
+      np.testing.assert_allclose(lse[b], np.asarray(lse_ref)[b], atol=0.05)
