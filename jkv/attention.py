@@ -12,8 +12,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jkv_kernels import dequant_attention
+from jkv_kernels import dequant_attention, mgpu_decode_attention
 from jkv_kernels.dequant_attention import QuantizedStore  # re-exported for the methods
+from jkv_kernels.mma_layout import TILE, MmaStore, read_mma_tiles
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
 from jkv_kernels.quantization import dequantize, unpack
 
@@ -24,6 +25,14 @@ def pallas_gpu_available() -> bool:
   """A CUDA GPU of compute capability >= 8.0: the Pallas Triton kernels need it (a T4 is 7.5)."""
   device = jax.devices()[0]
   return device.platform == "gpu" and float(getattr(device, "compute_capability", "0") or 0) >= 8.0
+
+
+def hopper_kernel_available() -> bool:
+  """A Hopper GPU (compute capability 9.x: wgmma) and a jax with Mosaic GPU: where the tensor-core kernel over
+  MMA-packed stores (``mgpu_decode_attention``) runs. Elsewhere an ``MmaStore`` is read by the XLA path."""
+  device = jax.devices()[0]
+  capability = float(getattr(device, "compute_capability", "0") or 0)
+  return device.platform == "gpu" and 9.0 <= capability < 10.0 and mgpu_decode_attention.available()
 
 
 def choose_impl(requested: str = "auto") -> str:
@@ -204,6 +213,21 @@ def _store_source(layer, store: QuantizedStore) -> _Source:
   return _Source(load, valid, C, block, jnp.max(store.length))
 
 
+def _mma_store_source(layer, store: MmaStore) -> _Source:
+  """An MMA-packed store, dequantized a block of whole tiles (and whole key groups) at a time; slots at and past
+  ``store.length`` are not keys."""
+  unit = max(TILE, store.k_group)
+  block = unit * _block_size(store.capacity // unit, largest=max(1, 512 // unit))
+  load = lambda start: read_mma_tiles(store, layer, start // TILE, block // TILE)
+  valid = lambda start: ((start + jnp.arange(block))[None] < store.length[:, None])[:, None, None, :]
+  return _Source(load, valid, store.capacity, block, jnp.max(store.length))
+
+
+def _normalized_partial(o, lse):
+  """(o, lse) of one pass -> an (o, m, l) partial for ``merge_partials`` (l = 0 for a row with no key)."""
+  return o.astype(jnp.float32), lse, jnp.where(lse == MASK_VALUE, 0.0, 1.0)
+
+
 def _partials(q, source: _Source):
   return blockwise_partials(q, source.load, source.valid, source.bound, source.n_blocks, source.block)
 
@@ -226,6 +250,13 @@ def _token_mass(q, source: _Source, lse, rows):
 
   mass = jnp.zeros((B, H, len(rows), source.length), jnp.float32)
   return jax.lax.fori_loop(0, source.n_blocks, body, mass)
+
+
+def _hopper_kernel_fits(q, mma_stores) -> bool:
+  """The Hopper kernel runs here and takes q: at most 16 query rows per KV head, in the stores' 16-bit type."""
+  _, _, t_rows, q_per_kv, _ = q.shape
+  return (hopper_kernel_available() and t_rows * q_per_kv <= mgpu_decode_attention.ROWS
+          and all(jnp.dtype(store.dtype) == q.dtype for store in mma_stores))
 
 
 def merge_partials(partials):
@@ -254,7 +285,9 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     q: [B, H, T, g, D].
     layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
     stores: ``QuantizedStore``s (KIVI layout, stacked, each with its own widths, groupings, holes and value
-      channel scale; ``jkv_kernels.dequant_attention``).
+      channel scale; ``jkv_kernels.dequant_attention``) and ``MmaStore``s (the MMA-ready packing of
+      ``jkv_kernels.mma_layout``: read by the Hopper tensor-core kernel with impl "pallas" on a Hopper GPU, by
+      the XLA path everywhere else).
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
       mask [B, T, S] or [B, H, T, S] bool.
     impl: "pallas" or "interpret" (the fused kernel, which reads the stacked arrays in place) or "xla"
@@ -270,10 +303,24 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     ``token_mass_rows`` mass = ((per store [B, H, R, C]), (per segment [B, H, R, S])), R = len(token_mass_rows).
   """
   stores, segments, rows = tuple(stores), tuple(segments), tuple(token_mass_rows)
-  if impl != "xla":
+  mma_stores = tuple(store for store in stores if isinstance(store, MmaStore))
+  stores = tuple(store for store in stores if not isinstance(store, MmaStore))
+  if mma_stores and rows:
+    raise ValueError("token mass (ZipCache's probes, SpeCache's top-k) is not read from MMA-packed stores")
+  if mma_stores and impl == "pallas" and _hopper_kernel_fits(q, mma_stores):
+    parts = [_normalized_partial(*mgpu_decode_attention.mgpu_decode_attention(q, layer, store, return_lse=True))
+             for store in mma_stores]
+    if stores or segments:  # the rest through the Triton kernel, one softmax merged exactly
+      parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
+                                                                           return_lse=True)))
+    o, lse = merge_partials(parts)
+    out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
+    return out if len(out) > 1 else out[0]
+  if impl != "xla" and not mma_stores:
     return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
                                               token_mass_rows=rows, interpret=impl == "interpret")
-  store_sources = [_store_source(layer, store) for store in stores]
+  store_sources = [_mma_store_source(layer, store) for store in mma_stores]
+  store_sources += [_store_source(layer, store) for store in stores]
   segment_sources = [_segment_source(layer, k, v, mask, num_keys if i == 0 else None)
                      for i, (k, v, mask) in enumerate(segments)]
   o, lse = merge_partials([_partials(q, source) for source in store_sources + segment_sources])

@@ -156,76 +156,125 @@ class MmaStore:
     return self.k_codes.shape[3] * TILE
 
 
-def pack_mma_store(store) -> MmaStore:
-  """A ``QuantizedStore`` (codes packed along tokens / channels) in the MMA-ready packing."""
-  for name, bits in (("k_bits", store.k_bits), ("v_bits", store.v_bits)):
+def check_mma_packing(*, k_bits: int, v_bits: int, k_group: int, v_group: int, head_dim: int, tokens: int,
+                      meta_dtype) -> None:
+  """One-line errors for what the MMA packing (and so the Hopper kernel) does not take."""
+  for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
     if bits not in MMA_BITS:
       raise ValueError(f"the MMA packing takes {MMA_BITS}-bit codes, got {name}={bits}")
+  if jnp.dtype(meta_dtype).itemsize != 2:
+    raise ValueError(f"the MMA packing takes 16-bit scales and zero-points (fp16 or bf16), got "
+                     f"{jnp.dtype(meta_dtype).name}")
+  if tokens % TILE or head_dim % 64:
+    raise ValueError(f"the MMA packing needs the capacity ({tokens}) a multiple of {TILE} and head_dim "
+                     f"({head_dim}) a multiple of 64")
+  if k_group < 16 or v_group < 16 or head_dim % v_group:
+    raise ValueError(f"the MMA packing needs k_group and v_group >= 16 (got {k_group}, {v_group})")
+
+
+def _channel_pairs(head_dim):
+  """[4, D/8] the first channel (token) of each quad's pair 2 q + 8 j."""
+  q_idx, j_idx = np.meshgrid(np.arange(4), np.arange(head_dim // 8), indexing="ij")
+  return 2 * q_idx + 8 * j_idx
+
+
+def pack_key_tiles(codes, scale, zero, *, bits: int):
+  """Keys in the library's layout -> the MMA packing, for any leading axes and n tokens (a multiple of 64 and
+  of the key group G).
+
+  Args:
+    codes: [..., D, n / Pk] uint32, packed along tokens; scale, zero: [..., D, n / G] (16-bit).
+  Returns:
+    (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / G, D] uint32).
+  """
+  *lead, head_dim, groups = scale.shape
+  k = jnp.swapaxes(unpack(codes, bits=bits, axis=-1), -1, -2)  # [..., n, D]
+  k = k.reshape(*lead, -1, TILE, head_dim)
+  kt, kc = key_register_map(head_dim)
+  ch = _channel_pairs(head_dim)  # key scales per group: [4, D/8, 2] words of channel pairs (2q + 8j, +1)
+  ks, kz = jnp.swapaxes(scale, -1, -2), jnp.swapaxes(zero, -1, -2)  # [..., n/G, D]
+  meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
+  return _pack_registers(k[..., kt, kc], bits), _interleave_quads(meta.reshape(*lead, groups, 4, -1))
+
+
+def pack_value_tiles(codes, scale, zero, *, bits: int):
+  """Values in the library's layout -> the MMA packing, for any leading axes and n tokens (a multiple of 64).
+
+  Args:
+    codes: [..., n, D / Pv] uint32, packed along channels; scale, zero: [..., n, D / Gv] (16-bit).
+  Returns:
+    (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / 64, D / Gv * 64] uint32).
+  """
+  *lead, tokens, channel_groups = scale.shape
+  v = unpack(codes, bits=bits, axis=-1)  # [..., n, D]
+  head_dim = v.shape[-1]
+  v = v.reshape(*lead, tokens // TILE, TILE, head_dim)
+  vt, vc = value_register_map(head_dim)
+  tok = _channel_pairs(64)  # value scales per tile: [D/Gv, 4, 8, 2] words of token pairs (2q + 8j, +1)
+  per_tile = lambda a: jnp.swapaxes(a.reshape(*lead, tokens // TILE, TILE, channel_groups), -1, -2)
+  vs, vz = per_tile(scale), per_tile(zero)  # [..., tile, D/Gv, 64]
+  meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])], -1)
+  meta = _interleave_quads(meta.reshape(*meta.shape[:-3], 4, 16)).reshape(*lead, tokens // TILE, -1)
+  return _pack_registers(v[..., vt, vc], bits), meta
+
+
+def pack_mma_store(store) -> MmaStore:
+  """A ``QuantizedStore`` (codes packed along tokens / channels) in the MMA-ready packing."""
+  capacity, head_dim = store.v_codes.shape[3], store.k_codes.shape[3]
+  check_mma_packing(k_bits=store.k_bits, v_bits=store.v_bits, k_group=store.k_group, v_group=store.v_group,
+                    head_dim=head_dim, tokens=capacity, meta_dtype=store.k_scale.dtype)
+  if jnp.dtype(store.v_scale.dtype) != jnp.dtype(store.k_scale.dtype):
+    raise ValueError("the MMA packing takes one 16-bit type for the key and value scales")
   if store.valid is not None or store.v_channel_scale is not None:
     raise ValueError("the MMA packing does not yet take stores with holes or a value channel scale")
-  num_layers, batch, kv_heads, capacity, _ = store.v_codes.shape
-  head_dim = store.k_codes.shape[3]
-  if capacity % TILE or head_dim % 64:
-    raise ValueError(f"the MMA packing needs the capacity ({capacity}) a multiple of {TILE} and head_dim "
-                     f"({head_dim}) a multiple of 64")
-  if store.k_group < 16 or store.v_group < 16 or head_dim % store.v_group:
-    raise ValueError(f"the MMA packing needs k_group and v_group >= 16 (got {store.k_group}, {store.v_group})")
-  lead = (num_layers, batch, kv_heads)
-  tiles = capacity // TILE
-  k = unpack(store.k_codes, bits=store.k_bits, axis=4)                     # [L, B, H, D, C]
-  k = jnp.swapaxes(k, 3, 4).reshape(*lead, tiles, TILE, head_dim)          # [.., tile, token, channel]
-  v = unpack(store.v_codes, bits=store.v_bits, axis=4).reshape(*lead, tiles, TILE, head_dim)
-  (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
-  k_codes = _pack_registers(k[..., kt, kc], store.k_bits)
-  v_codes = _pack_registers(v[..., vt, vc], store.v_bits)
-
-  # Key scales: [L, B, H, D, C/G] -> per group [4, D/8, 2] words of channel pairs (2q + 8j, +1).
-  q_idx, j_idx = np.meshgrid(np.arange(4), np.arange(head_dim // 8), indexing="ij")
-  ch = 2 * q_idx + 8 * j_idx
-  by_group = lambda a: jnp.moveaxis(a, 3, 4)  # [.., C/G, D]
-  ks, kz = by_group(store.k_scale), by_group(store.k_zero)
-  k_meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
-  k_meta = _interleave_quads(k_meta.reshape(*lead, capacity // store.k_group, 4, -1))
-
-  # Value scales: [L, B, H, C, D/Gv] -> per tile [D/Gv, 4, 8, 2] words of token pairs (2q + 8j, +1).
-  tok = (2 * q_idx[:, :8] + 8 * j_idx[:, :8])  # [4, 8]
-  per_tile = lambda a: jnp.moveaxis(a.reshape(*lead, tiles, TILE, -1), -1, -2)  # [.., tile, D/Gv, 64]
-  vs, vz = per_tile(store.v_scale), per_tile(store.v_zero)
-  v_meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])],
-                     -1)  # [.., tile, D/Gv, 4, 8, 2]
-  v_meta = _interleave_quads(v_meta.reshape(*v_meta.shape[:-3], 4, 16)).reshape(*lead, tiles, -1)
+  k_codes, k_meta = pack_key_tiles(store.k_codes, store.k_scale, store.k_zero, bits=store.k_bits)
+  v_codes, v_meta = pack_value_tiles(store.v_codes, store.v_scale, store.v_zero, bits=store.v_bits)
   return MmaStore(k_codes, k_meta, v_codes, v_meta, store.length, store.k_bits, store.v_bits, store.k_group,
                   store.v_group, jnp.dtype(store.k_scale.dtype).name)
 
 
-def read_mma_store(mma: MmaStore, layer):
-  """Layer ``layer`` dequantized from the MMA packing: keys, values [B, Hkv, C, D] float32 (the check that
-  ``pack_mma_store`` kept every code, scale and zero-point)."""
+def read_mma_tiles(mma: MmaStore, layer, start, count: int):
+  """Tiles [start, start + count) of layer ``layer`` dequantized from the MMA packing: keys, values
+  [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles must cover whole key groups
+  (64 start and 64 count multiples of G when G > 64). The plain-jnp reading of the packing: the check that
+  ``pack_mma_store`` kept every code, scale and zero-point, and the XLA path's way to read an MMA store."""
   dtype = jnp.dtype(mma.dtype)
-  _, batch, kv_heads, tiles, _ = mma.k_codes.shape
-  capacity = tiles * TILE
+  _, batch, kv_heads, _, _ = mma.k_codes.shape
   head_dim = mma.k_meta.shape[-1]  # 4 quads x D / 4 words per group
+  tokens = count * TILE
+
+  def take(x, first, n):  # one dynamic slice of the stacked array: [B, H, n, W] at ``layer``
+    return jax.lax.dynamic_slice(x, (layer, 0, 0, first, 0), (1, *x.shape[1:3], n, x.shape[4]))[0]
+
   halves = lambda w: (jax.lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), dtype).astype(jnp.float32),
                       jax.lax.bitcast_convert_type((w >> 16).astype(jnp.uint16), dtype).astype(jnp.float32))
   (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
   scatter = lambda codes, t, c: jnp.zeros((*codes.shape[:-3], TILE, head_dim), jnp.int32).at[..., t, c].set(codes)
-  k = scatter(_unpack_registers(mma.k_codes[layer], mma.k_bits, kt.shape[1]), kt, kc)  # [B, H, tiles, 64, D]
-  v = scatter(_unpack_registers(mma.v_codes[layer], mma.v_bits, vt.shape[1]), vt, vc)
-  k = k.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
-  v = v.reshape(batch, kv_heads, capacity, head_dim).astype(jnp.float32)
+  k = scatter(_unpack_registers(take(mma.k_codes, start, count), mma.k_bits, kt.shape[1]), kt, kc)
+  v = scatter(_unpack_registers(take(mma.v_codes, start, count), mma.v_bits, vt.shape[1]), vt, vc)
+  k = k.reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
+  v = v.reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
 
-  k_meta = _deinterleave_quads(mma.k_meta[layer]).reshape(batch, kv_heads, -1, 4, head_dim // 8, 2)
-  (s0, s1), (z0, z1) = halves(k_meta[..., 0]), halves(k_meta[..., 1])  # [B, H, C/G, 4, D/8]
+  groups = max(1, tokens // mma.k_group)
+  k_meta = take(mma.k_meta, start * TILE // mma.k_group, groups)
+  k_meta = _deinterleave_quads(k_meta).reshape(batch, kv_heads, groups, 4, head_dim // 8, 2)
+  (s0, s1), (z0, z1) = halves(k_meta[..., 0]), halves(k_meta[..., 1])  # [B, H, groups, 4, D/8]
   # channel 2q + 8j (+1) -> index [.., j, q, pair]
   per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(batch, kv_heads, -1, head_dim)
-  k_scale = jnp.repeat(per_channel(s0, s1), mma.k_group, axis=2)
-  k_zero = jnp.repeat(per_channel(z0, z1), mma.k_group, axis=2)
+  k_scale = jnp.repeat(per_channel(s0, s1), mma.k_group, axis=2)[:, :, :tokens]
+  k_zero = jnp.repeat(per_channel(z0, z1), mma.k_group, axis=2)[:, :, :tokens]
 
-  v_meta = _deinterleave_quads(mma.v_meta[layer].reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 64))
-  v_meta = v_meta.reshape(batch, kv_heads, tiles, head_dim // mma.v_group, 4, 8, 2)
-  (s0, s1), (z0, z1) = halves(v_meta[..., 0]), halves(v_meta[..., 1])  # [B, H, tiles, D/Gv, 4, 8]
+  v_meta = _deinterleave_quads(take(mma.v_meta, start, count).reshape(
+      batch, kv_heads, count, head_dim // mma.v_group, 64))
+  v_meta = v_meta.reshape(batch, kv_heads, count, head_dim // mma.v_group, 4, 8, 2)
+  (s0, s1), (z0, z1) = halves(v_meta[..., 0]), halves(v_meta[..., 1])  # [B, H, count, D/Gv, 4, 8]
   per_token = lambda a, b: jnp.moveaxis(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
-      batch, kv_heads, tiles, head_dim // mma.v_group, TILE), 3, -1).reshape(batch, kv_heads, capacity, -1)
+      batch, kv_heads, count, head_dim // mma.v_group, TILE), 3, -1).reshape(batch, kv_heads, tokens, -1)
   v_scale = jnp.repeat(per_token(s0, s1), mma.v_group, axis=-1)
   v_zero = jnp.repeat(per_token(z0, z1), mma.v_group, axis=-1)
   return k * k_scale + k_zero, v * v_scale + v_zero
+
+
+def read_mma_store(mma: MmaStore, layer):
+  """Layer ``layer`` dequantized from the MMA packing: keys, values [B, Hkv, C, D] float32."""
+  return read_mma_tiles(mma, layer, 0, mma.k_codes.shape[3])

@@ -320,6 +320,56 @@ def test_xla_decode_attention_equals_the_reference(n_stores):
   np.testing.assert_allclose(sum(np.asarray(m).sum(-1) for m in jax.tree.leaves(mass)), g, rtol=1e-5)
 
 
+def _store_and_segments_for_mma(rng, dtype):
+  """Layer 1 of 3 (others NaN) of a KIVI-2/4 store of 512 slots with bf16 scales (the MMA packing takes 16-bit
+  ones), q and a per-step segment in ``dtype``."""
+  L, B, H, T, g, D, C, S = 3, 2, 2, 1, 4, 64, 512, 24
+  store = _random_store(rng, L, B, H, C, D, k_bits=2, v_bits=4, k_group=32, v_group=32, lengths=[300, 64])
+  bf16 = lambda x: x.astype(jnp.bfloat16)
+  store = dataclasses.replace(store, k_scale=bf16(store.k_scale), k_zero=bf16(store.k_zero),
+                              v_scale=bf16(store.v_scale), v_zero=bf16(store.v_zero))
+  q = jnp.asarray(rng.normal(size=(B, H, T, g, D)), dtype)
+  segment = (jnp.asarray(rng.normal(size=(B, H, S, D)), dtype), jnp.asarray(rng.normal(size=(B, H, S, D)), dtype),
+             jnp.asarray(rng.random((B, H, T, S)) < 0.5))
+  return q, store, segment
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl):
+  """An MmaStore beside a segment, through the XLA path (where every impl reads it off a Hopper GPU), against
+  the same store in the library's layout: the same keys and values, one softmax."""
+  from jkv_kernels.mma_layout import pack_mma_store
+  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(21), jnp.float32)
+  o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
+                            return_lse=True)
+  o_ref, lse_ref = decode_attention(q, jnp.int32(1), stores=(store,), segments=(segment,), impl="xla",
+                                    return_lse=True)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="MMA-packed"):
+    decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), impl="xla", token_mass_rows=(0,))
+
+
+def _hopper() -> bool:
+  from jkv.attention import hopper_kernel_available
+  return hopper_kernel_available()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Mosaic GPU")
+def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments():
+  """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore, the Triton kernel over the segment,
+  merged by log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding)."""
+  from jkv_kernels.dequant_attention import decode_attention_reference
+  from jkv_kernels.mma_layout import pack_mma_store
+  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(22), jnp.bfloat16)
+  o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl="pallas",
+                            return_lse=True)
+  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment,), return_lse=True)
+  o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
+  assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
+
+
 def test_reference_store_holes_and_channel_scale_by_brute_force():
   """The reference's reading of a store with holes and a value channel scale, against attention over the
   explicitly dequantized K/V of the slots that are not holes (numpy, float64)."""

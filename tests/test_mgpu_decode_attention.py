@@ -17,7 +17,7 @@ from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import available, field_plan, magic_half, mgpu_decode_attention
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
-                                    value_register_map)
+                                    read_mma_tiles, value_register_map)
 
 
 def make_store(seed, *, k_bits, v_bits, k_group, v_group, dtype, layers=2, batch=3, kv_heads=2, capacity=512,
@@ -55,6 +55,20 @@ def test_packing_keeps_every_code_and_scale(k_bits, v_bits, k_group, v_group, he
     k, v = read_mma_store(packed, layer)
     np.testing.assert_array_equal(np.asarray(k), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v), np.asarray(v_ref))
+
+
+@pytest.mark.parametrize("k_group", [32, 128])
+def test_a_range_of_tiles_reads_as_the_same_tokens_of_the_store(k_group):
+  store = make_store(7, k_bits=2, v_bits=4, k_group=k_group, v_group=32, dtype=jnp.bfloat16, capacity=512)
+  packed = pack_mma_store(store)
+  k_all, v_all, _ = store.read_layer(1)
+  for start, count in ((0, 2), (2, 2), (5, 1), (4, 4)):
+    if count * 64 % k_group and count * 64 > k_group:
+      continue
+    k, v = jax.jit(lambda layer, first: read_mma_tiles(packed, layer, first, count))(1, start)
+    tokens = slice(64 * start, 64 * (start + count))
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(k_all[:, :, tokens]))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(v_all[:, :, tokens]))
 
 
 def test_register_maps_follow_the_ptx_wgmma_a_layout():
@@ -137,6 +151,9 @@ def test_packing_refuses_what_the_kernel_does_not_take():
     pack_mma_store(store)
   store = make_store(2, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1, capacity=96)
   with pytest.raises(ValueError, match="multiple of 64"):
+    pack_mma_store(store)
+  store = make_store(2, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.float32, layers=1)
+  with pytest.raises(ValueError, match="16-bit scales"):
     pack_mma_store(store)
 
 
