@@ -4,8 +4,10 @@ largest batch (or context) a method's cache lets fit on a device, and the one-li
 The cache is allocated at capacity up front (``KVCache.create``), from the method's ``abstract`` description, so
 what a batch costs is known before anything runs; prefill activations are bounded by running the batch in
 sub-batches of at most ``prefill_token_budget`` prompt tokens (``jkv.generate``). ``guard`` refuses a batch whose
-cache cannot fit before it is allocated, and turns a later allocation failure (XLA's RESOURCE_EXHAUSTED, whose
-message carries a many-line allocator report) into the same one-line ``DeviceMemoryError``.
+cache cannot fit before it is allocated, has an allocator that grows region by region (XLA's GPU allocator without
+preallocation) grow by one region that holds the whole cache (``gather_pool``), and turns a later allocation failure
+(XLA's RESOURCE_EXHAUSTED, whose message carries a many-line allocator report) into the same one-line
+``DeviceMemoryError``.
 """
 
 import contextlib
@@ -13,9 +15,10 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jkv import sharding
-from jkv.cache import CacheMethod, CacheSpec, abstract_bytes
+from jkv.cache import CacheMethod, CacheSpec, abstract_bytes, is_array_info
 from jkv.config import ModelConfig
 
 # Beyond weights, cache and prefill activations: XLA's workspace, cuDNN/cuBLAS handles, the decode step's own
@@ -66,14 +69,71 @@ def available_memory() -> Optional[dict]:
   return device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
 
 
-def prefill_token_budget(cfg: ModelConfig, device=None) -> int:
+def allocator_pool(device=None) -> Optional[dict]:
+  """{"limit", "pool", "largest_free"} bytes of a device allocator that grows its pool region by region (XLA's GPU
+  allocator with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): what it may take in all, what it took from the device
+  so far, and its largest free block; None where the device does not report them (CPU) or the pool is whole
+  (preallocated: one region of the limit from the start)."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if not stats or "bytes_limit" not in stats or "pool_bytes" not in stats:
+    return None
+  limit, pool = int(stats["bytes_limit"]), int(stats["pool_bytes"])
+  if pool >= limit:
+    return None
+  return dict(limit=limit, pool=pool, largest_free=int(stats.get("largest_free_block_bytes", 0)))
+
+
+# XLA's GPU allocator (tsl::BFCAllocator) rounds every allocation up to a multiple of this.
+ALLOCATION_GRANULE = 256
+
+
+def _claim(nbytes: int, device):
+  """``nbytes`` (or a little more) of device memory: a placeholder array, to be deleted."""
+  return jnp.zeros((-(-nbytes // 4),), jnp.uint32, device=device)
+
+
+def gather_pool(nbytes: int, devices) -> None:
+  """Make a growing allocator's pool hold ``nbytes`` in one free block on each of ``devices`` before a cache of that
+  many bytes is allocated there, so that all its arrays fit where ``guard`` counted them.
+
+  Without it, XLA's GPU allocator with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` gives each array too large for its
+  free blocks a new region, sized the next power of two of 2 MiB that holds it but never past what is left of its
+  limit. The cache of 303 sequences of 4064 tokens of the default model (dense, 52.85 GiB, with 58.85 GiB free of
+  59.38 GiB) failed on the H100 (issue 28) asking for 26.42 GiB in ``jit_broadcast_in_dim``, the zeros of its second
+  array: by that rule (tests/test_memory_pool.py models it) the weights' regions come to 1 GiB, K gets a 32 GiB
+  region, and V, the same size, finds 26.38 GiB left to grow into (the 5.58 GiB free in K's region is no use to it). One placeholder of the whole cache grows the pool by one
+  region that holds every array (the next power of two past it, or all that is left); deleted before the cache is
+  allocated, it leaves that region free for it. Nothing is done where the pool is whole or reports nothing (CPU),
+  where a free block already holds the cache, or where no new region could (the allocation then fails as it would
+  have, in ``guard``'s one line); a placeholder that does not fit is let go the same way."""
+  for device in devices:
+    pool = allocator_pool(device)
+    if pool is None or nbytes <= pool["largest_free"] or nbytes > pool["limit"] - pool["pool"]:
+      continue
+    try:
+      placeholder = _claim(nbytes, device)
+      placeholder.block_until_ready()
+    except jax.errors.JaxRuntimeError as e:
+      if not is_out_of_memory(e):
+        raise
+      continue
+    placeholder.delete()
+
+
+def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token: int = 0) -> int:
   """Prompt tokens one prefill call may process: what the device's free memory holds of prefill activations
-  (call after the cache and weights are allocated), or 2**16 where the device does not report its memory."""
+  (call after the cache and weights are allocated), or 2**16 where the device does not report its memory.
+
+  ``state_bytes_per_token``: what a sub-batch's own cache costs per prompt token besides. A prefill call fills a
+  fresh empty state of its sequences at the cache's whole capacity, then writes it into the cache (``jkv.generate``):
+  a temporary of one sequence's cache per sequence, which for short prompts in a long capacity outweighs the
+  activations (dense, the default model, 4064 tokens: 178 MiB per 64-token prompt, against 2.2 MB of activations)."""
   mem = device_memory(device)
   if mem is None:
     return 1 << 16
   free = mem["limit"] - mem["in_use"] - RESERVE_BYTES
-  return max(1, (free // 2) // prefill_bytes_per_token(cfg))
+  return max(1, (free // 2) // (prefill_bytes_per_token(cfg) + state_bytes_per_token))
 
 
 def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:
@@ -164,6 +224,19 @@ class CacheRequest:
     """The cache's device bytes (one device's share on a mesh)."""
     return cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh)
 
+  @property
+  def allocation_bytes(self) -> int:
+    """What the allocator takes for the cache's device arrays on one device: ``need_bytes`` with each array
+    rounded up as XLA's GPU allocator rounds it."""
+    return self.need_bytes + ALLOCATION_GRANULE * (len(jax.tree.leaves(
+        self.method.abstract(CacheSpec.for_model(self.cfg, self.batch, self.capacity)), is_leaf=is_array_info)) + 1)
+
+  def devices(self) -> list:
+    """This process's devices the cache is allocated on: the mesh's, or the first device."""
+    if self.mesh is None:
+      return [jax.local_devices()[0]]
+    return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
   def error(self, problem: str, mem: dict) -> DeviceMemoryError:
     """``problem``, then what the device has and what fits in the memory ``mem`` (``device_memory``, read before
     the cache was allocated)."""
@@ -189,14 +262,16 @@ class CacheRequest:
 @contextlib.contextmanager
 def guard(request: CacheRequest):
   """Around the allocation and use of a cache: refuse the request (``DeviceMemoryError``) when its cache alone
-  exceeds the device's free memory, which no prefill sub-batching can help, and turn XLA's out-of-memory failure
-  inside into a ``DeviceMemoryError`` saying the same. On a CPU the device's memory is the machine's
+  exceeds the device's free memory, which no prefill sub-batching can help, make a growing allocator's pool ready
+  to hold the cache in one block (``gather_pool``), and turn XLA's out-of-memory failure inside into a
+  ``DeviceMemoryError`` saying the same. On a CPU the device's memory is the machine's
   (``available_memory``); nothing is checked where neither is known."""
   # Settings that cannot serve this model are their own one-line error, before their cache is sized.
   request.method.check(CacheSpec.for_model(request.cfg, request.batch, request.capacity))
   mem = available_memory()
   if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
     raise request.error(f"{request} does not fit", mem)
+  gather_pool(request.allocation_bytes, request.devices())
   try:
     yield
   except jax.errors.JaxRuntimeError as e:
