@@ -104,9 +104,10 @@ def gather_pool(nbytes: int, devices) -> None:
   array: by that rule (tests/test_memory_pool.py models it) the weights' regions come to 1 GiB, K gets a 32 GiB
   region, and V, the same size, finds 26.38 GiB left to grow into (the 5.58 GiB free in K's region is no use to it).
   One placeholder of the whole cache grows the pool by one region that holds every array (the next power of two
-  past it, or all that is left); deleted before the cache is allocated, it leaves that region free for it. Nothing is done where the pool is whole or reports nothing (CPU),
-  where a free block already holds the cache, or where no new region could (the allocation then fails as it would
-  have, in ``guard``'s one line); a placeholder that does not fit is let go the same way."""
+  past it, or all that is left); deleted before the cache is allocated, it leaves that region free for it. Nothing
+  is done where the pool is whole or reports nothing (CPU), where a free block already holds the cache, or where no
+  new region could (the allocation then fails as it would have, in ``guard``'s one line); a placeholder that does
+  not fit is let go the same way."""
   for device in devices:
     pool = allocator_pool(device)
     if pool is None or nbytes <= pool["largest_free"] or nbytes > pool["limit"] - pool["pool"]:
