@@ -233,46 +233,63 @@ def pack_mma_store(store) -> MmaStore:
                   store.v_group, jnp.dtype(store.k_scale.dtype).name)
 
 
+def _halves(words, dtype):
+  """uint32 words -> (low, high) 16-bit floats of ``dtype`` as float32."""
+  as_float = lambda h: jax.lax.bitcast_convert_type(h.astype(jnp.uint16), dtype).astype(jnp.float32)
+  return as_float(words & 0xFFFF), as_float(words >> 16)
+
+
+def read_key_tiles(words, meta, *, bits: int, group: int, dtype):
+  """Inverse of ``pack_key_tiles``: tile words [..., n, W] and the meta words of their key groups [..., groups,
+  D] (one group for tiles inside a group longer than n tiles) -> keys [..., 64 n, D] float32."""
+  *lead, count, _ = words.shape
+  head_dim, tokens = meta.shape[-1], count * TILE
+  kt, kc = key_register_map(head_dim)
+  k = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., kt, kc].set(
+      _unpack_registers(words, bits, kt.shape[1]))
+  k = k.reshape(*lead, tokens, head_dim).astype(jnp.float32)
+  pairs = _deinterleave_quads(meta).reshape(*meta.shape[:-1], 4, head_dim // 8, 2)
+  (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., groups, 4, D/8]
+  # channel 2q + 8j (+1) -> index [.., j, q, pair]
+  per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(*lead, -1, head_dim)
+  per_token = lambda a: jnp.repeat(per_channel(*a), group, axis=-2)[..., :tokens, :]
+  return k * per_token((s0, s1)) + per_token((z0, z1))
+
+
+def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
+  """Inverse of ``pack_value_tiles``: tile words [..., n, W] and meta [..., n, D / Gv * 64] -> values
+  [..., 64 n, D] float32."""
+  *lead, count, _ = words.shape
+  channel_groups = meta.shape[-1] // 64
+  head_dim, tokens = channel_groups * group, count * TILE
+  vt, vc = value_register_map(head_dim)
+  v = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., vt, vc].set(
+      _unpack_registers(words, bits, vt.shape[1]))
+  v = v.reshape(*lead, tokens, head_dim).astype(jnp.float32)
+  pairs = _deinterleave_quads(meta.reshape(*lead, count, channel_groups, 64))
+  pairs = pairs.reshape(*lead, count, channel_groups, 4, 8, 2)
+  (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., n, D/Gv, 4, 8]
+  per_token = lambda a, b: jnp.swapaxes(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
+      *lead, count, channel_groups, TILE), -1, -2).reshape(*lead, tokens, channel_groups)
+  by_channel = lambda a: jnp.repeat(per_token(*a), group, axis=-1)
+  return v * by_channel((s0, s1)) + by_channel((z0, z1))
+
+
 def read_mma_tiles(mma: MmaStore, layer, start, count: int):
   """Tiles [start, start + count) of layer ``layer`` dequantized from the MMA packing: keys, values
-  [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles must cover whole key groups
-  (64 start and 64 count multiples of G when G > 64). The plain-jnp reading of the packing: the check that
-  ``pack_mma_store`` kept every code, scale and zero-point, and the XLA path's way to read an MMA store."""
-  dtype = jnp.dtype(mma.dtype)
-  _, batch, kv_heads, _, _ = mma.k_codes.shape
-  head_dim = mma.k_meta.shape[-1]  # 4 quads x D / 4 words per group
-  tokens = count * TILE
-
+  [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles lie in one key group or cover
+  whole ones. The plain-jnp reading of the packing: the check that ``pack_mma_store`` kept every code, scale
+  and zero-point, and the XLA path's way to read an MMA store."""
   def take(x, first, n):  # one dynamic slice of the stacked array: [B, H, n, W] at ``layer``
     return jax.lax.dynamic_slice(x, (layer, 0, 0, first, 0), (1, *x.shape[1:3], n, x.shape[4]))[0]
 
-  halves = lambda w: (jax.lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), dtype).astype(jnp.float32),
-                      jax.lax.bitcast_convert_type((w >> 16).astype(jnp.uint16), dtype).astype(jnp.float32))
-  (kt, kc), (vt, vc) = key_register_map(head_dim), value_register_map(head_dim)
-  scatter = lambda codes, t, c: jnp.zeros((*codes.shape[:-3], TILE, head_dim), jnp.int32).at[..., t, c].set(codes)
-  k = scatter(_unpack_registers(take(mma.k_codes, start, count), mma.k_bits, kt.shape[1]), kt, kc)
-  v = scatter(_unpack_registers(take(mma.v_codes, start, count), mma.v_bits, vt.shape[1]), vt, vc)
-  k = k.reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
-  v = v.reshape(batch, kv_heads, tokens, head_dim).astype(jnp.float32)
-
-  groups = max(1, tokens // mma.k_group)
-  k_meta = take(mma.k_meta, start * TILE // mma.k_group, groups)
-  k_meta = _deinterleave_quads(k_meta).reshape(batch, kv_heads, groups, 4, head_dim // 8, 2)
-  (s0, s1), (z0, z1) = halves(k_meta[..., 0]), halves(k_meta[..., 1])  # [B, H, groups, 4, D/8]
-  # channel 2q + 8j (+1) -> index [.., j, q, pair]
-  per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(batch, kv_heads, -1, head_dim)
-  k_scale = jnp.repeat(per_channel(s0, s1), mma.k_group, axis=2)[:, :, :tokens]
-  k_zero = jnp.repeat(per_channel(z0, z1), mma.k_group, axis=2)[:, :, :tokens]
-
-  v_meta = _deinterleave_quads(take(mma.v_meta, start, count).reshape(
-      batch, kv_heads, count, head_dim // mma.v_group, 64))
-  v_meta = v_meta.reshape(batch, kv_heads, count, head_dim // mma.v_group, 4, 8, 2)
-  (s0, s1), (z0, z1) = halves(v_meta[..., 0]), halves(v_meta[..., 1])  # [B, H, count, D/Gv, 4, 8]
-  per_token = lambda a, b: jnp.moveaxis(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
-      batch, kv_heads, count, head_dim // mma.v_group, TILE), 3, -1).reshape(batch, kv_heads, tokens, -1)
-  v_scale = jnp.repeat(per_token(s0, s1), mma.v_group, axis=-1)
-  v_zero = jnp.repeat(per_token(z0, z1), mma.v_group, axis=-1)
-  return k * k_scale + k_zero, v * v_scale + v_zero
+  dtype = jnp.dtype(mma.dtype)
+  groups = max(1, count * TILE // mma.k_group)
+  keys = read_key_tiles(take(mma.k_codes, start, count), take(mma.k_meta, start * TILE // mma.k_group, groups),
+                        bits=mma.k_bits, group=mma.k_group, dtype=dtype)
+  values = read_value_tiles(take(mma.v_codes, start, count), take(mma.v_meta, start, count), bits=mma.v_bits,
+                            group=mma.v_group, dtype=dtype)
+  return keys, values
 
 
 def read_mma_store(mma: MmaStore, layer):

@@ -15,6 +15,7 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
 from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv_kernels.mma_layout import pack_key_tiles
 from jkv_kernels.quantization import dequantize, pack, quantize
 
 H, G_Q, D = 2, 3, 64  # KV heads, query heads per KV head, head dim
@@ -75,13 +76,15 @@ def _oracle(method, q_row, k, v, n):
   return _oracle_jit(jnp.asarray(q_row), jnp.asarray(k), jnp.asarray(v), n, b_k, b_v, method.kb, method.vb)
 
 
-@pytest.mark.parametrize("bits, lam_before, prompt_len", [
-    (2, False, 1), (2, False, 31), (2, False, 64), (4, False, 65), (2, False, 133),
-    (2, True, 64), (4, True, 100), (2, True, 1),
+@pytest.mark.parametrize("bits, lam_before, prompt_len, mma", [
+    (2, False, 1, False), (2, False, 31, False), (2, False, 64, False), (4, False, 65, False),
+    (2, False, 133, False), (2, True, 64, False), (4, True, 100, False), (2, True, 1, False),
+    (2, False, 31, True), (4, False, 65, True), (2, True, 100, True),
 ])
-def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len):
-  """Prefill, then steps across several flushes; every step's attention and the key codes equal the oracle."""
-  method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before)
+def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len, mma):
+  """Prefill, then steps across several flushes; every step's attention and the key codes equal the oracle.
+  With mma=True the store is the MMA packing (tiles, a value tail): the same oracle holds."""
+  method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before, mma=mma)
   steps = 150
   rng = np.random.default_rng(prompt_len + 10 * bits)
   q, k, v = _qkv(rng, 1, 384)  # random past the end too: the oracle must mask it
@@ -99,6 +102,12 @@ def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len):
   b_k = int(method.key_boundary(n))
   c, s, z = quantize(jnp.swapaxes(jnp.asarray(k[:, :, :b_k]), 2, 3), bits=bits, axis=3, group_size=32,
                      meta_dtype=jnp.float16)
+  if mma:
+    words, meta = pack_key_tiles(pack(c, bits=bits, axis=3), s, z, bits=bits)
+    np.testing.assert_array_equal(np.asarray(state.k_tiles[1, :, :, :b_k // 64]), np.asarray(words))
+    np.testing.assert_array_equal(np.asarray(state.k_meta[1, :, :, :b_k // 32]), np.asarray(meta))
+    assert not np.any(np.asarray(state.k_tiles[0]))  # layer 0 was never touched
+    return
   np.testing.assert_array_equal(np.asarray(state.k_codes[1, :, :, :, :b_k * bits // 32]),
                                 np.asarray(pack(c, bits=bits, axis=3)))
   np.testing.assert_array_equal(np.asarray(state.k_scale[1, :, :, :, :b_k // 32]), np.asarray(s))
@@ -205,10 +214,35 @@ def test_memory_matches_the_spec_formula():
     (dict(bits=2, group_size=48, residual=96), "does not divide the head dim 64"),
     (dict(bits=2, group_size=8, residual=64), "must be a multiple of 16"),
     (dict(v_bits=1), "v_bits=1 is not supported"),
+    (dict(bits=2, residual=32, mma=True), "residual=32 a multiple of 64"),
+    (dict(bits=8, residual=64, mma=True), "k_bits=8"),
+    (dict(bits=2, residual=64, meta_dtype="float32", mma=True), "16-bit scales"),
 ])
 def test_invalid_settings_are_rejected(options, message):
   with pytest.raises(ValueError, match=message):
     KVCache.create(make_method("kivi", **options), _spec(1, 256))
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
+  """KIVI with its store in the MMA packing against the library's layout: a ragged batch (prompts of 40, 129
+  and 200 tokens, each crossing value-tile and key-flush boundaries at its own step), two rows per step; every
+  output is the same (the same codes and scales, read by another path)."""
+  rng = np.random.default_rng(8)
+  lengths = np.array([40, 129, 200])
+  q, k, v = _qkv(rng, 3, 320)
+  outs = {}
+  for mma in (False, True):
+    method = Kivi(bits=2, group_size=32, residual=64, mma=mma)
+    state = _prefill(method, method.init(_spec(3, 320)), 1, k[:, :, :200], v[:, :, :200], lengths, impl)
+    step = _step_fn(method, 1, impl)
+    outs[mma] = []
+    for t in range(0, 80 if impl == "xla" else 8, 2):
+      pos = lengths + t
+      rows = lambda x: np.stack([x[b, :, pos[b]:pos[b] + 2] for b in range(3)])
+      out, state = step(state, rows(q), rows(k), rows(v), pos)
+      outs[mma].append(np.asarray(out))
+  np.testing.assert_allclose(np.stack(outs[True]), np.stack(outs[False]), rtol=2e-5, atol=2e-5)
 
 
 def test_fused_kernel_path_equals_xla_path():

@@ -14,6 +14,13 @@ tokens keys before bK = R⌊(N-1)/R⌋ and values before bV = max(0, N-1-R) are 
 paper's Algorithm 1 (quantize, then attend). Those two boundaries are the whole semantics (spec §2.6), which is
 why the state needs no counters beyond the sequence length.
 
+With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
+tensor-core kernel reads: key tiles of 64 tokens are packed at each flush, and a value tile when its 64th token
+arrives, quantized per token from the value ring (which holds all 64: W >= R >= 64). Per-token groups do not
+depend on neighbours, so these are the codes the library's layout stores token by token; and since
+bV = N - λ - R < 64⌊N/64⌋, every value the softmax reads quantized is in a packed tile. The same codes, scales
+and boundaries, one softmax over the packed store and the rings.
+
 ``bits=1`` uses SpeCache's 1-bit quantizer (quarter-point levels, ``jkv_kernels.quantization``) for keys and
 values together: the spec's KIVI-1bit baseline (shared/specs/specache.md §2.1).
 """
@@ -26,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import QuantizedStore, decode_attention
+from jkv.attention import MmaStore, QuantizedStore, decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import read_at, write_at, write_layer
 from jkv.config import DTYPES
 from jkv.methods.registry import register
+from jkv_kernels.mma_layout import TILE, check_mma_packing, pack_key_tiles, pack_value_tiles
 from jkv_kernels.quantization import dequantize, unpack_last_axis
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
@@ -47,6 +55,17 @@ class KiviState:
   v_zero: jax.Array  # [L, B, H, C, D/G] meta dtype
   k_ring: jax.Array  # [L, B, H, R + λ, D] keys, slot p mod (R + λ): exact from bK, dequantized before it
   v_ring: jax.Array  # [L, B, H, R + λ, D] exact values, slot p mod (R + λ)
+
+
+@struct.dataclass
+class KiviMmaState:
+  """KIVI's state with the store in the MMA-ready packing (``Kivi(mma=True)``; module docstring)."""
+  k_tiles: jax.Array  # [L, B, H, C/64, 2 D k_bits] uint32: key tiles
+  k_meta: jax.Array  # [L, B, H, C/G, D] uint32: per key group, (scale, zero) pairs
+  v_tiles: jax.Array  # [L, B, H, C/64, 2 D v_bits] uint32: value tiles
+  v_meta: jax.Array  # [L, B, H, C/64, D/G 64] uint32: per value tile, (scale, zero) pairs
+  k_ring: jax.Array  # as KiviState's
+  v_ring: jax.Array
 
 
 @register
@@ -66,6 +85,9 @@ class Kivi(CacheMethod):
   quantize_before_attend: bool = dataclasses.field(default=False, metadata={
       "help": "quantize before attending (the paper's Algorithm 1) instead of after (the reference code)"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+  mma: bool = dataclasses.field(default=False, metadata={
+      "help": "keep the store in the packing the Hopper tensor-core kernel reads (1/2/4-bit, 16-bit scales, "
+              "residual a multiple of 64)"})
 
   def __post_init__(self):
     G, R = self.group_size, self.residual
@@ -85,6 +107,11 @@ class Kivi(CacheMethod):
     for b in (self.kb, self.vb):
       if G % (32 // b):
         raise ValueError(f"kivi group_size={G} must be a multiple of {32 // b} ({b}-bit codes pack {32 // b} per word)")
+    if self.mma:
+      if R % TILE:
+        raise ValueError(f"kivi mma=true needs residual={R} a multiple of {TILE} (a flush packs whole key tiles)")
+      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, head_dim=max(64, G), tokens=TILE,
+                        meta_dtype=self.meta)  # the head dim and capacity are checked with the spec
 
   @property
   def kb(self) -> int:
@@ -106,6 +133,9 @@ class Kivi(CacheMethod):
     if spec.head_dim % self.group_size:
       raise ValueError(f"kivi group_size={self.group_size} does not divide the head dim {spec.head_dim} "
                        "(value groups span channels)")
+    if self.mma:
+      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=self.group_size, v_group=self.group_size,
+                        head_dim=spec.head_dim, tokens=spec.capacity, meta_dtype=self.meta)
 
   def capacity_multiple(self) -> int:
     return self.residual
@@ -119,6 +149,13 @@ class Kivi(CacheMethod):
     by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, lead + ("head_dim", "token_groups"))
     by_token = lambda n, dtype: ArrayInfo((L, B, H, C, n), dtype, lead + ("tokens", "channel_groups"))
     ring = lambda n: ArrayInfo((L, B, H, n, D), spec.dtype, lead + ("ring", "head_dim"))
+    if self.mma:
+      tiles = lambda bits: ArrayInfo((L, B, H, C // TILE, 2 * D * bits), jnp.uint32, lead + ("tiles", "tile_words"))
+      return KiviMmaState(
+          k_tiles=tiles(self.kb), k_meta=ArrayInfo((L, B, H, C // G, D), jnp.uint32, lead + ("token_groups", "head_dim")),
+          v_tiles=tiles(self.vb), v_meta=ArrayInfo((L, B, H, C // TILE, D // G * TILE), jnp.uint32,
+                                                   lead + ("tiles", "meta_words")),
+          k_ring=ring(R + self.lam), v_ring=ring(R + self.lam))
     return KiviState(
         k_codes=by_channel(C * self.kb // 32, jnp.uint32),
         k_scale=by_channel(C // G, self.meta),
@@ -164,17 +201,31 @@ class Kivi(CacheMethod):
     k_pad = jnp.pad(k, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
     kc, ks, kz = self._quantize_pack(k_pad, self.kb, -2, ctx.impl, fused=True)
     vc, vs, vz = self._quantize_pack(v, self.vb, -1, ctx.impl, fused=True)
-    state = state.replace(
-        k_codes=write_layer(state.k_codes, layer, kc), k_scale=write_layer(state.k_scale, layer, ks),
-        k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
-        v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
+    if self.mma:
+      state = self._write_prompt_tiles(state, layer, (kc, ks, kz), (vc, vs, vz))
+    else:
+      state = state.replace(
+          k_codes=write_layer(state.k_codes, layer, kc), k_scale=write_layer(state.k_scale, layer, ks),
+          k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
+          v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
     b_k, held = self.key_boundary(lengths), self.ring_positions(lengths)  # [B], [B, W]
     take = lambda x: jnp.take_along_axis(x, jnp.clip(held, 0, T - 1)[:, None, :, None], axis=2)
     # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1).
-    k_ring = self._with_block(take(k), held, self._dequantized_block(state, layer, b_k - R), b_k - R,
-                              held < b_k[:, None])
+    block = self._dequantized_block(kc, ks, kz, b_k - R, state.k_ring.dtype)
+    k_ring = self._with_block(take(k), held, block, b_k - R, held < b_k[:, None])
     return state.replace(k_ring=write_layer(state.k_ring, layer, k_ring),
                          v_ring=write_layer(state.v_ring, layer, take(v)))
+
+  def _write_prompt_tiles(self, state, layer, keys, values):
+    """The prompt's codes (library layout: keys [B, H, D, T_pad/Pk], values [B, H, T, D/Pv]) packed into key and
+    value tiles from position 0. Tiles a sequence has not filled hold padding until their last token packs them."""
+    T = values[0].shape[2]
+    k_words, k_meta = pack_key_tiles(*keys, bits=self.kb)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
+    v_words, v_meta = pack_value_tiles(*map(pad, values), bits=self.vb)
+    return state.replace(
+        k_tiles=write_layer(state.k_tiles, layer, k_words), k_meta=write_layer(state.k_meta, layer, k_meta),
+        v_tiles=write_layer(state.v_tiles, layer, v_words), v_meta=write_layer(state.v_meta, layer, v_meta))
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     for t in range(k.shape[2]):  # T is 1..4 at decode: a short static loop
@@ -184,17 +235,34 @@ class Kivi(CacheMethod):
   def append_one(self, state, layer, k, v, pos, impl):
     """Store one token per sequence: k, v [B, H, D] at positions pos [B]."""
     R, W = self.residual, self.residual + self.lam
-    vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
-    state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
-                          v_scale=write_at(state.v_scale, layer, vs, pos, axis=2),
-                          v_zero=write_at(state.v_zero, layer, vz, pos, axis=2),
-                          v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
+    state = state.replace(v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
+    if self.mma:  # a value tile is packed from the ring with its 64th token
+      state = self._pack_value_tile(state, layer, pos // TILE, pos % TILE == TILE - 1, impl)
+    else:
+      vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
+      state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
+                            v_scale=write_at(state.v_scale, layer, vs, pos, axis=2),
+                            v_zero=write_at(state.v_zero, layer, vz, pos, axis=2))
     if self.lam == 1:  # the block before p leaves the ring before p takes slot 0
       state = self._flush(state, layer, pos, (pos % R == 0) & (pos > 0), impl)
     state = state.replace(k_ring=write_at(state.k_ring, layer, k[:, :, None], pos % W, axis=2))
     if self.lam == 0:  # the block ending at p is quantized before this step attends
       state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl)
     return state
+
+  def _pack_value_tile(self, state, layer, tile, due, impl):
+    """Quantize the values of tile ``tile`` [B] (positions 64 tile + [0, 64), all in the value ring) per token
+    and pack them, for the sequences where ``due`` (the tile's 64th token arrived)."""
+    W = self.residual + self.lam
+
+    def now(s):
+      positions = TILE * tile[:, None] + jnp.arange(TILE)[None]  # [B, 64]
+      values = jnp.take_along_axis(s.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
+      codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
+      words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
+      return s.replace(v_tiles=_put(s.v_tiles, layer, words, tile, due, axis=2),
+                       v_meta=_put(s.v_meta, layer, meta, tile, due, axis=2))
+    return jax.lax.cond(jnp.any(due), now, lambda s: s, state)
 
   def _flush(self, state, layer, end, due, impl):
     """Quantize the keys of positions [end - R, end) from the key ring into the key store, and put them back in
@@ -212,17 +280,19 @@ class Kivi(CacheMethod):
     block = slot(ring, start[:, None] + jnp.arange(R)[None])  # [B, H, R, D], positions [end - R, end)
     kc, ks, kz = self._quantize_pack(block, self.kb, -2, impl, fused=True)  # [B, H, D, R/Pk], [B, H, D, R/G]
     Pk = 32 // self.kb
-    def put(buf, new, offset):
-      old = read_at(buf, layer, offset, new.shape[-1], axis=3)
-      return write_at(buf, layer, jnp.where(due[:, None, None, None], new, old), offset, axis=3)
     # Each slot's position at this point (the newest ≡ slot mod W before ``end``); the block's slots change.
     held = self.ring_positions(end)
     k_ring = self._with_block(ring, held, self._dequantize(kc, ks, kz, ring.dtype), start,
                               due[:, None] & (held >= start[:, None]))
-    return state.replace(k_codes=put(state.k_codes, kc, start // Pk),
-                         k_scale=put(state.k_scale, ks, start // G),
-                         k_zero=put(state.k_zero, kz, start // G),
-                         k_ring=write_layer(state.k_ring, layer, k_ring))
+    if self.mma:
+      words, meta = pack_key_tiles(kc, ks, kz, bits=self.kb)  # [B, H, R/64, ...], [B, H, R/G, D]
+      stored = dict(k_tiles=_put(state.k_tiles, layer, words, start // TILE, due, axis=2),
+                    k_meta=_put(state.k_meta, layer, meta, start // G, due, axis=2))
+    else:
+      stored = dict(k_codes=_put(state.k_codes, layer, kc, start // Pk, due, axis=3),
+                    k_scale=_put(state.k_scale, layer, ks, start // G, due, axis=3),
+                    k_zero=_put(state.k_zero, layer, kz, start // G, due, axis=3))
+    return state.replace(**stored, k_ring=write_layer(state.k_ring, layer, k_ring))
 
   def _with_block(self, keys, held, block, start, replace):
     """Ring keys [B, H, W, D] (slot positions ``held`` [B, W]) with the slots where ``replace`` [B, W] taken
@@ -237,14 +307,13 @@ class Kivi(CacheMethod):
                    dtype=dtype)
     return jnp.swapaxes(k, -1, -2)
 
-  def _dequantized_block(self, state, layer, start):
-    """Keys [B, H, R, D] of positions [start, start + R) (start [B], a multiple of R; clipped to 0) read back
-    from the store."""
+  def _dequantized_block(self, codes, scale, zero, start, dtype):
+    """Keys [B, H, R, D] of positions [start, start + R) (start [B], a multiple of R; clipped to 0) as the store
+    gives them back, from the library-layout key codes [B, H, D, n/Pk] and scales [B, H, D, n/G] of a prompt."""
     R, G, Pk = self.residual, self.group_size, 32 // self.kb
     start = jnp.maximum(start, 0)
-    read = lambda x, unit: read_at(x, layer, start // unit, R // unit, axis=3)
-    return self._dequantize(read(state.k_codes, Pk), read(state.k_scale, G), read(state.k_zero, G),
-                           state.k_ring.dtype)
+    read = lambda x, unit: read_at(x[None], 0, start // unit, R // unit, axis=3)
+    return self._dequantize(read(codes, Pk), read(scale, G), read(zero, G), dtype)
 
   # ---------------------------------------------------------------------------------------------- attention
 
@@ -254,8 +323,14 @@ class Kivi(CacheMethod):
     in place: exact values, keys dequantized before bK and exact from bK on."""
     win, in_window = self.window(lengths)
     mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])
-    store = self.store(state, self.value_boundary(lengths))
-    return decode_attention(q, layer, stores=(store,), segments=((state.k_ring, state.v_ring, mask),), impl=impl)
+    window = (state.k_ring, state.v_ring, mask)
+    b_v = self.value_boundary(lengths)
+    if not self.mma:
+      return decode_attention(q, layer, stores=(self.store(state, b_v),), segments=(window,), impl=impl)
+    G = self.group_size  # bV < 64⌊N/64⌋: the positions before bV are in packed tiles
+    store = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, b_v, self.kb, self.vb, G, G,
+                     jnp.dtype(self.meta).name)
+    return decode_attention(q, layer, stores=(store,), segments=(window,), impl=impl)
 
   def store(self, state, b_v, valid=None) -> QuantizedStore:
     """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache)."""
@@ -296,3 +371,11 @@ class Kivi(CacheMethod):
     per_row = ((self.kb / 8 + 2 * meta / G) * n_k + (self.vb / 8 + 2 * meta / G) * n_v
                + act * ((n - n_k) + (n - n_v)))
     return HeldBytes(device=int(round(spec.num_layers * spec.kv_heads * spec.head_dim * per_row.sum())) + 4 * len(n))
+
+
+def _put(buf, layer, new, offset, due, axis):
+  """Write new [B, ...] into buf [L, B, ...] at ``layer`` from per-sequence offsets [B] along ``axis`` (of new),
+  for the sequences where ``due`` [B]; the others keep what they had."""
+  old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
+  keep = due.reshape((-1,) + (1,) * (new.ndim - 1))
+  return write_at(buf, layer, jnp.where(keep, new, old), offset, axis=axis)
