@@ -5,7 +5,8 @@ vocab 128256, bf16), random prompt tokens, greedy decoding with end-of-sequence 
 Compilation happens before timing and is reported apart (``jkv.generate`` does that itself). Parts, each one
 command (so each fits the device tool's 10 minutes):
 
-    --part b8        batch 8, 8064-token prompts + 128 new tokens (8k context): dense, KIVI-2, KIVI-4, each beside
+    --part b8        batch 8, 8064-token prompts + 128 new tokens (8k context): dense, KIVI-2, KIVI-4 (and KIVI-2/4
+                     with the store in the Hopper kernel's packing, ``_mma``), each beside
                      its floor, the bytes one step must read (weights + the cache's held bytes) at the device copy
                      rate measured in the same run
     --part maxbatch  4096-token prompts + 512 new tokens: dense and KIVI-2 at the largest batch their caches allow
@@ -38,7 +39,10 @@ LLAMA3_8B = dict(architecture="llama", vocab_size=128256, embed=4096, ffw_size=1
 SMOKE = dict(LLAMA3_8B, vocab_size=512, embed=128, ffw_size=256, num_layers=2, q_heads=4, kv_heads=2, head_dim=64,
              dtype="float32")
 RECORD_KEY = lambda r: (r["impl"], r["batch"], r["context"])  # a rerun replaces these records
-METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4})}
+METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4}),
+           # the store in the Hopper kernel's packing (mgpu_decode_attention on a Hopper GPU, XLA elsewhere)
+           "kivi2_mma": ("kivi", {"bits": 2, "mma": True}), "kivi4_mma": ("kivi", {"bits": 4, "mma": True})}
+LABELS = {"b8": ("dense", "kivi2", "kivi4", "kivi2_mma", "kivi4_mma"), "maxbatch": ("dense", "kivi2", "kivi2_mma")}
 
 
 def now() -> str:
@@ -98,7 +102,7 @@ def run_jkv(cfg, label, batch, prompt_len, new_tokens, *, rate, params, weight_b
   return record
 
 
-def jkv_part(part, smoke, scale=1.0):
+def jkv_part(part, smoke, scale=1.0, labels=None):
   import jax
   from jkv import memory
   from jkv import params as params_lib
@@ -112,12 +116,12 @@ def jkv_part(part, smoke, scale=1.0):
   records = []
   if part == "b8":
     batch, prompt_len, new = (2, 100, 16) if smoke else (8, 8064, 128)
-    for label in ("dense", "kivi2", "kivi4"):
+    for label in labels or LABELS[part]:
       records.append(run_jkv(cfg, label, batch, prompt_len, new, rate=rate, params=params, weight_bytes=weight_bytes))
   elif part == "maxbatch":
     prompt_len, new = (100, 28) if smoke else (4096, 512)
     limit = (memory.device_memory() or {}).get("limit", 8 << 30)
-    for label in ("dense", "kivi2"):
+    for label in labels or LABELS[part]:
       name, options = METHODS[label]
       method = make_method(name, **options)
       capacity = -(-(prompt_len + new) // method.capacity_multiple()) * method.capacity_multiple()
@@ -202,6 +206,7 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="a tiny model (any machine)")
   parser.add_argument("--batch-scale", type=float, default=1.0,
                       help="maxbatch: run at this fraction of the computed largest batch")
+  parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), help="run only these (default: the part's)")
   parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the records into")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
@@ -209,7 +214,8 @@ def main():
     write_readme_section("generate_decode", markdown_table(json.loads(args.out.read_text())),
                          "## Generate: decode tokens/s")
     return
-  records = hf_part(args.smoke) if args.part == "hf" else jkv_part(args.part, args.smoke, args.batch_scale)
+  records = (hf_part(args.smoke) if args.part == "hf"
+             else jkv_part(args.part, args.smoke, args.batch_scale, args.methods))
   out = args.out or HERE / "results" / f"generate_decode_{device_slug(records[0]['device'])}.json"
   save(out, records, RECORD_KEY)
   print(markdown_table(records))

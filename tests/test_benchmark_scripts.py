@@ -52,7 +52,7 @@ def test_sharded_decode_run_and_table(tmp_path):
 
 def test_generate_decode(tmp_path):
   records, _ = _run(["generate_decode.py", "--smoke"], tmp_path / "g.json")
-  assert {r["impl"] for r in records} >= {"jkv_dense", "jkv_kivi2"}
+  assert {r["impl"] for r in records} >= {"jkv_dense", "jkv_kivi2", "jkv_kivi2_mma"}
   assert all(r["decode_ms_per_step"] > 0 for r in records)
 
 

@@ -245,6 +245,34 @@ def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
   np.testing.assert_allclose(np.stack(outs[True]), np.stack(outs[False]), rtol=2e-5, atol=2e-5)
 
 
+def _hopper() -> bool:
+  from jkv.attention import hopper_kernel_available
+  return hopper_kernel_available()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Mosaic GPU")
+def test_mma_packing_on_the_hopper_kernel_equals_the_xla_path():
+  """On a Hopper GPU, KIVI-2 with mma=true through the tensor-core kernel (impl pallas) against the same state
+  read by the XLA path, bf16, a ragged batch across tile and flush boundaries: the kernel rounds p and the
+  dequantized codes to 16 bits, hence the tolerance."""
+  rng = np.random.default_rng(9)
+  lengths = np.array([40, 129, 200])
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(rng, 3, 320))
+  method = Kivi(bits=2, group_size=32, residual=64, mma=True)
+  spec = _spec(3, 320, jnp.bfloat16)
+  states = {impl: _prefill(method, method.init(spec), 1, k[:, :, :200], v[:, :, :200], lengths, impl)
+            for impl in ("pallas", "xla")}
+  steps = {impl: _step_fn(method, 1, impl) for impl in states}
+  for t in range(70):
+    pos = lengths + t
+    rows = lambda x: np.stack([x[b, :, pos[b]:pos[b] + 1] for b in range(3)])
+    outs = {}
+    for impl in states:
+      outs[impl], states[impl] = steps[impl](states[impl], rows(q), rows(k), rows(v), pos)
+    got, want = (np.asarray(outs[i], np.float64) for i in ("pallas", "xla"))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-2
+
+
 def test_fused_kernel_path_equals_xla_path():
   """The method does not care which attention runs: the Pallas kernel (interpreted here) matches the XLA path on
   a ragged batch (one sequence 60 tokens behind the other), across a flush, two rows per step."""
