@@ -331,6 +331,11 @@ PAST_LIMITS = [
     (["info", "--method", "zipcache", "--recent-probes=-inf"], ["recent_probes=-inf"]),
     (["info", "--method", "kivi", "--group-size", str(2**31 - 1)], ["group_size=2147483647"]),
     (["info", "--method", "ott", "--pool-size", "-1"], ["pool_size=-1"]),
+    # Slots past the cache's capacity: refused as values, not as terabytes of memory.
+    (["info", "--tokens", "4096", "--method", "ott", "--pool-size", str(2**31 - 1)], ["pool_size=2147483647 exceeds"]),
+    (["info", "--tokens", "4096", "--method", "ott", "--aux-size", str(2**31 - 1)], ["aux_size=2147483647 exceeds"]),
+    (["info", "--tokens", "4096", "--method", "zipcache", "--interval", str(2**31 - 1)],
+     ["interval=2147483647 exceeds"]),
     (["info", "--method", "specache", "--bits", "8"], ["bits=8"]),
     (["info", "--method", "kivi", "--preset", "nope"], ["has no preset 'nope'"]),
     (["info", "--method", ""], ["unknown cache method ''"]),
@@ -352,13 +357,10 @@ def test_options_past_their_limits_are_one_line(capsys, argv, words):
 
 @pytest.mark.usefixtures("default_model_once")
 @pytest.mark.parametrize("flags, words", [
-    # Sizes at int32's limit that no check of the method's own bounds: the cache they make is refused before it is
-    # allocated, whatever the machine (terabytes for a few tokens), not allocated in part or overflowed.
-    (["--method", "ott", "--pool-size", str(2**31 - 1)], ["with ott", "does not fit", "not one sequence fits"]),
-    (["--method", "ott", "--aux-size", str(2**31 - 1)], ["with ott", "does not fit"]),
-    (["--method", "zipcache", "--interval", str(2**31 - 1)], ["with zipcache", "does not fit"]),
+    # A capacity at int32's limit: the cache it makes is refused before it is allocated, whatever the machine
+    # (terabytes for a few tokens), not allocated in part or overflowed.
     (["--capacity", str(2**31 - 1)], ["2147483647 tokens with dense", "does not fit"]),
-], ids=["ott-pool", "ott-aux", "zipcache-interval", "capacity"])
+], ids=["capacity"])
 def test_sizes_at_the_int32_limit_are_refused_in_one_line(capsys, flags, words):
   line = out_of_memory_line(run(capsys, "generate", "hi", "--max-new-tokens", "2", *flags))
   for w in words:

@@ -152,7 +152,8 @@ class Kivi(CacheMethod):
     if self.mma:
       tiles = lambda bits: ArrayInfo((L, B, H, C // TILE, 2 * D * bits), jnp.uint32, lead + ("tiles", "tile_words"))
       return KiviMmaState(
-          k_tiles=tiles(self.kb), k_meta=ArrayInfo((L, B, H, C // G, D), jnp.uint32, lead + ("token_groups", "head_dim")),
+          k_tiles=tiles(self.kb),
+          k_meta=ArrayInfo((L, B, H, C // G, D), jnp.uint32, lead + ("token_groups", "head_dim")),
           v_tiles=tiles(self.vb), v_meta=ArrayInfo((L, B, H, C // TILE, D // G * TILE), jnp.uint32,
                                                    lead + ("tiles", "meta_words")),
           k_ring=ring(R + self.lam), v_ring=ring(R + self.lam))

@@ -179,6 +179,10 @@ class Ott(CacheMethod):
     return min(self.value_group or self.group_size, head_dim)
 
   def check(self, spec: CacheSpec) -> None:
+    for label, n in (("pool_size", self.pool_size), ("aux_size", self.aux_size)):
+      if n > spec.capacity:
+        raise ValueError(f"ott {label}={n} exceeds the capacity of {spec.capacity} tokens (its slots hold tokens "
+                         "of the sequence)")
     Gv = self.value_group_for(spec.head_dim)
     if spec.head_dim % Gv or Gv % (32 // self.bits):
       raise ValueError(f"ott value group {Gv} must divide the head dim {spec.head_dim} and be a multiple of "

@@ -143,6 +143,9 @@ class ZipCache(CacheMethod):
       raise ValueError(f"zipcache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
 
   def check(self, spec: CacheSpec) -> None:
+    if self.interval > spec.capacity:
+      raise ValueError(f"zipcache interval={self.interval} exceeds the capacity of {spec.capacity} tokens (the "
+                       "window of that many exact tokens would never fill)")
     per_word = 32 // self.low_bits
     if spec.head_dim % per_word:
       raise ValueError(f"zipcache needs a head dim that is a multiple of {per_word} ({self.low_bits}-bit value "
