@@ -310,8 +310,10 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     params, cache = committed((params, sharding.create_cache(method, spec, impl, mesh)))
     if prefill_tokens is None:
       jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
+      # One sequence's whole state (not split over a mesh: one sequence does not split over ``data``; an upper
+      # bound where ``model`` splits its heads).
       prefill_tokens = memory.prefill_token_budget(cfg, state_bytes_per_token=-(
-          -memory.cache_bytes(method, cfg, 1, cap, mesh) // tokens.shape[1]))
+          -memory.cache_bytes(method, cfg, 1, cap) // tokens.shape[1]))
     rows = sharding.batch_rows(prefill_tokens // tokens.shape[1], len(prompts), mesh)
     B = len(prompts)
     S = method.speculative_rows
