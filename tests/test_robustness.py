@@ -287,6 +287,28 @@ def test_an_interrupted_compare_writes_nothing_and_says_so(capsys, monkeypatch, 
 
 
 @pytest.mark.usefixtures("default_model_once")
+def test_an_interrupted_frontier_keeps_what_it_measured_and_says_so(capsys, monkeypatch, tmp_path):
+  """Ctrl-C during the second configuration: the sweep file holds the first (and a rerun resumes there), the line
+  says so, and no table or plot is written."""
+  from jkv.evaluation import frontier
+  calls = []
+  real = frontier.held_trace
+  def second_interrupted(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(*args, **kwargs)
+  monkeypatch.setattr(frontier, "held_trace", second_interrupted)
+  prefix = tmp_path / "front"
+  rc, _, err = run(capsys, "frontier", "--methods", "dense", "--add", "kivi", "--windows", "1", "--context", "16",
+                   "--scored", "2", "--output", str(prefix))
+  assert rc == 130 and "Traceback" not in err, err
+  assert err.strip().splitlines()[-1] == (f"jkv: interrupted; {prefix}.json keeps every configuration measured so "
+                                          f"far (the same command resumes there); {prefix}.md and .png not written")
+  assert os.listdir(tmp_path) == ["front.json"] and len(json.loads((tmp_path / "front.json").read_text())["rows"]) == 1
+
+
+@pytest.mark.usefixtures("default_model_once")
 def test_an_interrupted_passkey_plot_leaves_no_image(capsys, monkeypatch, tmp_path):
   from jkv.evaluation import passkey as passkey_lib
   def half_a_plot(result, path, title=""):

@@ -195,8 +195,11 @@ def cmd_frontier(args, cli):
   ids = model.tokenizer.encode(text, add_bos=False)
   meta = dict(command=shlex.join(["jkv"] + sys.argv[1:]), model=args.model, dtype=args.dtype, text=source,
               ppl=dataclasses.asdict(plan), environment=compare_lib.environment(mesh))
-  data = frontier.sweep(model, specs, token_ids=ids, plan=plan, path=args.output + ".json", meta=meta,
-                        attention_impl=args.attention_impl, mesh=mesh)
+  json_path = args.output + ".json"
+  with cli.kept_on_interrupt(f"{json_path} keeps every configuration measured so far (the same command resumes "
+                             f"there); {args.output}.md and .png not written"):
+    data = frontier.sweep(model, specs, token_ids=ids, plan=plan, path=json_path, meta=meta,
+                          attention_impl=args.attention_impl, mesh=mesh)
   if not cli.is_lead_process():
     return 0
   rows = frontier.annotate(data["rows"])
