@@ -11,6 +11,8 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     mgpu_kivi4   4-bit
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
+    xla_kivi2    jkv's XLA path (``jkv.attention.decode_attention``, impl "xla": the store dequantized a block at a
+                 time, where the Pallas kernels do not run) on the same store
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import attention as jkv_attention
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import default_splits, mgpu_decode_attention
 from jkv_kernels.mma_layout import pack_mma_store
@@ -111,6 +114,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True)
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
+  xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
@@ -136,6 +140,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True)
             nbytes, shape, {"splits": default_splits(batch, shape.kv_heads, seq_len // 64 // 4)})
         run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
             nbytes, shape, {})
+      run("xla_kivi2", xla, lambda seed: inputs(shape, 2, seed, False), bytes_read(shape, 2), shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
       if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
@@ -157,7 +162,7 @@ def at_defaults(record) -> bool:
 def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
-  impls = ["mgpu_kivi2", "triton_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense"]
+  impls = ["mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense"]
   lines = ["| B | L | " + " | ".join(impls) + " | cuDNN / mgpu_kivi2 | cuDNN / mgpu_kivi4 |",
            "|---|---|" + "---|" * (len(impls) + 2)]
   for batch, seq_len in keys:
