@@ -1,6 +1,7 @@
 """Per-sequence reads and writes of stacked cache arrays [L, B, ...] at one layer."""
 
 import jax
+import jax.numpy as jnp
 
 
 def write_at(buf, layer, x, start, axis):
@@ -22,6 +23,14 @@ def write_at(buf, layer, x, start, axis):
     idx[axis + 1] = start[b]
     buf = jax.lax.dynamic_update_slice(buf, x[b][None, None].astype(buf.dtype), idx)
   return buf
+
+
+def write_at_where(buf, layer, x, start, axis, where=None):
+  """``write_at`` for the sequences where ``where`` [B] (all of them when None); the others keep what they had."""
+  if where is not None:
+    old = read_at(buf, layer, start, x.shape[axis], axis=axis)
+    x = jnp.where(where.reshape((-1,) + (1,) * (x.ndim - 1)), x, old)
+  return write_at(buf, layer, x, start, axis=axis)
 
 
 def read_at(buf, layer, start, size, axis):

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv_kernels.quantization import pack, unpack
+from jkv_kernels.quantization import dequantize, pack, unpack
 
 TILE = 64          # tokens per tile: the M of one wgmma for keys, its K for values
 THREADS = 128      # one warpgroup
@@ -247,13 +247,13 @@ def read_key_tiles(words, meta, *, bits: int, group: int, dtype):
   kt, kc = key_register_map(head_dim)
   k = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., kt, kc].set(
       _unpack_registers(words, bits, kt.shape[1]))
-  k = k.reshape(*lead, tokens, head_dim).astype(jnp.float32)
+  k = k.reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta).reshape(*meta.shape[:-1], 4, head_dim // 8, 2)
   (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., groups, 4, D/8]
   # channel 2q + 8j (+1) -> index [.., j, q, pair]
   per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(*lead, -1, head_dim)
-  per_token = lambda a: jnp.repeat(per_channel(*a), group, axis=-2)[..., :tokens, :]
-  return k * per_token((s0, s1)) + per_token((z0, z1))
+  return dequantize(k, per_channel(s0, s1), per_channel(z0, z1), axis=-2, group_size=min(group, tokens),
+                    dtype=jnp.float32)
 
 
 def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
@@ -265,14 +265,13 @@ def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
   vt, vc = value_register_map(head_dim)
   v = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., vt, vc].set(
       _unpack_registers(words, bits, vt.shape[1]))
-  v = v.reshape(*lead, tokens, head_dim).astype(jnp.float32)
+  v = v.reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta.reshape(*lead, count, channel_groups, 64))
   pairs = pairs.reshape(*lead, count, channel_groups, 4, 8, 2)
   (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., n, D/Gv, 4, 8]
   per_token = lambda a, b: jnp.swapaxes(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
       *lead, count, channel_groups, TILE), -1, -2).reshape(*lead, tokens, channel_groups)
-  by_channel = lambda a: jnp.repeat(per_token(*a), group, axis=-1)
-  return v * by_channel((s0, s1)) + by_channel((z0, z1))
+  return dequantize(v, per_token(s0, s1), per_token(z0, z1), axis=-1, group_size=group, dtype=jnp.float32)
 
 
 def read_mma_tiles(mma: MmaStore, layer, start, count: int):

@@ -35,7 +35,7 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer
 from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv_kernels.mma_layout import TILE, check_mma_packing, pack_key_tiles, pack_value_tiles
@@ -261,8 +261,8 @@ class Kivi(CacheMethod):
       values = jnp.take_along_axis(s.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
       codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
       words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
-      return s.replace(v_tiles=_put(s.v_tiles, layer, words, tile, due, axis=2),
-                       v_meta=_put(s.v_meta, layer, meta, tile, due, axis=2))
+      return s.replace(v_tiles=write_at_where(s.v_tiles, layer, words, tile, 2, due),
+                       v_meta=write_at_where(s.v_meta, layer, meta, tile, 2, due))
     return jax.lax.cond(jnp.any(due), now, lambda s: s, state)
 
   def _flush(self, state, layer, end, due, impl):
@@ -287,12 +287,12 @@ class Kivi(CacheMethod):
                               due[:, None] & (held >= start[:, None]))
     if self.mma:
       words, meta = pack_key_tiles(kc, ks, kz, bits=self.kb)  # [B, H, R/64, ...], [B, H, R/G, D]
-      stored = dict(k_tiles=_put(state.k_tiles, layer, words, start // TILE, due, axis=2),
-                    k_meta=_put(state.k_meta, layer, meta, start // G, due, axis=2))
+      stored = dict(k_tiles=write_at_where(state.k_tiles, layer, words, start // TILE, 2, due),
+                    k_meta=write_at_where(state.k_meta, layer, meta, start // G, 2, due))
     else:
-      stored = dict(k_codes=_put(state.k_codes, layer, kc, start // Pk, due, axis=3),
-                    k_scale=_put(state.k_scale, layer, ks, start // G, due, axis=3),
-                    k_zero=_put(state.k_zero, layer, kz, start // G, due, axis=3))
+      stored = dict(k_codes=write_at_where(state.k_codes, layer, kc, start // Pk, 3, due),
+                    k_scale=write_at_where(state.k_scale, layer, ks, start // G, 3, due),
+                    k_zero=write_at_where(state.k_zero, layer, kz, start // G, 3, due))
     return state.replace(**stored, k_ring=write_layer(state.k_ring, layer, k_ring))
 
   def _with_block(self, keys, held, block, start, replace):
@@ -373,10 +373,3 @@ class Kivi(CacheMethod):
                + act * ((n - n_k) + (n - n_v)))
     return HeldBytes(device=int(round(spec.num_layers * spec.kv_heads * spec.head_dim * per_row.sum())) + 4 * len(n))
 
-
-def _put(buf, layer, new, offset, due, axis):
-  """Write new [B, ...] into buf [L, B, ...] at ``layer`` from per-sequence offsets [B] along ``axis`` (of new),
-  for the sequences where ``due`` [B]; the others keep what they had."""
-  old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
-  keep = due.reshape((-1,) + (1,) * (new.ndim - 1))
-  return write_at(buf, layer, jnp.where(keep, new, old), offset, axis=axis)

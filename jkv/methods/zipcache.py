@@ -40,7 +40,7 @@ from flax import struct
 
 from jkv.attention import QuantizedStore, decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.cache_arrays import write_at, write_at_where, write_layer
 from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
@@ -223,11 +223,7 @@ class ZipCache(CacheMethod):
     values = take(v) / channel_scale.astype(jnp.float32)[:, :, None, :]
     vc, vs, vz = self._quantize_pack(values, bits, values.shape[-1], -1, impl)  # [B, H, R, D/Pv], [B, H, R, 1]
 
-    def put(buf, new, offset, axis):
-      if due is not None:
-        old = read_at(buf, layer, offset, new.shape[axis], axis=axis)
-        new = jnp.where(due.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-      return write_at(buf, layer, new, offset, axis=axis)
+    put = lambda buf, new, offset, axis: write_at_where(buf, layer, new, offset, axis, due)
 
     group = start // self.key_group
     return pool.replace(
