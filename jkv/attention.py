@@ -21,18 +21,21 @@ from jkv_kernels.quantization import dequantize, unpack
 IMPL_CHOICES = ("auto", "pallas", "interpret", "xla")
 
 
+def _gpu_capability() -> float:
+  """The first device's CUDA compute capability (0 for a CPU or a device that reports none)."""
+  device = jax.devices()[0]
+  return float(getattr(device, "compute_capability", "0") or 0) if device.platform == "gpu" else 0.0
+
+
 def pallas_gpu_available() -> bool:
   """A CUDA GPU of compute capability >= 8.0: the Pallas Triton kernels need it (a T4 is 7.5)."""
-  device = jax.devices()[0]
-  return device.platform == "gpu" and float(getattr(device, "compute_capability", "0") or 0) >= 8.0
+  return _gpu_capability() >= 8.0
 
 
 def hopper_kernel_available() -> bool:
   """A Hopper GPU (compute capability 9.x: wgmma) and a jax with Mosaic GPU: where the tensor-core kernel over
   MMA-packed stores (``mgpu_decode_attention``) runs. Elsewhere an ``MmaStore`` is read by the XLA path."""
-  device = jax.devices()[0]
-  capability = float(getattr(device, "compute_capability", "0") or 0)
-  return device.platform == "gpu" and 9.0 <= capability < 10.0 and mgpu_decode_attention.available()
+  return 9.0 <= _gpu_capability() < 10.0 and mgpu_decode_attention.available()
 
 
 def choose_impl(requested: str = "auto") -> str:
