@@ -189,14 +189,15 @@ def hf_part(smoke):
 
 def markdown_table(records) -> str:
   lines = ["| impl | batch | context | ms/step | floor ms/step | x floor | decode tokens/s | prefill s | KV GiB | "
-           "dense KV GiB | device |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "dense KV GiB | device | measured (UTC) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
   fmt = lambda r, k, f: format(r[k], f) if r.get(k) is not None else "–"
   for r in records:
     gib = lambda k: f"{r[k] / 2**30:.2f}" if r.get(k) is not None else "–"
     lines.append(f"| {r['impl']} | {r['batch']} | {r['context']} | {fmt(r, 'decode_ms_per_step', '.2f')} | "
                  f"{fmt(r, 'floor_ms_per_step', '.2f')} | {fmt(r, 'ratio_to_floor', '.2f')} | "
                  f"{fmt(r, 'decode_tokens_per_s', '.1f')} | {fmt(r, 'prefill_s', '.1f')} | {gib('kv_bytes')} | "
-                 f"{gib('dense_kv_bytes')} | {r['device']} |")
+                 f"{gib('dense_kv_bytes')} | {r['device']} | {r.get('date', '–')[:16].replace('T', ' ')} |")
   return "\n".join(lines)
 
 

@@ -255,10 +255,9 @@ def _token_mass(q, source: _Source, lse, rows):
   return jax.lax.fori_loop(0, source.n_blocks, body, mass)
 
 
-def _hopper_kernel_fits(q) -> bool:
-  """The Hopper kernel runs here and takes q: at most 16 query rows per KV head."""
-  _, _, t_rows, q_per_kv, _ = q.shape
-  return hopper_kernel_available() and t_rows * q_per_kv <= mgpu_decode_attention.ROWS
+def hopper_kernel_takes(query_rows: int) -> bool:
+  """The Hopper kernel runs here and takes ``query_rows`` (T * g) query rows per KV head (at most 16)."""
+  return hopper_kernel_available() and query_rows <= mgpu_decode_attention.ROWS
 
 
 def merge_partials(partials):
@@ -309,7 +308,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   stores = tuple(store for store in stores if not isinstance(store, MmaStore))
   if mma_stores and rows:
     raise ValueError("token mass (ZipCache's probes, SpeCache's top-k) is not read from MMA-packed stores")
-  if mma_stores and impl == "pallas" and _hopper_kernel_fits(q):
+  if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
     # The products take one 16-bit type, the stores': q goes to it (bf16 to fp16 is exact for magnitudes in
     # [6.1e-5, 65504]; query entries outside it do not occur or barely contribute).
     parts = [_normalized_partial(*mgpu_decode_attention.mgpu_decode_attention(

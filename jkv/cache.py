@@ -150,6 +150,11 @@ class CacheMethod(abc.ABC):
   def capacity_multiple(self) -> int:
     return 1
 
+  def for_impl(self, spec: CacheSpec, impl: str) -> "CacheMethod":
+    """These settings as they run with attention implementation ``impl`` on this process's devices: a setting
+    left to the device (KIVI's ``mma``) is decided here. ``KVCache.create`` calls it; the default is ``self``."""
+    return self
+
   @abc.abstractmethod
   def abstract(self, spec: CacheSpec) -> Any:
     """The state with an ``ArrayInfo`` at every leaf."""
@@ -254,6 +259,7 @@ class KVCache:
   def create(cls, method: CacheMethod, spec: CacheSpec, impl: str = "xla") -> "KVCache":
     if impl not in IMPLS:
       raise ValueError(f"unknown attention implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    method = method.for_impl(spec, impl)
     method.check(spec)
     return cls(method=method, spec=spec, impl=impl, state=method.init(spec),
                lengths=jnp.zeros((spec.batch,), jnp.int32))

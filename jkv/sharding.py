@@ -409,7 +409,7 @@ def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional
   lengths split over ``data``. Without a mesh, ``KVCache.create`` itself."""
   if mesh is None:
     return KVCache.create(method, spec, impl)
-  cache = KVCache.create(PerShard(method, mesh, spec, rules), spec, impl)
+  cache = KVCache.create(PerShard(method.for_impl(spec, impl), mesh, spec, rules), spec, impl)
   return cache.replace(lengths=jax.device_put(cache.lengths, NamedSharding(mesh, P(rules.batch))))
 
 

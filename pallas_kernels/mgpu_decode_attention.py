@@ -377,7 +377,8 @@ def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int =
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
                                              "max_concurrent_steps"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
-                          splits: Optional[int] = None, step_tiles: int = 4, max_concurrent_steps: int = 3):
+                          splits: Optional[int] = None, step_tiles: Optional[int] = None,
+                          max_concurrent_steps: int = 3):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -386,7 +387,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
     splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
       ``default_splits``.
-    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product).
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product). None: the
+      largest of 4, 2 and 1 that divides the tile count (a cache's capacity need not be a multiple of 256).
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: among the best of
       benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (round 3's build: 126.3 µs at 4
       tiles and 3 steps, 127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
@@ -406,6 +408,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   tiles = store.k_codes.shape[3]
+  step_tiles = step_tiles or next(s for s in (4, 2, 1) if tiles % s == 0)
   # A split covers whole steps and whole key groups.
   splits = default_splits(batch, kv_heads, tiles // max(step_tiles, store.k_group // TILE)) if splits is None else splits
   if tiles % (splits * step_tiles) or (tiles // splits * TILE) % store.k_group:

@@ -4,6 +4,7 @@ The oracle below is written from the spec, independently of the method: quantize
 V per token in one shot, keep the rest exact, one softmax.
 """
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +244,25 @@ def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
       out, state = step(state, rows(q), rows(k), rows(v), pos)
       outs[mma].append(np.asarray(out))
   np.testing.assert_allclose(np.stack(outs[True]), np.stack(outs[False]), rtol=2e-5, atol=2e-5)
+
+
+def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
+  """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes the
+  query rows, the settings pack); an explicit setting is kept; KVCache.create allocates the layout decided."""
+  import jkv.methods.kivi as kivi_module
+  spec = _spec(2, 256)
+  monkeypatch.setattr(kivi_module, "hopper_kernel_takes", lambda rows: rows <= 16)
+  assert Kivi().for_impl(spec, "pallas").mma is True
+  assert Kivi().for_impl(spec, "xla").mma is False
+  assert Kivi(mma=False).for_impl(spec, "pallas").mma is False
+  assert Kivi(residual=32).for_impl(spec, "pallas").mma is False  # a flush would not pack whole tiles
+  assert Kivi(bits=8).for_impl(spec, "pallas").mma is False
+  assert Kivi().for_impl(dataclasses.replace(spec, q_per_kv=17), "pallas").mma is False
+  assert Kivi().for_impl(dataclasses.replace(spec, head_dim=32), "pallas").mma is False
+  cache = jax.eval_shape(lambda: KVCache.create(Kivi(), spec, "pallas"))
+  assert cache.method.mma is True and hasattr(cache.state, "k_tiles")
+  monkeypatch.setattr(kivi_module, "hopper_kernel_takes", lambda rows: False)  # not a Hopper GPU
+  assert Kivi().for_impl(spec, "pallas").mma is False
 
 
 def _hopper() -> bool:

@@ -179,6 +179,16 @@ def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("capacity,k_group", [(320, 32), (384, 128), (1088, 64)])  # 5, 6 and 17 tiles
+def test_the_default_step_divides_any_tile_count(capacity, k_group):
+  """A cache's capacity need not be a multiple of four tiles: the default step is the largest that divides it."""
+  store = _abstract_store(2, 2, k_group, 32, 128, jnp.bfloat16, capacity=capacity)
+  q = jax.ShapeDtypeStruct((2, 2, 1, 4, 128), jnp.bfloat16)
+  fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store))
+  text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def test_bad_arguments_raise():
   store = pack_mma_store(make_store(3, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, layers=1,
                                     batch=2))
@@ -233,6 +243,15 @@ class TestMgpuDecodeAttentionGpu:
     o_ref = decode_attention_reference(q, 1, (store,), ())
     o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
+
+  @pytest.mark.parametrize("capacity,k_group", [(320, 32), (384, 128)])  # 5 and 6 tiles: steps of 1 and 2
+  def test_a_tile_count_that_four_does_not_divide(self, capacity, k_group):
+    store = make_store(10, k_bits=2, v_bits=2, k_group=k_group, v_group=32, dtype=jnp.float16, capacity=capacity,
+                       lengths=[capacity, capacity - 61, 65])
+    q = jax.random.normal(jax.random.key(11), (3, 2, 1, 4, 128), jnp.float16)
+    o = np.asarray(mgpu_decode_attention(q, 1, pack_mma_store(store)), np.float64)
+    o_ref = np.asarray(decode_attention_reference(q, 1, (store,), ()), np.float64)
+    assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 2e-3
 
   def test_splits_past_the_length_and_an_empty_sequence(self):
     """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and

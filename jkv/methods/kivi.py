@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer
 from jkv.config import DTYPES
@@ -85,9 +85,10 @@ class Kivi(CacheMethod):
   quantize_before_attend: bool = dataclasses.field(default=False, metadata={
       "help": "quantize before attending (the paper's Algorithm 1) instead of after (the reference code)"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
-  mma: bool = dataclasses.field(default=False, metadata={
+  mma: Optional[bool] = dataclasses.field(default=None, metadata={
       "help": "keep the store in the packing the Hopper tensor-core kernel reads (1/2/4-bit, 16-bit scales, "
-              "residual a multiple of 64)"})
+              "residual a multiple of 64); default: where that kernel runs (a Hopper GPU, attention impl pallas) "
+              "and the settings and model allow the packing"})
 
   def __post_init__(self):
     G, R = self.group_size, self.residual
@@ -139,6 +140,25 @@ class Kivi(CacheMethod):
 
   def capacity_multiple(self) -> int:
     return self.residual
+
+  def for_impl(self, spec: CacheSpec, impl: str) -> "Kivi":
+    """``mma`` left open (None) is on where the Hopper kernel would read the store: impl "pallas" on a Hopper GPU,
+    at most 16 query rows per KV head, and settings the packing takes. There it decodes at 2.7x the library
+    layout's tokens/s at KIVI-2's largest batch (benchmarks/README.md, generate_decode.py --part maxbatch)."""
+    if self.mma is not None:
+      return self
+    return dataclasses.replace(self, mma=impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
+                               and self._packable(spec))
+
+  def _packable(self, spec: CacheSpec) -> bool:
+    if self.residual % TILE:
+      return False
+    try:
+      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=self.group_size, v_group=self.group_size,
+                        head_dim=spec.head_dim, tokens=spec.capacity, meta_dtype=self.meta)
+    except ValueError:
+      return False
+    return True
 
   # ---------------------------------------------------------------------------------------------- state
 
