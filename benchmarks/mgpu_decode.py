@@ -25,6 +25,8 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
     python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants \\
         --out benchmarks/results/mgpu_rounds/<n>_before_<change>.json     # a round's A/B (then _after_)
     python benchmarks/mgpu_decode.py --rounds                         # the rounds' table
+
+A round's A/B is better taken with benchmarks/mgpu_ab.py, which alternates the two builds process by process.
 """
 
 import argparse
@@ -110,7 +112,11 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
   return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
 
 
-def timing(device, settings: Settings, batches, seq_lens, variants: bool = True) -> list[dict]:
+IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense")
+
+
+def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS) -> list[dict]:
+  """Time ``impls`` (every one by default) at each batch and length; the kernel's variants with ``variants``."""
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -120,6 +126,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True)
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
   def run(impl, fn, make, nbytes, shape, config):
+    if impl not in impls:
+      return
     sets = input_set_count(nbytes, settings)
     try:
       median_us, compile_s = time_calls(fn, [make(seed) for seed in range(sets)], settings)
@@ -162,7 +170,7 @@ def at_defaults(record) -> bool:
 def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
-  impls = ["mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense"]
+  impls = IMPLS
   lines = ["| B | L | " + " | ".join(impls) + " | cuDNN / mgpu_kivi2 | cuDNN / mgpu_kivi4 |",
            "|---|---|" + "---|" * (len(impls) + 2)]
   for batch, seq_len in keys:
@@ -200,6 +208,9 @@ def main():
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768])
   parser.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                       help="time the splits and pipeline depths at B = 8, L = 32768")
+  parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
+  parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                      help="check the kernel against the reference first (a failed check fails the run)")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
   parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_rounds and exit")
@@ -213,13 +224,13 @@ def main():
   if args.table:
     print(table(json.loads(out.read_text())))
     return
-  checks = check()
+  checks = check() if args.check or args.check_only else []
   records = [{"impl": "check", "batch": None, "seq_len": None, "config": {}, "device": device.device_kind,
-              "jax_version": jax.__version__, "results": checks}]
+              "jax_version": jax.__version__, "results": checks}] if checks else []
   if not args.check_only:
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
-    records += timing(device, settings, args.batches, args.seq_lens, args.variants)
+    records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls)
   records = save(out, records, RECORD_KEY)
   print("\n" + table(records))
   if not all(c["ok"] for c in checks):

@@ -1,0 +1,99 @@
+"""A round of kernel work measured: two builds of the Mosaic GPU kernel timed alternately, a process at a time.
+
+Round 5 of issue 26 showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
+them, and in one run a quarter-filled cache took longer than the full one. Here each repeat runs one process per
+build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 at
+B = 8, L = 32768 and cuDNN dense (``mgpu_decode.py --impls``). A build's time is the median over repeats of each
+process's median, and every repeat's value is kept, so drift shows as spread instead of as a change.
+
+    git archive HEAD pallas_kernels | tar -x -C /tmp/before      # the build before, copied out before the run
+    python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3]
+
+writes ``results/mgpu_rounds/<round>_{before,after}_<change>.json`` (``mgpu_decode.py --rounds`` tabulates them;
+under $OUT too on the device machine). The after build is this tree's pallas_kernels. The first process of each
+build also runs ``mgpu_decode.py``'s check against the reference.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from records import save
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+IMPLS = ("mgpu_kivi2", "mgpu_kivi4", "cudnn_dense")
+RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
+
+
+def import_root(kernels: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+  """A directory where ``jkv_kernels`` is ``kernels`` and ``jkv`` is this tree's: put first on PYTHONPATH, it
+  makes one process import that build."""
+  root.mkdir(parents=True, exist_ok=True)
+  for name, target in (("jkv_kernels", kernels), ("jkv", REPO / "jkv")):
+    (root / name).symlink_to(target.resolve(), target_is_directory=True)
+  return root
+
+
+def time_build(root: pathlib.Path, out: pathlib.Path, check: bool) -> list:
+  """One process of mgpu_decode.py over the build under ``root``: its records (check first, if asked)."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+  env.pop("OUT", None)  # the repeats' files stay here; the combined ones go to $OUT
+  command = [sys.executable, str(HERE / "mgpu_decode.py"), "--batches", "8", "--seq-lens", "32768",
+             "--no-variants", "--impls", *IMPLS, "--check" if check else "--no-check", "--out", str(out)]
+  subprocess.run(command, env=env, check=True)
+  return json.loads(out.read_text())
+
+
+def combine(repeats: list) -> list:
+  """Each timed record of the first repeat with ``median_us`` the median over the repeats (and GB/s from it),
+  every repeat's median in ``repeat_us``; the check records as the first repeat gave them."""
+  combined = []
+  for record in repeats[0]:
+    if record.get("median_us") is None:
+      combined.append(record)
+      continue
+    values = [r["median_us"] for run in repeats for r in run if RECORD_KEY(r) == RECORD_KEY(record)]
+    median = statistics.median(values)
+    combined.append(dict(record, median_us=round(median, 2), repeat_us=[round(v, 2) for v in values],
+                         gbps=round(record["bytes_read"] / (median * 1e-6) / 1e9, 1)))
+  return combined
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--before", type=pathlib.Path, required=True, help="the pallas_kernels directory before")
+  parser.add_argument("--after", type=pathlib.Path, default=REPO / "pallas_kernels", help="(default: this tree's)")
+  parser.add_argument("--round", type=int, required=True)
+  parser.add_argument("--change", required=True, help="the change's name (words joined by _)")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results" / "mgpu_rounds")
+  args = parser.parse_args()
+  for label, path in (("--before", args.before), ("--after", args.after)):
+    if not (path / "mgpu_decode_attention.py").is_file():
+      parser.error(f"{label} {path} is not a pallas_kernels directory (no mgpu_decode_attention.py)")
+  builds = ("before", "after")
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    roots = {b: import_root(getattr(args, b), tmp / b) for b in builds}
+    runs = {b: [] for b in builds}
+    for repeat in range(args.repeats):
+      for build in (builds if repeat % 2 == 0 else builds[::-1]):
+        runs[build].append(time_build(roots[build], tmp / f"{build}_{repeat}.json", check=repeat == 0))
+  for build in builds:
+    save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), RECORD_KEY)
+  print(f"round {args.round}, {args.change}: µs per call in each repeat (before | after)")
+  for impl in IMPLS:
+    cell = lambda b: [r for r in combine(runs[b]) if r["impl"] == impl and not r["config"].get("fill")][0]
+    before, after = cell("before"), cell("after")
+    print(f"  {impl:>12} {before['repeat_us']} | {after['repeat_us']}  median {before['median_us']:.1f} -> "
+          f"{after['median_us']:.1f} ({before['median_us'] / after['median_us']:.3f}x)")
+
+
+if __name__ == "__main__":
+  main()
