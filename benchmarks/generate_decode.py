@@ -22,7 +22,6 @@ renders them into benchmarks/README.md.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import pathlib
@@ -94,7 +93,7 @@ def run_jkv(cfg, label, batch, prompt_len, new_tokens, *, rate, params, weight_b
       prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"], kv_bytes=s["kv_bytes"],
       dense_kv_bytes=s["dense_kv_bytes"], allocated_kv_bytes=s["allocated_kv_bytes"],
       peak_device_bytes=s["peak_device_bytes"], weight_bytes=weight_bytes, copy_rate=rate,
-      attention_impl=s["attention_impl"], method_config=dataclasses.asdict(method),
+      attention_impl=s["attention_impl"], method_config=s["method_config"],
       device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now(), model="random Llama-3-8B shape")
   print(f"{record['impl']:>10} B={batch:<4} {ms_per_step:8.2f} ms/step (floor {floor_ms:.2f}, "
         f"{record['ratio_to_floor']:.2f}x) {s['decode_tokens_per_s']:9.1f} tok/s  prefill {s['prefill_s']:.1f} s "

@@ -150,6 +150,10 @@ class CacheMethod(abc.ABC):
   def capacity_multiple(self) -> int:
     return 1
 
+  def settings(self) -> dict:
+    """The settings as a dict (the dataclass's fields): what results record of the method."""
+    return dataclasses.asdict(self)
+
   def for_impl(self, spec: CacheSpec, impl: str) -> "CacheMethod":
     """These settings as they run with attention implementation ``impl`` on this process's devices: a setting
     left to the device (KIVI's ``mma``) is decided here. ``KVCache.create`` calls it; the default is ``self``."""

@@ -357,7 +357,7 @@ def cmd_generate(args):
   if args.json:
     one = (lambda x: x[0]) if len(texts) == 1 else list
     print(json.dumps(dict(text=one(texts), tokens=one(res.tokens), held_back_tokens=one(held_back),
-                          method_config=dataclasses.asdict(method), **res.stats)))  # stats name the mesh
+                          **res.stats)))  # the stats name the mesh and the method's settings as they ran
   else:
     for t in texts:
       print(t)

@@ -377,6 +377,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   run_decode_s = max(decode_s, 1e-9)
   stats = dict(
       method=method.name,
+      method_config=cache.method.settings(),  # as it ran: settings left to the device decided (KIVI's mma)
       attention_impl=impl,
       mesh=sharding.mesh_label(mesh),  # e.g. "data=2,model=4"; None on one device
       batch=B,

@@ -333,6 +333,12 @@ class PerShard(CacheMethod):
     self.inner.check(spec)
     _check_split(self.mesh, spec.kv_heads, spec.kv_heads * spec.q_per_kv, spec.batch)
 
+  def settings(self) -> dict:
+    return self.inner.settings()
+
+  def for_impl(self, spec: CacheSpec, impl: str) -> "PerShard":
+    return dataclasses.replace(self, inner=self.inner.for_impl(spec, impl))
+
   def capacity_multiple(self) -> int:
     return self.inner.capacity_multiple()
 
@@ -409,7 +415,7 @@ def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional
   lengths split over ``data``. Without a mesh, ``KVCache.create`` itself."""
   if mesh is None:
     return KVCache.create(method, spec, impl)
-  cache = KVCache.create(PerShard(method.for_impl(spec, impl), mesh, spec, rules), spec, impl)
+  cache = KVCache.create(PerShard(method, mesh, spec, rules), spec, impl)
   return cache.replace(lengths=jax.device_put(cache.lengths, NamedSharding(mesh, P(rules.batch))))
 
 

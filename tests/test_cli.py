@@ -93,6 +93,7 @@ def test_generate_json_kivi_2bit(capsys):
   assert "Paris" in res["text"]
   assert res["method"] == "kivi"
   assert res["method_config"]["bits"] == 2 and res["method_config"]["residual"] == 32
+  assert res["method_config"]["mma"] is False  # decided as it ran: no Hopper kernel here (a CPU, or --residual 32)
   held = held_tokens(res, 16)
   assert res["kv_bytes"] < res["dense_kv_bytes"]
   assert res["kv_bytes"] == Kivi(bits=2, residual=32).held_bytes(spec_for(res), None, held).total

@@ -265,6 +265,16 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch)
   assert Kivi().for_impl(spec, "pallas").mma is False
 
 
+@pytest.mark.parametrize("bits,group_size", [(2, 32), (4, 64), (1, 32)])
+def test_mma_packing_allocates_the_library_layouts_bytes(bits, group_size):
+  """Memory is planned before the layout is decided (``jkv.memory`` sees mma left open): both must allocate the
+  same bytes."""
+  from jkv.cache import abstract_bytes
+  spec = CacheSpec(num_layers=3, batch=2, capacity=640, kv_heads=2, head_dim=128, q_per_kv=4, dtype=jnp.bfloat16)
+  layouts = [abstract_bytes(Kivi(bits=bits, group_size=group_size, mma=mma).abstract(spec)) for mma in (False, True)]
+  assert layouts[0] == layouts[1]
+
+
 def _hopper() -> bool:
   from jkv.attention import hopper_kernel_available
   return hopper_kernel_available()
