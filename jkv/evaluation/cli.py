@@ -94,8 +94,7 @@ def cmd_ppl(args, cli):
                            attention_impl=args.attention_impl, mesh=mesh)
   if not cli.is_lead_process():
     return 0
-  out = dict(method=_label(args, method), method_config=dataclasses.asdict(method), text=source,
-             plan=dataclasses.asdict(plan), **res.as_dict())
+  out = dict(method=_label(args, method), text=source, plan=dataclasses.asdict(plan), **res.as_dict())
   if args.json:
     print(json.dumps(out))
   else:

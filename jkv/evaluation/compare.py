@@ -155,7 +155,8 @@ def compare(model, specs: Sequence[MethodSpec], *, token_ids: Sequence[int], ppl
       pk = passkey_lib.run_passkey(params, cfg, model.tokenizer, method=method, grid=passkey,
                                    progress=progress, attention_impl=attention_impl, mesh=mesh)
     rows.append(dict(
-        method=spec.label, name=spec.name, settings=dataclasses.asdict(method),
+        method=spec.label, name=spec.name, settings=dataclasses.asdict(method),  # as asked (a sweep's resume key)
+        method_config=p.method_config,  # as it ran: settings left to the device decided
         kv_bytes=p.kv_bytes, kv_host_bytes=p.kv_host_bytes, dense_kv_bytes=p.dense_kv_bytes, kv_tokens=p.kv_tokens,
         compression=p.dense_kv_bytes / p.kv_bytes, ppl=p.ppl, nll=p.nll, delta_ppl=None, window_nll=p.window_nll,
         passkey_acc=None if pk is None else pk.mean_accuracy,

@@ -82,6 +82,7 @@ class PerplexityResult:
   compile_s: float
   seconds: float  # wall time, compilation included
   method_stats: dict = dataclasses.field(default_factory=dict)  # ``decode_stats`` averaged over the batches
+  method_config: dict = dataclasses.field(default_factory=dict)  # settings as they ran (``CacheMethod.settings``)
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -138,7 +139,8 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
 
   Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations),
   ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window), and
-  ``method_stats``, what the method gathered while decoding (``CacheMethod.decode_stats``). ``mesh``: as in
+  ``method_stats``, what the method gathered while decoding (``CacheMethod.decode_stats``), and
+  ``method_config``, its settings as they ran (``CacheMethod.settings``). ``mesh``: as in
   ``jkv.generate.generate`` (N must split over its data axis).
   """
   windows = np.asarray(windows, np.int32)
@@ -162,9 +164,10 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
       decode_s = time.perf_counter() - t0
   held = cache.held_bytes()
   method_stats = method.decode_stats(cache.state)
+  settings = cache.method.settings()
   del cache
   return nll, dict(decode_s=decode_s, decode_compile_s=compiles.seconds - before, compile_s=compiles.seconds,
-                   held=held, method_stats=method_stats)
+                   held=held, method_stats=method_stats, method_config=settings)
 
 
 @sharding.under_mesh
@@ -218,7 +221,7 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
       kv_bytes=per_sequence("device"), kv_host_bytes=per_sequence("host"), dense_kv_bytes=dense_kv_bytes(spec, np.array([n])),
       kv_tokens=n, decode_tokens_per_s=rows / decode_s, compile_s=compile_s,
       seconds=time.perf_counter() - t_start,
-      method_stats=mean_stats(stats))
+      method_stats=mean_stats(stats), method_config=first_batch["method_config"])
 
 
 def mean_stats(stats: list) -> dict:
