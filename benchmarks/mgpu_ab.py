@@ -89,7 +89,7 @@ def main():
     save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), RECORD_KEY)
   print(f"round {args.round}, {args.change}: µs per call in each repeat (before | after)")
   for impl in IMPLS:
-    cell = lambda b: [r for r in combine(runs[b]) if r["impl"] == impl and not r["config"].get("fill")][0]
+    cell = lambda b: [r for r in combine(runs[b]) if r["impl"] == impl and set(r["config"]) <= {"splits"}][0]
     before, after = cell("before"), cell("after")
     print(f"  {impl:>12} {before['repeat_us']} | {after['repeat_us']}  median {before['median_us']:.1f} -> "
           f"{after['median_us']:.1f} ({before['median_us'] / after['median_us']:.3f}x)")

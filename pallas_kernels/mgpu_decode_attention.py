@@ -181,34 +181,36 @@ def _wgmma_array(pairs, rows_by_cols):
   return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _key_tile(codes_ref, meta_ref, *, tile, step_tiles, bits, head_dim, group, dtype):
-  """K_hat [64 tokens, D] of tile ``tile`` of a step of ``step_tiles``, dequantized in registers (WGMMA layout).
+def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_dim, group, dtype):
+  """K_hat [64 tokens, 64 len(blocks)] of the channel blocks ``blocks`` (consecutive blocks of 64) of tile ``tile``
+  of a step of ``step_tiles``, dequantized in registers (WGMMA layout).
 
   The step's key scale block holds its groups (G <= 64 * step_tiles) or the one group it lies in."""
   warp, lane, tau = _thread()
   source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
-  # The thread's tokens 64 tile + 16 w + l // 4 (+ 8) lie in one key group; its channel pairs (2 (l % 4) + 8 j, +1).
+  # The thread's tokens 64 tile + 16 w + l // 4 (+ 8) lie in one key group; its channel pairs (2 (l % 4) + 8 j, +1),
+  # whose scale and zero are its meta words 2 j, 2 j + 1 (quad_word_position: 16 words per block of 64 channels).
   first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
   group_in_tile = (arith.divui(first_token, mgpu.utils.c(group, _i32()))
                    if group <= TILE * step_tiles else mgpu.utils.c(0, _i32()))
-  meta = _quad_words(meta_ref, mgpu.utils.c(0, _i32()), arith.remui(lane, mgpu.utils.c(4, _i32())),
-                     head_dim // 8 * 2, lead=(group_in_tile,))
+  meta = _quad_words(meta_ref, mgpu.utils.c(64 * blocks[0], _i32()), arith.remui(lane, mgpu.utils.c(4, _i32())),
+                     16 * len(blocks), lead=(group_in_tile,))
   pairs = {}
-  for j in range(head_dim // 8):
+  for j in range(8 * len(blocks)):
     for h in range(2):
-      rho = 2 * j + h
+      rho = 16 * blocks[0] + 2 * j + h
       pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
-  return _wgmma_array(pairs, (TILE, head_dim))
+  return _wgmma_array(pairs, (TILE, 64 * len(blocks)))
 
 
-def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
-  """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels, dequantized in registers
-  (WGMMA layout)."""
+def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group, dtype):
+  """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels in ``blocks``, dequantized in
+  registers (WGMMA layout)."""
   warp, lane, tau = _thread()
   source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
   quad = arith.remui(lane, mgpu.utils.c(4, _i32()))
-  blocks = []
-  for m in range(head_dim // 64):
+  operands = []
+  for m in blocks:
     # The thread's channels 64 m + 16 w + l // 4 (+ 8) lie in one value group; its token pairs (2 (l % 4) + 8 j, +1).
     channel = arith.addi(mgpu.utils.c(64 * m, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
     value_group = arith.divui(channel, mgpu.utils.c(group, _i32()))
@@ -219,15 +221,16 @@ def _value_tiles(codes_ref, meta_ref, *, tile, bits, head_dim, group, dtype):
       for h in range(2):
         rho = 16 * m + 2 * j + h
         pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
-    blocks.append(_wgmma_array(pairs, (64, TILE)))
-  return tuple(blocks)
+    operands.append(_wgmma_array(pairs, (64, TILE)))
+  return tuple(operands)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
+def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps,
+              issue_blocks):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
   product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, 16], l, m [B, Hkv, S, N] (m in log2
   units)."""
@@ -240,17 +243,18 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
-  key_tile = lambda tile: plgpu.inline_mgpu(
+  # The products' issue units: a whole tile's D channels, or with ``issue_blocks`` one block of 64 channels at a time.
+  units = ([(b,) for b in range(head_dim // 64)] if issue_blocks else [tuple(range(head_dim // 64))])
+  key_operand = lambda tile, blocks: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType()),
-      return_type=plgpu.ShapeDtypeStruct((TILE, head_dim), dtype, layout=plgpu.Layout.WGMMA))(
-          lambda ctx, c, m: _key_tile(c, m, tile=tile, step_tiles=step_tiles, bits=store.k_bits,
-                                      head_dim=head_dim, group=store.k_group, dtype=store.dtype))
-  value_tiles = lambda tile: plgpu.inline_mgpu(
+      return_type=plgpu.ShapeDtypeStruct((TILE, 64 * len(blocks)), dtype, layout=plgpu.Layout.WGMMA))(
+          lambda ctx, c, m: _key_operand(c, m, tile=tile, blocks=blocks, step_tiles=step_tiles, bits=store.k_bits,
+                                         head_dim=head_dim, group=store.k_group, dtype=store.dtype))
+  value_operands = lambda tile, blocks: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType()),
-      return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA)
-                        for _ in range(head_dim // 64)))(
-          lambda ctx, c, m: _value_tiles(c, m, tile=tile, bits=store.v_bits, head_dim=head_dim,
-                                         group=store.v_group, dtype=store.dtype))
+      return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA) for _ in blocks))(
+          lambda ctx, c, m: _value_operands(c, m, tile=tile, blocks=blocks, bits=store.v_bits, head_dim=head_dim,
+                                            group=store.v_group, dtype=store.dtype))
   q_swizzle = plgpu.find_swizzle(head_dim * dtype.itemsize * 8, "q")
   q_transforms = (plgpu.TilingTransform((8, q_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(q_swizzle))
   p_swizzle = plgpu.find_swizzle(ROWS * dtype.itemsize * 8, "p")
@@ -271,15 +275,17 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     plgpu.barrier_wait(q_barrier)
 
     def body(index, kc, km, vc, vm, carry):
-      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
-      # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
+      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each unit's product is
+      # issued as soon as its A operand is in registers, and the unit before it waited for, so at most two units'
       # A operands are live at once while the tensor cores work.
       *o_blocks, m_run, l_run = carry
 
       def qk(*acc_refs):
         for t, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, key_tile(t)(kc, km), q_smem.transpose((1, 0)))
-          plgpu.wgmma_wait(1)
+          for blocks in units:
+            q_t = (q_smem.at[:, pl.ds(64 * blocks[0], 64)] if issue_blocks else q_smem).transpose((1, 0))
+            plgpu.wgmma(acc_ref, key_operand(t, blocks)(kc, km), q_t)
+            plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
@@ -297,9 +303,10 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
 
       def pv(acc_refs):
         for t in range(step_tiles):
-          for acc_ref, a_v in zip(acc_refs, value_tiles(t)(vc, vm)):  # one product per block of 64 channels
-            plgpu.wgmma(acc_ref, a_v, p_smem.at[t])
-          plgpu.wgmma_wait(len(acc_refs))
+          for blocks in units:  # one product per block of 64 channels
+            for m, a_v in zip(blocks, value_operands(t, blocks)(vc, vm)):
+              plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
+            plgpu.wgmma_wait(len(blocks))
       o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
       next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
       return (*next_blocks, m_next, l_run)
@@ -375,10 +382,10 @@ def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int =
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps"])
+                                             "max_concurrent_steps", "issue_blocks"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
                           splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = 3):
+                          max_concurrent_steps: int = 3, issue_blocks: bool = False):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -392,6 +399,9 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: among the best of
       benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (round 3's build: 126.3 µs at 4
       tiles and 3 steps, 127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
+    issue_blocks: unpack and issue each product one block of 64 channels at a time instead of a whole tile (at
+      most two blocks' operands and scale words live, not two tiles': fewer registers, so more blocks per SM, for
+      twice the product instructions). Not yet measured on a GPU (benchmarks/mgpu_decode.py's variants time it).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
@@ -422,7 +432,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                      max_concurrent_steps=max_concurrent_steps)
+                      max_concurrent_steps=max_concurrent_steps, issue_blocks=issue_blocks)
   # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)
   alpha = jnp.exp2(m - m_all[:, :, None])
