@@ -284,8 +284,10 @@ class SpeCache(CacheMethod):
 
   @property
   def low_bit(self) -> Kivi:
-    """The low-bit copy: KIVI with the reference code's order (attend, then compress)."""
-    return Kivi(bits=self.bits, group_size=self.group_size, residual=self.residual, meta_dtype=self.meta_dtype)
+    """The low-bit copy: KIVI with the reference code's order (attend, then compress), in the library layout (the
+    speculative top-k reads token mass and the fetched rows leave holes, which the MMA packing does not hold)."""
+    return Kivi(bits=self.bits, group_size=self.group_size, residual=self.residual, meta_dtype=self.meta_dtype,
+                mma=False)
 
   def check(self, spec: CacheSpec) -> None:
     _named(lambda: self.low_bit.check(spec))
