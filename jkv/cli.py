@@ -384,6 +384,7 @@ def cmd_info(args):
   import numpy as np
 
   from jkv import memory
+  from jkv.attention import choose_impl
   from jkv.cache import CacheSpec, dense_kv_bytes
   from jkv.load import load_model
 
@@ -397,6 +398,7 @@ def cmd_info(args):
   n = args.tokens
   multiple = method.capacity_multiple()
   spec = CacheSpec.for_model(cfg, 1, -(-n // multiple) * multiple)
+  method = method.for_impl(spec, choose_impl())  # as it would run on this machine (KIVI's mma decided)
   method.check(spec)
   held = method.held_bytes(spec, None, np.array([n]))
   dense = dense_kv_bytes(spec, np.array([n]))

@@ -167,6 +167,7 @@ def test_info_kivi_compression_matches_the_spec_formula(capsys):
   cfg = info["config"]
   assert (cfg["num_layers"], cfg["kv_heads"], cfg["head_dim"], cfg["dtype"]) == (30, 3, 64, "float32")
   assert info["method"] == "kivi" and info["tokens"] == 4096
+  assert info["method_config"]["mma"] is False  # decided as it would run here: no Hopper kernel on a CPU
   # Spec §3.2, per (layer, KV head, channel), with b = 2, G = 32, R = 128 (the default), σ = 2 (fp16 scales and
   # zeros), ε = 4 (fp32 activations), N = 4096: nK = R⌊N/R⌋ = 4096 (rK = 0), nV = N - R = 3968 (rV = 128).
   N, R, G, b, sigma, eps = 4096, 128, 32, 2, 2, 4
