@@ -7,8 +7,9 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
                  ragged lengths; KIVI-1/2/4 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
                  error of o and lse (fails the run above 2e-2, like kernel_decode.py's check)
     mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L); at B = 8, L = 32768
-                 also a cache filled to L / 4 (config "fill": 0.25) and the products issued a block of 64 channels
-                 at a time (config "issue_blocks", KIVI-4 too)
+                 also a cache filled to L / 4 (config "fill": 0.25), and KIVI-2 and -4 with the products issued a
+                 block of 64 channels at a time (config "issue_blocks") and without Pallas's barriers
+                 ("pallas_barriers": false)
     mgpu_kivi4   4-bit
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
@@ -155,10 +156,11 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
         splits = default_splits(batch, shape.kv_heads, seq_len // 64 // 4)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
             shape, {"splits": splits, "fill": 0.25})
-        for bits in (2, 4):  # the products issued a block of 64 channels at a time, in the same process
-          run(f"mgpu_kivi{bits}", mgpu(issue_blocks=True),
-              functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits), shape,
-              {"splits": splits, "issue_blocks": True})
+        for option, value in (("issue_blocks", True), ("pallas_barriers", False)):  # the kernel's options
+          for bits in (2, 4):
+            run(f"mgpu_kivi{bits}", mgpu(**{option: value}),
+                functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits), shape,
+                {"splits": splits, option: value})
       if variants and (batch, seq_len) == (8, 32768):
         for step_tiles, stages in VARIANTS:
           for splits in (8, 16):
@@ -169,8 +171,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 
 
 def at_defaults(record) -> bool:
-  """A record of the kernel at its defaults on a full cache (not a variant, a partial fill or block issue)."""
-  return not {"stages", "fill", "issue_blocks"} & set(record["config"])
+  """A record of the kernel at its defaults on a full cache (not a variant, a partial fill or an option)."""
+  return not {"stages", "fill", "issue_blocks", "pallas_barriers"} & set(record["config"])
 
 
 def table(records: list[dict]) -> str:

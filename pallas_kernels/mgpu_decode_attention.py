@@ -230,7 +230,7 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 
 
 def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              issue_blocks):
+              issue_blocks, pallas_barriers):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
   product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, 16], l, m [B, Hkv, S, N] (m in log2
   units)."""
@@ -368,7 +368,12 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
           m_smem=plgpu.SMEM((rows,), jnp.float32),
           q_barrier=plgpu.Barrier(),
       ),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # Pallas puts a warpgroup barrier around every shared-memory store and before every TMA copy (twelve per step
+      # of four tiles). By reading, none is needed: p and the partials are published by commit_smem (a fence and a
+      # barrier); the pipeline refills a slot after the step that read it, and every word a thread reads from a
+      # slot feeds a wgmma of the whole warpgroup that the thread has waited for; the cross-warp reductions keep
+      # their own barriers. ``pallas_barriers=False`` drops them (round 5: not yet measured cleanly).
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not pallas_barriers),
   )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
 
 
@@ -382,10 +387,11 @@ def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int =
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps", "issue_blocks"])
+                                             "max_concurrent_steps", "issue_blocks", "pallas_barriers"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
                           splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = 3, issue_blocks: bool = False):
+                          max_concurrent_steps: int = 3, issue_blocks: bool = False,
+                          pallas_barriers: bool = True):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -401,7 +407,9 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
       tiles and 3 steps, 127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
     issue_blocks: unpack and issue each product one block of 64 channels at a time instead of a whole tile (at
       most two blocks' operands and scale words live, not two tiles': fewer registers, so more blocks per SM, for
-      twice the product instructions). Not yet measured on a GPU (benchmarks/mgpu_decode.py's variants time it).
+      twice the product instructions). Not yet measured on a GPU (benchmarks/mgpu_decode.py times it).
+    pallas_barriers: keep the barriers Pallas inserts around shared-memory stores and TMA copies (the kernel
+      needs none of them; dropping them measured both ways in round 5's noisy A/B: benchmarks/README.md).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
@@ -432,7 +440,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                      max_concurrent_steps=max_concurrent_steps, issue_blocks=issue_blocks)
+                      max_concurrent_steps=max_concurrent_steps, issue_blocks=issue_blocks,
+                      pallas_barriers=pallas_barriers)
   # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)
   alpha = jnp.exp2(m - m_all[:, :, None])

@@ -168,15 +168,17 @@ def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2,
                   k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name)
 
 
-@pytest.mark.parametrize("step_tiles,q_per_kv,issue_blocks", [(1, 4, False), (4, 4, False), (4, 12, False),
-                                                               (4, 4, True), (1, 12, True)])  # N 8 or 16 wide
+@pytest.mark.parametrize("step_tiles,q_per_kv,issue_blocks,barriers", [
+    (1, 4, False, True), (4, 4, False, True), (4, 12, False, True), (4, 4, True, True), (1, 12, True, False)])
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS[:4])
 def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, q_per_kv,
-                                         issue_blocks):
+                                         issue_blocks, barriers):
+  """Each width, grouping, step, product width (N = 8 or 16 query rows) and option lowers to one kernel."""
   store = _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype)
   q = jax.ShapeDtypeStruct((2, 2, 1, q_per_kv, head_dim), dtype)
   fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, step_tiles=step_tiles,
-                                                             issue_blocks=issue_blocks, return_lse=True))
+                                                             issue_blocks=issue_blocks, pallas_barriers=barriers,
+                                                             return_lse=True))
   text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -213,16 +215,18 @@ def _has_hopper() -> bool:
 
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
 class TestMgpuDecodeAttentionGpu:
-  @pytest.mark.parametrize("step_tiles,issue_blocks", [(1, False), (4, False), (4, True)])
+  @pytest.mark.parametrize("step_tiles,issue_blocks,barriers", [(1, False, True), (4, False, True), (4, True, True),
+                                                                (4, False, False), (1, True, False)])
   @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
-  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, issue_blocks):
+  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, issue_blocks,
+                             barriers):
     store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
                        head_dim=head_dim, capacity=1024, lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(5), (3, 2, 1, 4, head_dim), dtype)
     packed = pack_mma_store(store)
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, packed, return_lse=True, step_tiles=step_tiles,
-                                     issue_blocks=issue_blocks)
+                                     issue_blocks=issue_blocks, pallas_barriers=barriers)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), (), return_lse=True)
       o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
       assert np.all(np.isfinite(o))
