@@ -163,10 +163,12 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
                 {"splits": splits, option: value})
       if variants and (batch, seq_len) == (8, 32768):
         for step_tiles, stages in VARIANTS:
-          for splits in (8, 16):
-            run("mgpu_kivi2", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages),
+          for splits, issue_blocks in ((8, False), (16, False), (8, True)):
+            run("mgpu_kivi2", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages,
+                                   issue_blocks=issue_blocks),
                 lambda seed: inputs(shape, 2, seed, True), bytes_read(shape, 2), shape,
-                {"splits": splits, "step_tiles": step_tiles, "stages": stages})
+                {"splits": splits, "step_tiles": step_tiles, "stages": stages}
+                | ({"issue_blocks": True} if issue_blocks else {}))
   return records
 
 
