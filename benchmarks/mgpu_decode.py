@@ -162,13 +162,16 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
                 functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits), shape,
                 {"splits": splits, option: value})
       if variants and (batch, seq_len) == (8, 32768):
-        for step_tiles, stages in VARIANTS:
-          for splits, issue_blocks in ((8, False), (16, False), (8, True)):
-            run("mgpu_kivi2", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages,
-                                   issue_blocks=issue_blocks),
-                lambda seed: inputs(shape, 2, seed, True), bytes_read(shape, 2), shape,
-                {"splits": splits, "step_tiles": step_tiles, "stages": stages}
-                | ({"issue_blocks": True} if issue_blocks else {}))
+        # KIVI-4's step of 4 tiles in 3 stages takes about 140 KB of shared memory, one block per SM: its
+        # smaller steps and depths are timed too (KIVI-2's, about 92 KB: two blocks).
+        for bits, kinds in ((2, ((8, False), (16, False), (8, True))), (4, ((8, False), (8, True)))):
+          for step_tiles, stages in VARIANTS:
+            for splits, issue_blocks in kinds:
+              run(f"mgpu_kivi{bits}", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages,
+                                           issue_blocks=issue_blocks),
+                  functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits),
+                  shape, {"splits": splits, "step_tiles": step_tiles, "stages": stages}
+                  | ({"issue_blocks": True} if issue_blocks else {}))
   return records
 
 
@@ -217,7 +220,7 @@ def main():
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768])
   parser.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
-                      help="time the splits and pipeline depths at B = 8, L = 32768")
+                      help="time the splits, steps, depths and block issue at B = 8, L = 32768")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
