@@ -67,3 +67,36 @@ def test_ncu_opcodes_sums_a_sass_source_page(tmp_path, monkeypatch):
   path.write_text("\n".join(",".join(f'"{x}"' for x in row) for row in [("Kernel Name", "k"), header, *rows]))
   executed, stalls = opcode_mix(path)
   assert executed == {"LOP3": 160, "HADD2": 40, "EXIT": 0} and stalls == {"LOP3": 6, "HADD2": 2, "EXIT": 0}
+
+
+def test_mgpu_ab_alternates_the_builds_and_keeps_every_repeat(tmp_path, monkeypatch):
+  """benchmarks/mgpu_ab.py (the kernel itself needs a Hopper GPU): each repeat runs one process per build, the
+  first build alternating, each importing its own jkv_kernels; a build's time is the median of its repeats."""
+  monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+  import mgpu_ab
+  before = tmp_path / "before"
+  before.mkdir()
+  (before / "mgpu_decode_attention.py").write_text("")
+  times = {"before": iter([100.0, 130.0, 110.0]), "after": iter([90.0, 80.0, 200.0])}
+  order = []
+
+  def fake_run(command, env, check):
+    kernels = pathlib.Path(env["PYTHONPATH"].split(os.pathsep)[0], "jkv_kernels").resolve()
+    build = "before" if kernels == before.resolve() else "after"
+    order.append((build, "--check" in command))
+    timed = [{"impl": impl, "batch": 8, "seq_len": 32768, "config": {"splits": 8}, "bytes_read": 10**8,
+              "median_us": next(times[build]) if impl == "mgpu_kivi2" else 50.0} for impl in mgpu_ab.IMPLS]
+    pathlib.Path(command[command.index("--out") + 1]).write_text(json.dumps(timed))
+
+  monkeypatch.setattr(mgpu_ab.subprocess, "run", fake_run)
+  monkeypatch.delenv("OUT", raising=False)
+  monkeypatch.setattr(sys, "argv", ["mgpu_ab.py", "--before", str(before), "--round", "7", "--change", "x",
+                                    "--out-dir", str(tmp_path / "rounds")])
+  mgpu_ab.main()
+  assert order == [("before", True), ("after", True), ("after", False), ("before", False), ("before", False),
+                   ("after", False)]
+  for build, median, repeats in (("before", 110.0, [100.0, 130.0, 110.0]), ("after", 90.0, [90.0, 80.0, 200.0])):
+    kivi2 = [r for r in json.loads((tmp_path / "rounds" / f"7_{build}_x.json").read_text())
+             if r["impl"] == "mgpu_kivi2"][0]
+    assert kivi2["median_us"] == median and kivi2["repeat_us"] == repeats
+    assert kivi2["gbps"] == round(10**8 / (median * 1e-6) / 1e9, 1)
