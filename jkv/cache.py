@@ -50,11 +50,17 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     counters); ``state=None`` gives the bound at those lengths (every pool full), which ``jkv info`` reports.
 ``capacity_multiple()``
     Capacities are rounded up to a multiple of this.
+``for_impl(spec, impl) -> method``
+    The settings as they run with attention implementation ``impl``: a setting left open (KIVI's ``mma``, the
+    store's packing) is decided here, by what ``jkv.attention`` says its kernels take. ``KVCache.create`` calls
+    it, so a cache's ``method`` is always decided; default ``self``.
+``settings() -> dict``
+    The settings as results record them (default: the dataclass's fields).
 
 ``ctx.impl`` is the attention implementation, chosen once by the caller (``jkv.attention.choose_impl``):
 ``"pallas"`` (the fused kernels, GPUs of compute capability >= 8.0), ``"interpret"`` (the same kernels in
 Pallas interpret mode, for CPU tests) or ``"xla"`` (plain XLA: CPU, T4-class GPUs, or when asked).
-Methods never look at the device themselves.
+Methods never look at the device themselves: ``for_impl`` asks ``jkv.attention``.
 """
 
 import abc
