@@ -100,3 +100,24 @@ def test_mgpu_ab_alternates_the_builds_and_keeps_every_repeat(tmp_path, monkeypa
              if r["impl"] == "mgpu_kivi2"][0]
     assert kivi2["median_us"] == median and kivi2["repeat_us"] == repeats
     assert kivi2["gbps"] == round(10**8 / (median * 1e-6) / 1e9, 1)
+
+
+def test_gpu_suite_records_a_runs_counts_and_failures(tmp_path):
+  """benchmarks/gpu_suite.py on the CPU over a small suite with a pass, a failure and a skip: the record has the
+  counts and the failed test's id, the log sits beside it, and the exit status is pytest's."""
+  suite = tmp_path / "suite"
+  suite.mkdir()
+  (suite / "test_some.py").write_text(
+      "import pytest\n\ndef test_ok():\n  assert True\n\ndef test_wrong():\n  assert 1 == 2\n\n"
+      "@pytest.mark.skip(reason='not here')\ndef test_later():\n  pass\n")
+  out = tmp_path / "records" / "suite.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "gpu_suite.py", "--workers", "0", "--commit", "abc1234", "--pytest-args",
+                         str(suite), "--out", str(out)], cwd=BENCHMARKS, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  (record,) = json.loads(out.read_text())
+  assert (record["passed"], record["failed"], record["errors"], record["skipped"]) == (1, 1, 0, 1)
+  assert len(record["failed_tests"]) == 1 and record["failed_tests"][0].endswith("test_some.py::test_wrong")
+  assert record["commit"] == "abc1234" and record["device"] and record["exit_status"] == 1
+  assert "assert 1 == 2" in (out.parent / record["log"]).read_text()
