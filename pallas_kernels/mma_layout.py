@@ -233,6 +233,16 @@ def pack_mma_store(store) -> MmaStore:
                   store.v_group, jnp.dtype(store.k_scale.dtype).name)
 
 
+def _tile_order(tokens, channels) -> np.ndarray:
+  """The gather that puts a tile's registers [THREADS, R, 2] (flattened) in (token, channel) order: the inverse of
+  the register map, a permutation of the tile's 64 D entries (a gather, where writing each register at its
+  (token, channel) would be a scatter, which XLA runs far slower)."""
+  head_dim = tokens.size // TILE
+  order = np.empty(tokens.size, np.int32)
+  order[(tokens * head_dim + channels).reshape(-1)] = np.arange(tokens.size)
+  return order
+
+
 def _halves(words, dtype):
   """uint32 words -> (low, high) 16-bit floats of ``dtype`` as float32."""
   as_float = lambda h: jax.lax.bitcast_convert_type(h.astype(jnp.uint16), dtype).astype(jnp.float32)
@@ -245,9 +255,8 @@ def read_key_tiles(words, meta, *, bits: int, group: int, dtype):
   *lead, count, _ = words.shape
   head_dim, tokens = meta.shape[-1], count * TILE
   kt, kc = key_register_map(head_dim)
-  k = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., kt, kc].set(
-      _unpack_registers(words, bits, kt.shape[1]))
-  k = k.reshape(*lead, tokens, head_dim)
+  registers = _unpack_registers(words, bits, kt.shape[1]).reshape(*lead, count, -1)
+  k = registers[..., _tile_order(kt, kc)].reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta).reshape(*meta.shape[:-1], 4, head_dim // 8, 2)
   (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., groups, 4, D/8]
   # channel 2q + 8j (+1) -> index [.., j, q, pair]
@@ -263,9 +272,8 @@ def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
   channel_groups = meta.shape[-1] // 64
   head_dim, tokens = channel_groups * group, count * TILE
   vt, vc = value_register_map(head_dim)
-  v = jnp.zeros((*lead, count, TILE, head_dim), jnp.int32).at[..., vt, vc].set(
-      _unpack_registers(words, bits, vt.shape[1]))
-  v = v.reshape(*lead, tokens, head_dim)
+  registers = _unpack_registers(words, bits, vt.shape[1]).reshape(*lead, count, -1)
+  v = registers[..., _tile_order(vt, vc)].reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta.reshape(*lead, count, channel_groups, 64))
   pairs = pairs.reshape(*lead, count, channel_groups, 4, 8, 2)
   (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., n, D/Gv, 4, 8]
