@@ -70,11 +70,11 @@ import numpy as np
 from jkv.methods.ott import Ott
 from jkv_kernels import quantization
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
-from records import README, merge_file, write_readme_section
+from records import README, kernel_record_key, merge_file, write_readme_section
 
 HERE = pathlib.Path(__file__).resolve().parent
 # A rerun replaces the records of the same configuration.
-RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
+RECORD_KEY = kernel_record_key
 L2_BYTES = 50 * 2**20  # H100 L2; input sets rotate through at least twice this
 RESIDUAL = 128
 GROUP_SIZE = 32

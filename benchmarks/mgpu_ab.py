@@ -23,12 +23,11 @@ import subprocess
 import sys
 import tempfile
 
-from records import save
+from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 IMPLS = ("mgpu_kivi2", "mgpu_kivi4", "cudnn_dense")
-RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
 
 
 def import_root(kernels: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
@@ -58,7 +57,7 @@ def combine(repeats: list) -> list:
     if record.get("median_us") is None:
       combined.append(record)
       continue
-    values = [r["median_us"] for run in repeats for r in run if RECORD_KEY(r) == RECORD_KEY(record)]
+    values = [r["median_us"] for run in repeats for r in run if kernel_record_key(r) == kernel_record_key(record)]
     median = statistics.median(values)
     combined.append(dict(record, median_us=round(median, 2), repeat_us=[round(v, 2) for v in values],
                          gbps=round(record["bytes_read"] / (median * 1e-6) / 1e9, 1)))
@@ -86,7 +85,7 @@ def main():
       for build in (builds if repeat % 2 == 0 else builds[::-1]):
         runs[build].append(time_build(roots[build], tmp / f"{build}_{repeat}.json", check=repeat == 0))
   for build in builds:
-    save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), RECORD_KEY)
+    save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), kernel_record_key)
   print(f"round {args.round}, {args.change}: µs per call in each repeat (before | after)")
   for impl in IMPLS:
     cell = lambda b: [r for r in combine(runs[b]) if r["impl"] == impl and set(r["config"]) <= {"splits"}][0]

@@ -48,10 +48,10 @@ from jkv_kernels.mgpu_decode_attention import default_splits, mgpu_decode_attent
 from jkv_kernels.mma_layout import pack_mma_store
 from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
                            store_arrays, time_calls)
-from records import save
+from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
-RECORD_KEY = lambda r: (r["impl"], r["batch"], r["seq_len"], json.dumps(r["config"], sort_keys=True))
+RECORD_KEY = kernel_record_key
 CHECKS = (  # k_bits, v_bits, k_group, v_group, dtype, step_tiles
     (2, 2, 32, 32, jnp.bfloat16, 1), (2, 2, 32, 32, jnp.bfloat16, 2), (2, 2, 32, 32, jnp.bfloat16, 4),
     (4, 4, 32, 32, jnp.bfloat16, 2), (1, 1, 32, 32, jnp.bfloat16, 2), (4, 2, 128, 32, jnp.bfloat16, 1),

@@ -12,6 +12,12 @@ import re
 README = pathlib.Path(__file__).resolve().parent / "README.md"
 
 
+def kernel_record_key(record) -> tuple:
+  """What identifies a kernel timing (kernel_decode.py, mgpu_decode.py, mgpu_ab.py): implementation, batch, length
+  and configuration; a rerun replaces the records with the same key."""
+  return record["impl"], record["batch"], record["seq_len"], json.dumps(record["config"], sort_keys=True)
+
+
 def merge_file(path: pathlib.Path, new: list, key) -> list:
   """The records in ``path`` (if any) that no record of ``new`` replaces (same ``key(record)``), then ``new``."""
   old = json.loads(path.read_text()) if path.exists() else []

@@ -38,6 +38,11 @@ def hopper_kernel_available() -> bool:
   return 9.0 <= _gpu_capability() < 10.0 and mgpu_decode_attention.available()
 
 
+def hopper_kernel_takes(query_rows: int) -> bool:
+  """The Hopper kernel runs here and takes ``query_rows`` (T * g) query rows per KV head (at most 16)."""
+  return hopper_kernel_available() and query_rows <= mgpu_decode_attention.ROWS
+
+
 def choose_impl(requested: str = "auto") -> str:
   """The attention implementation for this process: ``"pallas"`` on a GPU that runs the Pallas kernels,
   ``"xla"`` elsewhere; ``requested`` other than "auto" forces one (``"interpret"`` runs the kernels in Pallas
@@ -253,11 +258,6 @@ def _token_mass(q, source: _Source, lse, rows):
 
   mass = jnp.zeros((B, H, len(rows), source.length), jnp.float32)
   return jax.lax.fori_loop(0, source.n_blocks, body, mass)
-
-
-def hopper_kernel_takes(query_rows: int) -> bool:
-  """The Hopper kernel runs here and takes ``query_rows`` (T * g) query rows per KV head (at most 16)."""
-  return hopper_kernel_available() and query_rows <= mgpu_decode_attention.ROWS
 
 
 def merge_partials(partials):

@@ -108,11 +108,8 @@ class Kivi(CacheMethod):
     for b in (self.kb, self.vb):
       if G % (32 // b):
         raise ValueError(f"kivi group_size={G} must be a multiple of {32 // b} ({b}-bit codes pack {32 // b} per word)")
-    if self.mma:
-      if R % TILE:
-        raise ValueError(f"kivi mma=true needs residual={R} a multiple of {TILE} (a flush packs whole key tiles)")
-      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, head_dim=max(64, G), tokens=TILE,
-                        meta_dtype=self.meta)  # the head dim and capacity are checked with the spec
+    if self.mma:  # the head dim and capacity are checked with the spec
+      self._check_mma(head_dim=max(64, G), capacity=TILE)
 
   @property
   def kb(self) -> int:
@@ -135,8 +132,15 @@ class Kivi(CacheMethod):
       raise ValueError(f"kivi group_size={self.group_size} does not divide the head dim {spec.head_dim} "
                        "(value groups span channels)")
     if self.mma:
-      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=self.group_size, v_group=self.group_size,
-                        head_dim=spec.head_dim, tokens=spec.capacity, meta_dtype=self.meta)
+      self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
+
+  def _check_mma(self, *, head_dim: int, capacity: int) -> None:
+    """One-line errors for settings, or a head dim and capacity, that the MMA packing does not take."""
+    if self.residual % TILE:
+      raise ValueError(f"kivi mma=true needs residual={self.residual} a multiple of {TILE} (a flush packs whole key "
+                       "tiles)")
+    check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=self.group_size, v_group=self.group_size,
+                      head_dim=head_dim, tokens=capacity, meta_dtype=self.meta)
 
   def capacity_multiple(self) -> int:
     return self.residual
@@ -147,18 +151,13 @@ class Kivi(CacheMethod):
     layout's tokens/s at KIVI-2's largest batch (benchmarks/README.md, generate_decode.py --part maxbatch)."""
     if self.mma is not None:
       return self
-    return dataclasses.replace(self, mma=impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
-                               and self._packable(spec))
-
-  def _packable(self, spec: CacheSpec) -> bool:
-    if self.residual % TILE:
-      return False
-    try:
-      check_mma_packing(k_bits=self.kb, v_bits=self.vb, k_group=self.group_size, v_group=self.group_size,
-                        head_dim=spec.head_dim, tokens=spec.capacity, meta_dtype=self.meta)
-    except ValueError:
-      return False
-    return True
+    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
+    if fits:
+      try:
+        self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
+      except ValueError:
+        fits = False
+    return dataclasses.replace(self, mma=fits)
 
   # ---------------------------------------------------------------------------------------------- state
 
