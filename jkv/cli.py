@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import re
@@ -525,10 +526,12 @@ def _importing(frame) -> bool:
 
 
 def _say_interrupted(e: Optional[BaseException] = None):
-  """The one line of an interrupted run, with what the command kept (``kept_on_interrupt``). Warnings are silenced
-  first: an interrupted checkpoint save abandons orbax's coroutines, and their 'never awaited' RuntimeWarning,
-  printed whenever they are collected, would come after the line."""
+  """The one line of an interrupted run, with what the command kept (``kept_on_interrupt``). Warnings and asyncio's
+  log are silenced first: an interrupted checkpoint save abandons orbax's coroutines and tasks, and their 'never
+  awaited' RuntimeWarning and 'Task was destroyed but it is pending' error, printed whenever they are collected,
+  would come after the line."""
   warnings.simplefilter("ignore")
+  logging.getLogger("asyncio").disabled = True
   notes = []
   while e is not None:  # the KeyboardInterrupt, or what it caused
     notes += getattr(e, "__notes__", [])
