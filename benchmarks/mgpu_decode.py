@@ -7,9 +7,7 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
                  ragged lengths; KIVI-1/2/4 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
                  error of o and lse (fails the run above 2e-2, like kernel_decode.py's check)
     mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L); at B = 8, L = 32768
-                 also a cache filled to L / 4 (config "fill": 0.25), and KIVI-2 and -4 with the products issued a
-                 block of 64 channels at a time (config "issue_blocks") and without Pallas's barriers
-                 ("pallas_barriers": false)
+                 also a cache filled to L / 4 (config "fill": 0.25)
     mgpu_kivi4   4-bit
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
@@ -18,7 +16,8 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
-at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 the new kernel's splits and pipeline depth.
+at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 the new kernel's step and pipeline depth
+(``--variants``, every one ``--repeats`` times in turn, each repeat kept: ``variants_table``).
 Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). Results go to
 benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machine); ``--table`` prints the table.
 
@@ -44,8 +43,9 @@ import numpy as np
 
 from jkv import attention as jkv_attention
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import default_splits, mgpu_decode_attention
-from jkv_kernels.mma_layout import pack_mma_store
+from jkv_kernels.mgpu_decode_attention import (default_pipeline, default_splits, mgpu_decode_attention,
+                                               shared_memory_bytes)
+from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
                            store_arrays, time_calls)
 from records import kernel_record_key, save
@@ -56,7 +56,7 @@ CHECKS = (  # k_bits, v_bits, k_group, v_group, dtype, step_tiles
     (2, 2, 32, 32, jnp.bfloat16, 1), (2, 2, 32, 32, jnp.bfloat16, 2), (2, 2, 32, 32, jnp.bfloat16, 4),
     (4, 4, 32, 32, jnp.bfloat16, 2), (1, 1, 32, 32, jnp.bfloat16, 2), (4, 2, 128, 32, jnp.bfloat16, 1),
     (4, 2, 128, 32, jnp.bfloat16, 4), (2, 2, 32, 32, jnp.float16, 2), (2, 4, 64, 64, jnp.float16, 2))
-VARIANTS = tuple((step_tiles, stages) for step_tiles in (1, 2, 4) for stages in (2, 3, 4))  # at B = 8, L = 32768
+VARIANTS = tuple((step_tiles, stages) for step_tiles in (4, 2, 1) for stages in (2, 3, 4))  # at B = 8, L = 32768
 
 
 def store(key, shape: Shape, *, k_bits, v_bits, k_group, v_group, meta_dtype, lengths, from_data: bool):
@@ -117,8 +117,11 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense")
 
 
-def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS) -> list[dict]:
-  """Time ``impls`` (every one by default) at each batch and length; the kernel's variants with ``variants``."""
+def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
+           repeats: int = 1) -> list[dict]:
+  """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
+  depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
+  run by more than neighbouring variants differ)."""
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -156,28 +159,50 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
         splits = default_splits(batch, shape.kv_heads, seq_len // 64 // 4)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
             shape, {"splits": splits, "fill": 0.25})
-        for option, value in (("issue_blocks", True), ("pallas_barriers", False)):  # the kernel's options
-          for bits in (2, 4):
-            run(f"mgpu_kivi{bits}", mgpu(**{option: value}),
-                functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits), shape,
-                {"splits": splits, option: value})
       if variants and (batch, seq_len) == (8, 32768):
-        # KIVI-4's step of 4 tiles in 3 stages takes about 140 KB of shared memory, one block per SM: its
-        # smaller steps and depths are timed too (KIVI-2's, about 92 KB: two blocks).
-        for bits, kinds in ((2, ((8, False), (16, False), (8, True))), (4, ((8, False), (8, True)))):
+        for repeat in range(repeats):
           for step_tiles, stages in VARIANTS:
-            for splits, issue_blocks in kinds:
-              run(f"mgpu_kivi{bits}", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages,
-                                           issue_blocks=issue_blocks),
+            for bits in (2, 4):
+              splits = default_splits(batch, shape.kv_heads, seq_len // 64 // step_tiles)
+              run(f"mgpu_kivi{bits}", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages),
                   functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits),
-                  shape, {"splits": splits, "step_tiles": step_tiles, "stages": stages}
-                  | ({"issue_blocks": True} if issue_blocks else {}))
+                  shape, {"splits": splits, "step_tiles": step_tiles, "stages": stages, "repeat": repeat})
   return records
 
 
 def at_defaults(record) -> bool:
-  """A record of the kernel at its defaults on a full cache (not a variant, a partial fill or an option)."""
+  """A record of the kernel at its defaults on a full cache (not a variant or a partial fill)."""
   return not {"stages", "fill", "issue_blocks", "pallas_barriers"} & set(record["config"])
+
+
+def variants_table(records: list[dict]) -> str:
+  """Step and depth at B = 8, L = 32768: the median over repeats (and the range), the shared memory a program
+  holds, and which the kernel picks by default (``default_pipeline``)."""
+  found = {}
+  for r in records:
+    if r["impl"].startswith("mgpu_kivi") and "repeat" in r["config"] and (r["batch"], r["seq_len"]) == (8, 32768):
+      found.setdefault((int(r["impl"][-1]), r["config"]["step_tiles"], r["config"]["stages"]), []).append(
+          r["median_us"])
+  lines = ["| KIVI | step_tiles | stages | shared memory | median over repeats | range | repeats |",
+           "|---|---|---|---|---|---|---|"]
+  for bits in (2, 4):
+    packed = _abstract_mma_store(Shape(8, 32768), bits)
+    default = default_pipeline(packed)
+    for step_tiles, stages in VARIANTS:
+      times = found.get((bits, step_tiles, stages))
+      if times:
+        mark = " (default)" if (step_tiles, stages) == default else ""
+        lines.append(f"| {bits}-bit | {step_tiles} | {stages}{mark} | "
+                     f"{shared_memory_bytes(packed, step_tiles, stages) / 1024:.0f} KB | {np.median(times):.1f} µs | "
+                     f"{min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
+  return "\n".join(lines)
+
+
+def _abstract_mma_store(shape: Shape, bits: int) -> MmaStore:
+  """The shapes of ``timing_inputs``'s packed store (G = 32), without building it."""
+  return jax.eval_shape(lambda: pack_mma_store(store(jax.random.key(0), shape, k_bits=bits, v_bits=bits, k_group=32,
+                                                     v_group=32, meta_dtype=shape.dtype, lengths=[1] * shape.batch,
+                                                     from_data=False)))
 
 
 def table(records: list[dict]) -> str:
@@ -220,7 +245,8 @@ def main():
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 32768])
   parser.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
-                      help="time the splits, steps, depths and block issue at B = 8, L = 32768")
+                      help="time the kernel's steps and depths at B = 8, L = 32768")
+  parser.add_argument("--repeats", type=int, default=1, help="times to run the variants' sweep, in turn")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
@@ -235,7 +261,8 @@ def main():
     print(rounds_table(HERE / "results" / "mgpu_rounds"))
     return
   if args.table:
-    print(table(json.loads(out.read_text())))
+    records = json.loads(out.read_text())
+    print(table(records) + "\n\n" + variants_table(records))
     return
   checks = check() if args.check or args.check_only else []
   records = [{"impl": "check", "batch": None, "seq_len": None, "config": {}, "device": device.device_kind,
@@ -243,9 +270,9 @@ def main():
   if not args.check_only:
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
-    records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls)
+    records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats)
   records = save(out, records, RECORD_KEY)
-  print("\n" + table(records))
+  print("\n" + table(records) + "\n\n" + variants_table(records))
   if not all(c["ok"] for c in checks):
     raise SystemExit("mgpu_decode_attention disagrees with the reference (see the check lines)")
 

@@ -26,7 +26,10 @@ Methods: dense; kivi2 (KIVI-2, G = 32, R = 128); specache1 (1-bit, G = 64, R = 6
 for step t + 1 are fetched during step t into a device buffer); specache1_sync (the same, rows fetched at use
 time, on the step's critical path); specache1_nospec (the non-speculative baseline, ``speculate=False``: one
 row, the real row's own top k fetched inside the layer and attended in a second pass); specache2 (2-bit,
-G = 64). A failure is recorded with its first line and the next method runs.
+G = 64); specache1_repair (each step checks the previous guess and gives a sequence that missed the
+fetch-then-recompute pass, under ``lax.cond``: on a random model's near-uniform attention some sequence of the
+batch misses nearly every step, so this times the repair's worst case) and specache1_repair_k128 (the same, 128
+rows fetched: issue 27's quality candidate). A failure is recorded with its first line and the next method runs.
 
     python benchmarks/specache_decode.py --part check                          # on the GPU
     XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
@@ -57,6 +60,8 @@ METHODS = {
     "specache1_sync": ("specache", dict(SPECACHE, bits=1, prefetch=False)),
     "specache1_nospec": ("specache", dict(SPECACHE, bits=1, speculate=False)),
     "specache2": ("specache", dict(SPECACHE, bits=2)),
+    "specache1_repair": ("specache", dict(SPECACHE, bits=1, repair=True)),
+    "specache1_repair_k128": ("specache", dict(SPECACHE, bits=1, repair=True, fetch_rows=128)),
 }
 DEFAULT_METHODS = ("dense", "kivi2", "specache1", "specache1_sync")
 

@@ -48,6 +48,7 @@ try:  # Mosaic GPU's Python API (jax >= 0.11 is where this kernel is built and m
 except ImportError:  # pragma: no cover - an older jax: the kernel is unavailable, the module still imports
   plgpu = mgpu = None
 
+SHARED_PER_SM = 228 * 1024  # shared memory of a Hopper SM (H100, H200)
 ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
@@ -229,8 +230,7 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              issue_blocks, pallas_barriers):
+def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
   product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, 16], l, m [B, Hkv, S, N] (m in log2
   units)."""
@@ -243,8 +243,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
-  # The products' issue units: a whole tile's D channels, or with ``issue_blocks`` one block of 64 channels at a time.
-  units = ([(b,) for b in range(head_dim // 64)] if issue_blocks else [tuple(range(head_dim // 64))])
+  blocks = tuple(range(head_dim // 64))  # the tile's channel blocks of 64: one value product each
   key_operand = lambda tile, blocks: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType()),
       return_type=plgpu.ShapeDtypeStruct((TILE, 64 * len(blocks)), dtype, layout=plgpu.Layout.WGMMA))(
@@ -275,17 +274,15 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     plgpu.barrier_wait(q_barrier)
 
     def body(index, kc, km, vc, vm, carry):
-      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each unit's product is
-      # issued as soon as its A operand is in registers, and the unit before it waited for, so at most two units'
+      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
+      # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
       # A operands are live at once while the tensor cores work.
       *o_blocks, m_run, l_run = carry
 
       def qk(*acc_refs):
         for t, acc_ref in enumerate(acc_refs):
-          for blocks in units:
-            q_t = (q_smem.at[:, pl.ds(64 * blocks[0], 64)] if issue_blocks else q_smem).transpose((1, 0))
-            plgpu.wgmma(acc_ref, key_operand(t, blocks)(kc, km), q_t)
-            plgpu.wgmma_wait(1)
+          plgpu.wgmma(acc_ref, key_operand(t, blocks)(kc, km), q_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
@@ -303,10 +300,9 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
 
       def pv(acc_refs):
         for t in range(step_tiles):
-          for blocks in units:  # one product per block of 64 channels
-            for m, a_v in zip(blocks, value_operands(t, blocks)(vc, vm)):
-              plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
-            plgpu.wgmma_wait(len(blocks))
+          for m, a_v in zip(blocks, value_operands(t, blocks)(vc, vm)):
+            plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
+          plgpu.wgmma_wait(len(blocks))
       o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
       next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
       return (*next_blocks, m_next, l_run)
@@ -368,12 +364,9 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
           m_smem=plgpu.SMEM((rows,), jnp.float32),
           q_barrier=plgpu.Barrier(),
       ),
-      # Pallas puts a warpgroup barrier around every shared-memory store and before every TMA copy (twelve per step
-      # of four tiles). By reading, none is needed: p and the partials are published by commit_smem (a fence and a
-      # barrier); the pipeline refills a slot after the step that read it, and every word a thread reads from a
-      # slot feeds a wgmma of the whole warpgroup that the thread has waited for; the cross-warp reductions keep
-      # their own barriers. ``pallas_barriers=False`` drops them (round 5: not yet measured cleanly).
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not pallas_barriers),
+      # Pallas's barriers around shared-memory stores and TMA copies stay: by reading none is needed, but dropping
+      # them (unsafe_no_auto_barriers) measured no faster in one process on an H100 (benchmarks/README.md, round 6).
+      compiler_params=plgpu.CompilerParams(approx_math=True),
   )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
 
 
@@ -386,12 +379,35 @@ def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int =
   return splits
 
 
+def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
+  """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words, q, p and the
+  partials (at the widest N, 16 rows)."""
+  word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
+  step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta))
+  step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
+  head_dim, half = store.k_meta.shape[-1], jnp.dtype(store.dtype).itemsize
+  return stages * step + ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
+
+
+def default_pipeline(store: MmaStore, step_tiles: Optional[int] = None) -> tuple[int, int]:
+  """(step_tiles, stages): the largest step of 4, 2 or 1 tiles (or ``step_tiles``) that divides the tile count,
+  3 stages deep, else 2, else a smaller step, whichever comes first that lets two programs share an SM (half of a
+  Hopper SM's 228 KB of shared memory, less 1 KB reserved per block). The kernel's registers (182 a thread) allow
+  two programs of 128 threads per SM, not three, and one program per SM leaves the loads' latency uncovered: on
+  an H100 at B = 8, L = 32768, KIVI-4 took 177-186 µs with 4 tiles in 3 stages (140 KB) against 150 µs in 2
+  (100 KB), and KIVI-2 166-179 µs with 4 tiles in 4 stages (115 KB) against 123 µs in 3 (benchmarks/README.md)."""
+  tiles = store.k_codes.shape[3]
+  budget = SHARED_PER_SM // 2 - 1024
+  candidates = [(step, stages) for step in ((step_tiles,) if step_tiles else (4, 2, 1)) for stages in (3, 2)
+                if tiles % step == 0]
+  return next((c for c in candidates if shared_memory_bytes(store, *c) <= budget), candidates[-1])
+
+
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps", "issue_blocks", "pallas_barriers"])
+                                             "max_concurrent_steps"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
                           splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = 3, issue_blocks: bool = False,
-                          pallas_barriers: bool = True):
+                          max_concurrent_steps: Optional[int] = None):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -400,16 +416,10 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
     splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
       ``default_splits``.
-    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product). None: the
-      largest of 4, 2 and 1 that divides the tile count (a cache's capacity need not be a multiple of 256).
-    max_concurrent_steps: depth of the TMA pipeline (steps in flight). Defaults: among the best of
-      benchmarks/mgpu_decode.py's variants on an H100 at B=8, L=32768, KIVI-2 (round 3's build: 126.3 µs at 4
-      tiles and 3 steps, 127.2 at 4 and 2, 130.9 at 1 and 2; 4 tiles at 4 steps 171.5).
-    issue_blocks: unpack and issue each product one block of 64 channels at a time instead of a whole tile (at
-      most two blocks' operands and scale words live, not two tiles': fewer registers, so more blocks per SM, for
-      twice the product instructions). Not yet measured on a GPU (benchmarks/mgpu_decode.py times it).
-    pallas_barriers: keep the barriers Pallas inserts around shared-memory stores and TMA copies (the kernel
-      needs none of them; dropping them measured both ways in round 5's noisy A/B: benchmarks/README.md).
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); must divide the
+      tile count (a cache's capacity need not be a multiple of 256).
+    max_concurrent_steps: depth of the TMA pipeline (steps in flight). None for either: ``default_pipeline``
+      (with a step given, the deepest of 3 and 2 that fits two programs per SM).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
@@ -426,7 +436,10 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   tiles = store.k_codes.shape[3]
-  step_tiles = step_tiles or next(s for s in (4, 2, 1) if tiles % s == 0)
+  if step_tiles is not None and (step_tiles < 1 or tiles % step_tiles):
+    raise ValueError(f"step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens")
+  default_step, default_stages = default_pipeline(store, step_tiles)
+  step_tiles, stages = step_tiles or default_step, max_concurrent_steps or default_stages
   # A split covers whole steps and whole key groups.
   splits = default_splits(batch, kv_heads, tiles // max(step_tiles, store.k_group // TILE)) if splits is None else splits
   if tiles % (splits * step_tiles) or (tiles // splits * TILE) % store.k_group:
@@ -440,8 +453,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                      max_concurrent_steps=max_concurrent_steps, issue_blocks=issue_blocks,
-                      pallas_barriers=pallas_barriers)
+                      max_concurrent_steps=stages)
   # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)
   alpha = jnp.exp2(m - m_all[:, :, None])

@@ -7,6 +7,8 @@ each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the
 ``decode_attention_reference`` on the store the packing came from, on real quantized data with ragged lengths.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,8 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import available, field_plan, magic_half, mgpu_decode_attention
+from jkv_kernels.mgpu_decode_attention import (available, default_pipeline, field_plan, magic_half,
+                                               mgpu_decode_attention, shared_memory_bytes)
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     read_mma_tiles, value_register_map)
 
@@ -168,16 +171,14 @@ def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2,
                   k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name)
 
 
-@pytest.mark.parametrize("step_tiles,q_per_kv,issue_blocks,barriers", [
-    (1, 4, False, True), (4, 4, False, True), (4, 12, False, True), (4, 4, True, True), (1, 12, True, False)])
+@pytest.mark.parametrize("step_tiles,q_per_kv", [(1, 4), (4, 4), (4, 12), (None, 4)])
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS[:4])
-def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, q_per_kv,
-                                         issue_blocks, barriers):
-  """Each width, grouping, step, product width (N = 8 or 16 query rows) and option lowers to one kernel."""
+def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, q_per_kv):
+  """Each width, grouping, step (None: the default pipeline) and product width (N = 8 or 16 query rows) lowers to
+  one kernel."""
   store = _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype)
   q = jax.ShapeDtypeStruct((2, 2, 1, q_per_kv, head_dim), dtype)
   fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, step_tiles=step_tiles,
-                                                             issue_blocks=issue_blocks, pallas_barriers=barriers,
                                                              return_lse=True))
   text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
@@ -193,6 +194,36 @@ def test_the_default_step_divides_any_tile_count(capacity, k_group):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
+@pytest.mark.parametrize("capacity", [32768, 320])
+def test_default_pipeline_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bits, k_group, v_group, head_dim,
+                                                                       dtype, capacity):
+  """The shared memory count is the bytes of the blocks the pipeline moves (sliced from a packed store's arrays),
+  times the depth, plus q, p and the partials; the default is the first of (4, 3), (4, 2), (2, 3), ... that
+  divides the tile count and fits half an SM, by brute force over that order."""
+  store = make_store(12, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype, layers=1,
+                     batch=1, kv_heads=1, capacity=max(capacity, 1024), head_dim=head_dim)
+  packed = pack_mma_store(store)
+  tiles = capacity // 64
+  packed = dataclasses.replace(packed, **{name: jax.ShapeDtypeStruct(
+      (1, 1, 1, tiles * getattr(packed, name).shape[3] // packed.k_codes.shape[3], getattr(packed, name).shape[4]),
+      jnp.uint32) for name in ("k_codes", "k_meta", "v_codes", "v_meta")})
+  half = jnp.dtype(dtype).itemsize
+
+  def program_bytes(step, stages):
+    one = lambda name, n: n * getattr(packed, name).shape[-1] * 4
+    slot = (one("k_codes", step) + one("v_codes", step) + one("v_meta", step)
+            + one("k_meta", max(1, 64 * step // k_group)))
+    return stages * slot + 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
+
+  order = [(step, stages) for step in (4, 2, 1) for stages in (3, 2) if tiles % step == 0]
+  fits = [c for c in order if program_bytes(*c) <= 228 * 1024 // 2 - 1024]
+  chosen = default_pipeline(packed)
+  assert chosen == fits[0]
+  assert shared_memory_bytes(packed, *chosen) == program_bytes(*chosen)
+  assert default_pipeline(packed, step_tiles=1)[0] == 1
+
+
 def test_bad_arguments_raise():
   store = pack_mma_store(make_store(3, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, layers=1,
                                     batch=2))
@@ -203,6 +234,8 @@ def test_bad_arguments_raise():
     mgpu_decode_attention(q.astype(jnp.float16), 0, store)
   with pytest.raises(ValueError, match="splits=3"):
     mgpu_decode_attention(q, 0, store, splits=3)
+  with pytest.raises(ValueError, match="step_tiles=3"):
+    mgpu_decode_attention(q, 0, store, step_tiles=3)
 
 
 def _has_hopper() -> bool:
@@ -215,18 +248,16 @@ def _has_hopper() -> bool:
 
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
 class TestMgpuDecodeAttentionGpu:
-  @pytest.mark.parametrize("step_tiles,issue_blocks,barriers", [(1, False, True), (4, False, True), (4, True, True),
-                                                                (4, False, False), (1, True, False)])
+  @pytest.mark.parametrize("step_tiles,stages", [(1, 2), (2, 3), (4, 2), (None, None)])
   @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
-  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, issue_blocks,
-                             barriers):
+  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages):
     store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
                        head_dim=head_dim, capacity=1024, lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(5), (3, 2, 1, 4, head_dim), dtype)
     packed = pack_mma_store(store)
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, packed, return_lse=True, step_tiles=step_tiles,
-                                     issue_blocks=issue_blocks, pallas_barriers=barriers)
+                                     max_concurrent_steps=stages)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), (), return_lse=True)
       o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
       assert np.all(np.isfinite(o))
