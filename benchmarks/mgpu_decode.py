@@ -16,8 +16,8 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
-at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 the new kernel's step and pipeline depth
-(``--variants``, every one ``--repeats`` times in turn, each repeat kept: ``variants_table``).
+at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 (``--variants-at``) the new kernel's step and
+pipeline depth (``--variants``, every one ``--repeats`` times in turn, each repeat kept: ``variants_table``).
 Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). Results go to
 benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machine); ``--table`` prints the table.
 
@@ -43,7 +43,7 @@ import numpy as np
 
 from jkv import attention as jkv_attention
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (default_pipeline, default_splits, mgpu_decode_attention,
+from jkv_kernels.mgpu_decode_attention import (default_splits, default_step_tiles, mgpu_decode_attention,
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
@@ -118,7 +118,7 @@ IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4"
 
 
 def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
-           repeats: int = 1) -> list[dict]:
+           repeats: int = 1, variants_at: tuple = (8, 32768)) -> list[dict]:
   """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
   depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
   run by more than neighbouring variants differ)."""
@@ -159,7 +159,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
         splits = default_splits(batch, shape.kv_heads, seq_len // 64 // 4)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
             shape, {"splits": splits, "fill": 0.25})
-      if variants and (batch, seq_len) == (8, 32768):
+      if variants and (batch, seq_len) == tuple(variants_at):
         for repeat in range(repeats):
           for step_tiles, stages in VARIANTS:
             for bits in (2, 4):
@@ -176,23 +176,25 @@ def at_defaults(record) -> bool:
 
 
 def variants_table(records: list[dict]) -> str:
-  """Step and depth at B = 8, L = 32768: the median over repeats (and the range), the shared memory a program
-  holds, and which the kernel picks by default (``default_pipeline``)."""
+  """Step and depth at each shape swept: the median over repeats (and the range), the shared memory a program
+  holds, and which the kernel picks by default (``default_step_tiles``, 2 stages)."""
   found = {}
   for r in records:
-    if r["impl"].startswith("mgpu_kivi") and "repeat" in r["config"] and (r["batch"], r["seq_len"]) == (8, 32768):
-      found.setdefault((int(r["impl"][-1]), r["config"]["step_tiles"], r["config"]["stages"]), []).append(
-          r["median_us"])
-  lines = ["| KIVI | step_tiles | stages | shared memory | median over repeats | range | repeats |",
-           "|---|---|---|---|---|---|---|"]
-  for bits in (2, 4):
-    packed = _abstract_mma_store(Shape(8, 32768), bits)
-    default = default_pipeline(packed)
-    for step_tiles, stages in VARIANTS:
-      times = found.get((bits, step_tiles, stages))
-      if times:
+    if r["impl"].startswith("mgpu_kivi") and "repeat" in r["config"]:
+      found.setdefault((r["batch"], r["seq_len"], int(r["impl"][-1]), r["config"]["step_tiles"],
+                        r["config"]["stages"]), []).append(r["median_us"])
+  lines = ["| B | L | KIVI | step_tiles | stages | shared memory | median over repeats | range | repeats |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for batch, seq_len in sorted({key[:2] for key in found}):
+    for bits in (2, 4):
+      packed = _abstract_mma_store(Shape(batch, seq_len), bits)
+      default = (default_step_tiles(packed), 2)
+      for step_tiles, stages in VARIANTS:
+        times = found.get((batch, seq_len, bits, step_tiles, stages))
+        if not times:
+          continue
         mark = " (default)" if (step_tiles, stages) == default else ""
-        lines.append(f"| {bits}-bit | {step_tiles} | {stages}{mark} | "
+        lines.append(f"| {batch} | {seq_len} | {bits}-bit | {step_tiles} | {stages}{mark} | "
                      f"{shared_memory_bytes(packed, step_tiles, stages) / 1024:.0f} KB | {np.median(times):.1f} µs | "
                      f"{min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
   return "\n".join(lines)
@@ -247,6 +249,8 @@ def main():
   parser.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                       help="time the kernel's steps and depths at B = 8, L = 32768")
   parser.add_argument("--repeats", type=int, default=1, help="times to run the variants' sweep, in turn")
+  parser.add_argument("--variants-at", type=int, nargs=2, default=[8, 32768], metavar=("B", "L"),
+                      help="the batch and length of the variants' sweep (one of --batches x --seq-lens)")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
@@ -270,7 +274,8 @@ def main():
   if not args.check_only:
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
-    records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats)
+    records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats,
+                      args.variants_at)
   records = save(out, records, RECORD_KEY)
   print("\n" + table(records) + "\n\n" + variants_table(records))
   if not all(c["ok"] for c in checks):

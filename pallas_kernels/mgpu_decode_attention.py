@@ -389,25 +389,22 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
   return stages * step + ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
 
 
-def default_pipeline(store: MmaStore, step_tiles: Optional[int] = None) -> tuple[int, int]:
-  """(step_tiles, stages): the largest step of 4, 2 or 1 tiles (or ``step_tiles``) that divides the tile count,
-  3 stages deep, else 2, else a smaller step, whichever comes first that lets two programs share an SM (half of a
-  Hopper SM's 228 KB of shared memory, less 1 KB reserved per block). The kernel's registers (182 a thread) allow
-  two programs of 128 threads per SM, not three, and one program per SM leaves the loads' latency uncovered: on
-  an H100 at B = 8, L = 32768, KIVI-4 took 177-186 µs with 4 tiles in 3 stages (140 KB) against 150 µs in 2
-  (100 KB), and KIVI-2 166-179 µs with 4 tiles in 4 stages (115 KB) against 123 µs in 3 (benchmarks/README.md)."""
+def default_step_tiles(store: MmaStore, stages: int = 2) -> int:
+  """The largest step of 4, 2 or 1 tiles that divides the tile count and, ``stages`` deep, lets two programs share
+  an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
+  (182 a thread) allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency
+  uncovered (KIVI-2, 4 tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages)."""
   tiles = store.k_codes.shape[3]
   budget = SHARED_PER_SM // 2 - 1024
-  candidates = [(step, stages) for step in ((step_tiles,) if step_tiles else (4, 2, 1)) for stages in (3, 2)
-                if tiles % step == 0]
-  return next((c for c in candidates if shared_memory_bytes(store, *c) <= budget), candidates[-1])
+  steps = [step for step in (4, 2, 1) if tiles % step == 0]
+  return next((step for step in steps if shared_memory_bytes(store, step, stages) <= budget), steps[-1])
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
                                              "max_concurrent_steps"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
                           splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: Optional[int] = None):
+                          max_concurrent_steps: int = 2):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -417,9 +414,11 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
     splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
       ``default_splits``.
     step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); must divide the
-      tile count (a cache's capacity need not be a multiple of 256).
-    max_concurrent_steps: depth of the TMA pipeline (steps in flight). None for either: ``default_pipeline``
-      (with a step given, the deepest of 3 and 2 that fits two programs per SM).
+      tile count (a cache's capacity need not be a multiple of 256). None: ``default_step_tiles``.
+    max_concurrent_steps: depth of the TMA pipeline (steps in flight). 2, the best or within 3% of the best
+      depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
+      tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
+      L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
@@ -438,8 +437,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   tiles = store.k_codes.shape[3]
   if step_tiles is not None and (step_tiles < 1 or tiles % step_tiles):
     raise ValueError(f"step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens")
-  default_step, default_stages = default_pipeline(store, step_tiles)
-  step_tiles, stages = step_tiles or default_step, max_concurrent_steps or default_stages
+  step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)
   # A split covers whole steps and whole key groups.
   splits = default_splits(batch, kv_heads, tiles // max(step_tiles, store.k_group // TILE)) if splits is None else splits
   if tiles % (splits * step_tiles) or (tiles // splits * TILE) % store.k_group:
@@ -453,7 +451,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                      max_concurrent_steps=stages)
+                      max_concurrent_steps=max_concurrent_steps)
   # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
   m_all = jnp.max(m, axis=2)
   alpha = jnp.exp2(m - m_all[:, :, None])

@@ -23,6 +23,13 @@ def _release_compiled_programs():
   jax.clear_caches()
 
 
+@pytest.fixture(autouse=True)
+def _no_device_output_folder(monkeypatch):
+  """The benchmarks' records also go under $OUT where it is set (the device machine's folder of files to bring
+  back); tests that run them write their own temporary records, which must not land there."""
+  monkeypatch.delenv("OUT", raising=False)
+
+
 @pytest.fixture(scope="session")
 def default_model():
   """SmolLM2-135M-Instruct in fp32, loaded by jkv."""

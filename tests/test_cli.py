@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jkv import cli
+from jkv.attention import hopper_kernel_available
 from jkv.cache import CacheSpec
 from jkv.methods.kivi import Kivi
 
@@ -167,7 +168,8 @@ def test_info_kivi_compression_matches_the_spec_formula(capsys):
   cfg = info["config"]
   assert (cfg["num_layers"], cfg["kv_heads"], cfg["head_dim"], cfg["dtype"]) == (30, 3, 64, "float32")
   assert info["method"] == "kivi" and info["tokens"] == 4096
-  assert info["method_config"]["mma"] is False  # decided as it would run here: no Hopper kernel on a CPU
+  # Decided as it would run here: the MMA packing only where the Hopper kernel runs (off on a CPU, on on an H100).
+  assert info["method_config"]["mma"] is hopper_kernel_available()
   # Spec §3.2, per (layer, KV head, channel), with b = 2, G = 32, R = 128 (the default), σ = 2 (fp16 scales and
   # zeros), ε = 4 (fp32 activations), N = 4096: nK = R⌊N/R⌋ = 4096 (rK = 0), nV = N - R = 3968 (rV = 128).
   N, R, G, b, sigma, eps = 4096, 128, 32, 2, 2, 4

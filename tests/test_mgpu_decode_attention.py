@@ -17,7 +17,7 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (available, default_pipeline, field_plan, magic_half,
+from jkv_kernels.mgpu_decode_attention import (available, default_step_tiles, field_plan, magic_half,
                                                mgpu_decode_attention, shared_memory_bytes)
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     read_mma_tiles, value_register_map)
@@ -174,7 +174,7 @@ def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2,
 @pytest.mark.parametrize("step_tiles,q_per_kv", [(1, 4), (4, 4), (4, 12), (None, 4)])
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS[:4])
 def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, q_per_kv):
-  """Each width, grouping, step (None: the default pipeline) and product width (N = 8 or 16 query rows) lowers to
+  """Each width, grouping, step (None: the default) and product width (N = 8 or 16 query rows) lowers to
   one kernel."""
   store = _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype)
   q = jax.ShapeDtypeStruct((2, 2, 1, q_per_kv, head_dim), dtype)
@@ -196,13 +196,14 @@ def test_the_default_step_divides_any_tile_count(capacity, k_group):
 
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
 @pytest.mark.parametrize("capacity", [32768, 320])
-def test_default_pipeline_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bits, k_group, v_group, head_dim,
-                                                                       dtype, capacity):
+@pytest.mark.parametrize("stages", [2, 4])
+def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bits, k_group, v_group, head_dim,
+                                                                   dtype, capacity, stages):
   """The shared memory count is the bytes of the blocks the pipeline moves (sliced from a packed store's arrays),
-  times the depth, plus q, p and the partials; the default is the first of (4, 3), (4, 2), (2, 3), ... that
-  divides the tile count and fits half an SM, by brute force over that order."""
+  times the depth, plus q, p and the partials; the default step is the largest of 4, 2, 1 that divides the tile
+  count and fits half an SM, by brute force."""
   store = make_store(12, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype, layers=1,
-                     batch=1, kv_heads=1, capacity=max(capacity, 1024), head_dim=head_dim)
+                     batch=1, kv_heads=1, capacity=1024, head_dim=head_dim)
   packed = pack_mma_store(store)
   tiles = capacity // 64
   packed = dataclasses.replace(packed, **{name: jax.ShapeDtypeStruct(
@@ -210,18 +211,16 @@ def test_default_pipeline_is_the_largest_that_fits_two_programs_per_sm(k_bits, v
       jnp.uint32) for name in ("k_codes", "k_meta", "v_codes", "v_meta")})
   half = jnp.dtype(dtype).itemsize
 
-  def program_bytes(step, stages):
-    one = lambda name, n: n * getattr(packed, name).shape[-1] * 4
-    slot = (one("k_codes", step) + one("v_codes", step) + one("v_meta", step)
-            + one("k_meta", max(1, 64 * step // k_group)))
+  def program_bytes(step):
+    block = lambda name, rows: rows * getattr(packed, name).shape[-1] * 4
+    slot = (block("k_codes", step) + block("v_codes", step) + block("v_meta", step)
+            + block("k_meta", max(1, 64 * step // k_group)))
     return stages * slot + 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
 
-  order = [(step, stages) for step in (4, 2, 1) for stages in (3, 2) if tiles % step == 0]
-  fits = [c for c in order if program_bytes(*c) <= 228 * 1024 // 2 - 1024]
-  chosen = default_pipeline(packed)
-  assert chosen == fits[0]
-  assert shared_memory_bytes(packed, *chosen) == program_bytes(*chosen)
-  assert default_pipeline(packed, step_tiles=1)[0] == 1
+  fits = [step for step in (4, 2, 1) if tiles % step == 0 and program_bytes(step) <= 228 * 1024 // 2 - 1024]
+  chosen = default_step_tiles(packed, stages)
+  assert chosen == (fits[0] if fits else 1)
+  assert shared_memory_bytes(packed, chosen, stages) == program_bytes(chosen)
 
 
 def test_bad_arguments_raise():
@@ -248,7 +247,7 @@ def _has_hopper() -> bool:
 
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
 class TestMgpuDecodeAttentionGpu:
-  @pytest.mark.parametrize("step_tiles,stages", [(1, 2), (2, 3), (4, 2), (None, None)])
+  @pytest.mark.parametrize("step_tiles,stages", [(1, 2), (2, 3), (4, 3), (None, 2)])
   @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
   def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages):
     store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
