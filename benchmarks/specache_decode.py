@@ -192,7 +192,7 @@ def run_method(cfg, label, batch, prompt_len, new_tokens, params, chunk):
                 dense_kv_bytes=s["dense_kv_bytes"], compression=s["dense_kv_bytes"] / s["kv_bytes"],
                 allocated_kv_bytes=s["allocated_kv_bytes"], allocated_kv_host_bytes=s["allocated_kv_host_bytes"],
                 peak_device_bytes=s["peak_device_bytes"], attention_impl=s["attention_impl"],
-                method_stats=s["method_stats"])
+                method_config=s["method_config"], method_stats=s["method_stats"])  # as it ran (KIVI's mma decided)
   print(f"{record['impl']:>16} B={batch} {ms:8.2f} ms/step  device KV {s['kv_bytes'] / 2**30:.3f} GiB "
         f"({record['compression']:.2f}x smaller than dense)  host KV {s['kv_host_bytes'] / 2**30:.2f} GiB  "
         f"prefill {s['prefill_s']:.1f} s  pre-decode {1e3 * s['pre_decode_s']:.1f} ms", flush=True)
