@@ -5,11 +5,13 @@ vocab 128256, bf16), random prompt tokens, greedy decoding with end-of-sequence 
 Compilation happens before timing and is reported apart (``jkv.generate`` does that itself). Parts, each one
 command (so each fits the device tool's 10 minutes):
 
-    --part b8        batch 8, 8064-token prompts + 128 new tokens (8k context): dense, KIVI-2, KIVI-4 (and KIVI-2/4
-                     with the store in the Hopper kernel's packing, ``_mma``), each beside
+    --part b8        batch 8, 8064-token prompts + 128 new tokens (8k context): dense, KIVI-2, KIVI-4 in the library
+                     layout (the Triton kernel) and with the store in the Hopper kernel's packing (``_mma``: KIVI's
+                     default on a Hopper GPU), each beside
                      its floor, the bytes one step must read (weights + the cache's held bytes) at the device copy
                      rate measured in the same run
-    --part maxbatch  4096-token prompts + 512 new tokens: dense and KIVI-2 at the largest batch their caches allow
+    --part maxbatch  4096-token prompts + 512 new tokens: dense and KIVI-2 (both layouts; ``--methods kivi4_mma`` for
+                     KIVI-4) at the largest batch their caches allow
                      on this device (``jkv.memory.largest_batch``), and the decode tokens/s each reaches there
     --part hf        the outside reference: transformers (torch, static cache, SDPA) generating with a dense cache
                      at batch 8, 8k context, on the same shape (its own process, so JAX holds no GPU memory)
@@ -38,8 +40,11 @@ LLAMA3_8B = dict(architecture="llama", vocab_size=128256, embed=4096, ffw_size=1
 SMOKE = dict(LLAMA3_8B, vocab_size=512, embed=128, ffw_size=256, num_layers=2, q_heads=4, kv_heads=2, head_dim=64,
              dtype="float32")
 RECORD_KEY = lambda r: (r["impl"], r["batch"], r["context"])  # a rerun replaces these records
-METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2}), "kivi4": ("kivi", {"bits": 4}),
-           # the store in the Hopper kernel's packing (mgpu_decode_attention on a Hopper GPU, XLA elsewhere)
+# kivi2 / kivi4: the library layout, read by the Triton kernel (KIVI's default packs for the Hopper kernel where it
+# runs, so the rows name the layout they ran rather than follow the default); _mma: the store in the Hopper
+# kernel's packing (mgpu_decode_attention on a Hopper GPU, XLA elsewhere).
+METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2, "mma": False}),
+           "kivi4": ("kivi", {"bits": 4, "mma": False}),
            "kivi2_mma": ("kivi", {"bits": 2, "mma": True}), "kivi4_mma": ("kivi", {"bits": 4, "mma": True})}
 LABELS = {"b8": ("dense", "kivi2", "kivi4", "kivi2_mma", "kivi4_mma"), "maxbatch": ("dense", "kivi2", "kivi2_mma")}
 

@@ -171,7 +171,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 
 
 def at_defaults(record) -> bool:
-  """A record of the kernel at its defaults on a full cache (not a variant or a partial fill)."""
+  """A record of the kernel at its defaults on a full cache (not a variant or a partial fill; issue_blocks and
+  pallas_barriers name options timed on 2026-11-26 and since removed, whose records the results keep)."""
   return not {"stages", "fill", "issue_blocks", "pallas_barriers"} & set(record["config"])
 
 
