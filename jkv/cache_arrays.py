@@ -35,14 +35,18 @@ def write_at_where(buf, layer, x, start, axis, where=None):
 
 def read_at(buf, layer, start, size, axis):
   """Per-sequence slices of ``size`` from buf [L, B, ...] at ``layer``, from start [B] along ``axis`` (as in
-  ``write_at``); returns [B, ...]."""
-  def one(b_buf, b_start):
-    idx = [layer] + [0] * (b_buf.ndim - 1)
-    sizes = [1] + list(b_buf.shape[1:])
-    idx[axis] = b_start
-    sizes[axis] = size
-    return jax.lax.dynamic_slice(b_buf, idx, sizes)[0]
-  return jax.vmap(one, in_axes=(1, 0))(buf, start)
+  ``write_at``); returns [B, ...].
+
+  The layer is sliced first and the sequences mapped over its leading axis: mapped over axis 1 of the stacked
+  buffer, XLA (on the CPU, seen in the compiled decode step) copied the whole buffer, every layer, into a
+  batch-major layout for each read."""
+  def one(b_buf, b_start):  # b_buf [...] of one sequence at the layer
+    idx = [0] * b_buf.ndim
+    sizes = list(b_buf.shape)
+    idx[axis - 1] = b_start
+    sizes[axis - 1] = size
+    return jax.lax.dynamic_slice(b_buf, idx, sizes)
+  return jax.vmap(one)(jax.lax.dynamic_index_in_dim(buf, layer, axis=0, keepdims=False), start)
 
 
 def write_layer(buf, layer, x):
