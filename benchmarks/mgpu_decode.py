@@ -43,7 +43,7 @@ import numpy as np
 
 from jkv import attention as jkv_attention
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (default_splits, default_step_tiles, mgpu_decode_attention,
+from jkv_kernels.mgpu_decode_attention import (STAGES, default_splits, default_step_tiles, mgpu_decode_attention,
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
@@ -178,7 +178,7 @@ def at_defaults(record) -> bool:
 
 def variants_table(records: list[dict]) -> str:
   """Step and depth at each shape swept: the median over repeats (and the range), the shared memory a program
-  holds, and which the kernel picks by default (``default_step_tiles``, 2 stages)."""
+  holds, and which the kernel picks by default (``default_step_tiles``, ``STAGES``)."""
   found = {}
   for r in records:
     if r["impl"].startswith("mgpu_kivi") and "repeat" in r["config"]:
@@ -189,7 +189,7 @@ def variants_table(records: list[dict]) -> str:
   for batch, seq_len in sorted({key[:2] for key in found}):
     for bits in (2, 4):
       packed = _abstract_mma_store(Shape(batch, seq_len), bits)
-      default = (default_step_tiles(packed), 2)
+      default = (default_step_tiles(packed), STAGES)
       for step_tiles, stages in VARIANTS:
         times = found.get((batch, seq_len, bits, step_tiles, stages))
         if not times:

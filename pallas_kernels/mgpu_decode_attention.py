@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - an older jax: the kernel is unavailabl
   plgpu = mgpu = None
 
 SHARED_PER_SM = 228 * 1024  # shared memory of a Hopper SM (H100, H200)
+STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concurrent_steps: measured there)
 ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
@@ -389,7 +390,7 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
   return stages * step + ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
 
 
-def default_step_tiles(store: MmaStore, stages: int = 2) -> int:
+def default_step_tiles(store: MmaStore, stages: int = STAGES) -> int:
   """The largest step of 4, 2 or 1 tiles that divides the tile count and, ``stages`` deep, lets two programs share
   an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
   (182 a thread) allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency
@@ -404,7 +405,7 @@ def default_step_tiles(store: MmaStore, stages: int = 2) -> int:
                                              "max_concurrent_steps"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
                           splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = 2):
+                          max_concurrent_steps: int = STAGES):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
 
   Args:
@@ -435,6 +436,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   tiles = store.k_codes.shape[3]
+  if max_concurrent_steps < 1:
+    raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must be at least 1")
   if step_tiles is not None and (step_tiles < 1 or tiles % step_tiles):
     raise ValueError(f"step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens")
   step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)

@@ -226,6 +226,15 @@ def test_generate_gathers_the_pool_before_it_allocates_the_cache(tiny_llama, mon
 # ------------------------------------------------------------------------- the compiled prefill and decode step
 
 
+def compiled_decode_step(cfg, cache, batch: int, speculative_rows: int = 0):
+  """``jkv.generate``'s decode chunk (two greedy steps) compiled for an abstract cache and the abstract weights."""
+  S, flags = jax.ShapeDtypeStruct, jax.ShapeDtypeStruct((batch,), bool)
+  return gen._decode_chunk.lower(params_lib.abstract(cfg), cache, S((batch,), jnp.int32),
+                                 S((batch, speculative_rows), jnp.int32), flags, flags, S((batch, 2), jnp.int32),
+                                 jax.random.key(0), S((1,), jnp.int32), S((), jnp.int32), cfg=cfg, sampler=Greedy(),
+                                 steps=2).compile()
+
+
 @pytest.mark.parametrize("name, options", [("dense", {}), ("kivi", dict(bits=2))])
 def test_compiled_prefill_and_decode_hold_no_copy_of_the_cache(name, options):
   """Compiled for the default model's shape (nothing is allocated): the donated cache is the output, in place
@@ -256,10 +265,7 @@ def test_compiled_prefill_and_decode_hold_no_copy_of_the_cache(name, options):
   S = jax.ShapeDtypeStruct
   prefill = gen._prefill_rows.lower(params, S((rows, T), jnp.int32), S((rows, T), jnp.int32), cache,
                                     S((), jnp.int32), cfg=cfg).compile().memory_analysis()
-  flags = S((B,), bool)
-  decode = gen._decode_chunk.lower(params, cache, S((B,), jnp.int32), S((B, 0), jnp.int32), flags, flags,
-                                   S((B, 2), jnp.int32), jax.random.key(0), S((1,), jnp.int32), S((), jnp.int32),
-                                   cfg=cfg, sampler=Greedy(), steps=2).compile().memory_analysis()
+  decode = compiled_decode_step(cfg, cache, B).memory_analysis()
   for what, analysis, limit in (("prefill", prefill, prefill_bound), ("decode", decode, decode_bound)):
     assert analysis.alias_size_in_bytes == cache_bytes, what
     assert analysis.temp_size_in_bytes < limit, (what, analysis.temp_size_in_bytes, limit)
@@ -281,13 +287,10 @@ def test_the_compiled_decode_step_copies_no_cache_array(name, options):
   cfg, B, C = SMOLLM2, 16, 4096
   method = make_method(name, **options)
   cache = jax.eval_shape(lambda: KVCache.create(method, CacheSpec.for_model(cfg, B, C), "xla"))
-  S, flags = jax.ShapeDtypeStruct, jax.ShapeDtypeStruct((B,), bool)
-  text = gen._decode_chunk.lower(params_lib.abstract(cfg), cache, S((B,), jnp.int32),
-                                 S((B, method.speculative_rows), jnp.int32), flags, flags, S((B, 2), jnp.int32),
-                                 jax.random.key(0), S((1,), jnp.int32), S((), jnp.int32), cfg=cfg, sampler=Greedy(),
-                                 steps=2).compile().as_text()
+  text = compiled_decode_step(cfg, cache, B, method.speculative_rows).as_text()
   # The arrays that grow with the context (at this shape, every cache array of a MiB or more).
-  sizes = {x.size for x in jax.tree.leaves(cache) if x.shape[:1] == (cfg.num_layers,) and x.size * x.dtype.itemsize >= 2**20}
+  sizes = {x.size for x in jax.tree.leaves(cache)
+           if x.shape[:1] == (cfg.num_layers,) and x.size * x.dtype.itemsize >= 2**20}
   copies = [m.group(0) for m in re.finditer(r"\w+\[([\d,]+)\]\S* copy\(", text)]
   whole = [c for c in copies if math.prod(int(d) for d in c[c.index("[") + 1:c.index("]")].split(",")) in sizes]
   assert copies and not whole, whole  # copies of smaller arrays there are

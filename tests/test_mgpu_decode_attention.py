@@ -235,6 +235,8 @@ def test_bad_arguments_raise():
     mgpu_decode_attention(q, 0, store, splits=3)
   with pytest.raises(ValueError, match="step_tiles=3"):
     mgpu_decode_attention(q, 0, store, step_tiles=3)
+  with pytest.raises(ValueError, match="max_concurrent_steps=0"):
+    mgpu_decode_attention(q, 0, store, max_concurrent_steps=0)
 
 
 def _has_hopper() -> bool:
