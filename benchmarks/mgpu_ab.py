@@ -2,12 +2,14 @@
 
 Round 5 of issue 26 showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
 them, and in one run a quarter-filled cache took longer than the full one. Here each repeat runs one process per
-build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 at
-B = 8, L = 32768 and cuDNN dense (``mgpu_decode.py --impls``). A build's time is the median over repeats of each
+build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 and
+cuDNN dense (``mgpu_decode.py --impls``) at each shape of ``--shapes`` (B = 8, L = 32768 by default; 256x4608 is
+a largest-batch decode step of Llama-3-8B in generate_decode.py). A build's time is the median over repeats of each
 process's median, and every repeat's value is kept, so drift shows as spread instead of as a change.
 
     git archive HEAD pallas_kernels | tar -x -C /tmp/before      # the build before, copied out before the run
-    python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3]
+    python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3] \
+        [--shapes 8x32768 256x4608]
 
 writes ``results/mgpu_rounds/<round>_{before,after}_<change>.json`` (``mgpu_decode.py --rounds`` tabulates them;
 under $OUT too on the device machine). The after build is this tree's pallas_kernels. The first process of each
@@ -15,6 +17,7 @@ build also runs ``mgpu_decode.py``'s check against the reference.
 """
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -39,14 +42,23 @@ def import_root(kernels: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
   return root
 
 
-def time_build(root: pathlib.Path, out: pathlib.Path, check: bool) -> list:
-  """One process of mgpu_decode.py over the build under ``root``: its records (check first, if asked)."""
+def time_build(root: pathlib.Path, out: pathlib.Path, shape: tuple[int, int], check: bool) -> list:
+  """One process of mgpu_decode.py over the build under ``root`` at ``shape`` (B, L): its records (check first,
+  if asked)."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
   env.pop("OUT", None)  # the repeats' files stay here; the combined ones go to $OUT
-  command = [sys.executable, str(HERE / "mgpu_decode.py"), "--batches", "8", "--seq-lens", "32768",
+  command = [sys.executable, str(HERE / "mgpu_decode.py"), "--batches", str(shape[0]), "--seq-lens", str(shape[1]),
              "--no-variants", "--impls", *IMPLS, "--check" if check else "--no-check", "--out", str(out)]
   subprocess.run(command, env=env, check=True)
   return json.loads(out.read_text())
+
+
+def shape_arg(text: str) -> tuple[int, int]:
+  batch, _, seq_len = text.partition("x")
+  try:
+    return int(batch), int(seq_len)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not BxL (e.g. 8x32768)") from None
 
 
 def combine(repeats: list) -> list:
@@ -71,6 +83,7 @@ def main():
   parser.add_argument("--round", type=int, required=True)
   parser.add_argument("--change", required=True, help="the change's name (words joined by _)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--shapes", type=shape_arg, nargs="+", default=[(8, 32768)], metavar="BxL")
   parser.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results" / "mgpu_rounds")
   args = parser.parse_args()
   for label, path in (("--before", args.before), ("--after", args.after)):
@@ -83,15 +96,17 @@ def main():
     runs = {b: [] for b in builds}
     for repeat in range(args.repeats):
       for build in (builds if repeat % 2 == 0 else builds[::-1]):
-        runs[build].append(time_build(roots[build], tmp / f"{build}_{repeat}.json", check=repeat == 0))
+        runs[build].append([record for i, shape in enumerate(args.shapes) for record in time_build(
+            roots[build], tmp / f"{build}_{repeat}_{i}.json", shape, check=repeat == 0 and i == 0)])
   for build in builds:
     save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), kernel_record_key)
   print(f"round {args.round}, {args.change}: µs per call in each repeat (before | after)")
-  for impl in IMPLS:
-    cell = lambda b: [r for r in combine(runs[b]) if r["impl"] == impl and set(r["config"]) <= {"splits"}][0]
+  for (batch, seq_len), impl in itertools.product(args.shapes, IMPLS):
+    cell = lambda b: [r for r in combine(runs[b]) if (r["impl"], r["batch"], r["seq_len"]) == (impl, batch, seq_len)
+                      and set(r["config"]) <= {"splits"}][0]
     before, after = cell("before"), cell("after")
-    print(f"  {impl:>12} {before['repeat_us']} | {after['repeat_us']}  median {before['median_us']:.1f} -> "
-          f"{after['median_us']:.1f} ({before['median_us'] / after['median_us']:.3f}x)")
+    print(f"  {impl:>12} B={batch} L={seq_len} {before['repeat_us']} | {after['repeat_us']}  median "
+          f"{before['median_us']:.1f} -> {after['median_us']:.1f} ({before['median_us'] / after['median_us']:.3f}x)")
 
 
 if __name__ == "__main__":

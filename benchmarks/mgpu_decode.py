@@ -224,21 +224,26 @@ def table(records: list[dict]) -> str:
 
 
 def rounds_table(directory: pathlib.Path) -> str:
-  """One row per round of kernel work: ``<n>_before_<change>.json`` and ``<n>_after_<change>.json``, two runs of
-  this script on one machine minutes apart (the build before the change, then after it), at B = 8, L = 32768."""
-  def cell(path, impl):
-    found = [r for r in json.loads(path.read_text()) if r["impl"] == impl and r["batch"] == 8
-             and r["seq_len"] == 32768 and at_defaults(r)]
-    return found[0]["median_us"] if found else None
+  """One row per round of kernel work and shape: ``<n>_before_<change>.json`` and ``<n>_after_<change>.json``, the
+  build before the change and after it on one machine (two runs minutes apart in rounds 1-4, ``mgpu_ab.py`` from
+  round 5), at B = 8, L = 32768 and, from round 7, at a largest-batch decode step (B = 256, L = 4608)."""
+  def cell(path, impl, batch, seq_len):
+    found = [r for r in json.loads(path.read_text()) if r["impl"] == impl and r["batch"] == batch
+             and r["seq_len"] == seq_len and at_defaults(r)]
+    return found[0] if found else None
 
-  lines = ["| round | change | KIVI-2 before | KIVI-2 after | KIVI-4 before | KIVI-4 after | cuDNN (after's run) "
-           "| cuDNN / KIVI-2 after |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| round | change | B | L | KIVI-2 before | KIVI-2 after | KIVI-4 before | KIVI-4 after | cuDNN (after's "
+           "run) | cuDNN / KIVI-2 after | device |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for after in sorted(directory.glob("*_after_*.json"), key=lambda p: int(p.name.split("_")[0])):
     number, change = after.stem.split("_after_")
     before = after.with_name(f"{number}_before_{change}.json")
-    k2, k4, dense = cell(after, "mgpu_kivi2"), cell(after, "mgpu_kivi4"), cell(after, "cudnn_dense")
-    lines.append(f"| {number} | {change.replace('_', ' ')} | {cell(before, 'mgpu_kivi2'):.1f} µs | {k2:.1f} µs | "
-                 f"{cell(before, 'mgpu_kivi4'):.1f} µs | {k4:.1f} µs | {dense:.1f} µs | {dense / k2:.2f}x |")
+    shapes = lambda path: {(r["batch"], r["seq_len"]) for r in json.loads(path.read_text()) if r["impl"] == "mgpu_kivi2"}
+    for batch, seq_len in sorted(shapes(before) & shapes(after)):
+      us = lambda path, impl: cell(path, impl, batch, seq_len)["median_us"]
+      k2, dense = us(after, "mgpu_kivi2"), us(after, "cudnn_dense")
+      lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | {us(before, 'mgpu_kivi2'):.1f} µs "
+                   f"| {k2:.1f} µs | {us(before, 'mgpu_kivi4'):.1f} µs | {us(after, 'mgpu_kivi4'):.1f} µs | "
+                   f"{dense:.1f} µs | {dense / k2:.2f}x | {cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
   return "\n".join(lines)
 
 

@@ -311,8 +311,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
     # The products take one 16-bit type, the stores': q goes to it (bf16 to fp16 is exact for magnitudes in
     # [6.1e-5, 65504]; query entries outside it do not occur or barely contribute).
-    parts = [_normalized_partial(*mgpu_decode_attention.mgpu_decode_attention(
-        q.astype(store.dtype), layer, store, return_lse=True)) for store in mma_stores]
+    parts = [mgpu_decode_attention.mgpu_decode_partial(q.astype(store.dtype), layer, store) for store in mma_stores]
     if stores or segments:  # the rest through the Triton kernel, one softmax merged exactly
       parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
                                                                            return_lse=True)))

@@ -233,7 +233,7 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 
 def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
-  product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, 16], l, m [B, Hkv, S, N] (m in log2
+  product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m [B, Hkv, S, N] (m in log2
   units)."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
@@ -271,14 +271,16 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = layer_ref[0]
     seq_len = length_ref[b]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
-    plgpu.barrier_wait(q_barrier)
 
     def body(index, kc, km, vc, vm, carry):
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
       # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
       # A operands are live at once while the tensor cores work.
       *o_blocks, m_run, l_run = carry
+
+      @pl.when(index[0] == 0)
+      def _():  # q was issued before the pipeline's first loads; its latency overlaps theirs
+        plgpu.barrier_wait(q_barrier)
 
       def qk(*acc_refs):
         for t, acc_ref in enumerate(acc_refs):
@@ -327,19 +329,20 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         init_carry=init)
     @pl.when(first * TILE < seq_len)
     def _attend():
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
       *o_blocks, m_run, l_run = pipeline(
           kc_ref.at[at, b, h, pl.ds(first, tiles)],
           km_ref.at[at, b, h, pl.ds(first * TILE // store.k_group, tiles * TILE // store.k_group)],
           vc_ref.at[at, b, h, pl.ds(first, tiles)],
           vm_ref.at[at, b, h, pl.ds(first, tiles)])
-      for i, o_block in enumerate(o_blocks):
-        o_smem[pl.ds(64 * i, 64), :] = o_block
+      for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
+        o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
       l_smem[...] = l_run.sum(axis=0)
       m_smem[...] = m_run
 
     @pl.when(first * TILE >= seq_len)
     def _skip():  # a split wholly past the length reads nothing; its partial is empty (the merge gives it no weight)
-      o_smem[...] = jnp.zeros((head_dim, ROWS), jnp.float32)
+      o_smem[...] = jnp.zeros((head_dim, rows), jnp.float32)
       l_smem[...] = along_rows(0.0)
       m_smem[...] = along_rows(M_FLOOR)
 
@@ -349,7 +352,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, split])
     plgpu.wait_smem_to_gmem(0)
 
-  out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, ROWS), jnp.float32),
+  out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
   return plgpu.kernel(
@@ -360,7 +363,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       scratch_types=dict(
           q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
           p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
-          o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
+          o_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
           l_smem=plgpu.SMEM((rows,), jnp.float32),
           m_smem=plgpu.SMEM((rows,), jnp.float32),
           q_barrier=plgpu.Barrier(),
@@ -401,12 +404,11 @@ def default_step_tiles(store: MmaStore, stages: int = STAGES) -> int:
   return next((step for step in steps if shared_memory_bytes(store, step, stages) <= budget), steps[-1])
 
 
-@functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps"])
-def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
-                          splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = STAGES):
-  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store.
+@functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps"])
+def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, splits: Optional[int] = None,
+                        step_tiles: Optional[int] = None, max_concurrent_steps: int = STAGES):
+  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store, unnormalized: the
+  partial that merges exactly with other passes' (``jkv.attention.merge_partials``).
 
   Args:
     q: [B, Hkv, T, g, D] with T * g <= 16, in the store's scale dtype (fp16 or bf16).
@@ -422,8 +424,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
 
   Returns:
-    o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
-    float32 (MASK_VALUE for a row with no valid key), as ``decode_attention`` returns them.
+    (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
+    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key.
   """
   if not available():
     raise RuntimeError("mgpu_decode_attention needs jax's Mosaic GPU API (jax >= 0.11)")
@@ -455,14 +457,32 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float
       q.reshape(batch, kv_heads, n_rows, head_dim))
   o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
                       max_concurrent_steps=max_concurrent_steps)
-  # Exact merge of the partials in log2 units; a row with no valid key has l_all = 0.
-  m_all = jnp.max(m, axis=2)
-  alpha = jnp.exp2(m - m_all[:, :, None])
-  l_all = jnp.sum(alpha * l, axis=2)
-  empty = l_all == 0
-  o = jnp.sum(alpha[:, :, :, None, :] * o[..., :rows], axis=2) / jnp.where(empty, 1.0, l_all)[:, :, None, :]
-  o = jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape).astype(q.dtype)
+  if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
+    m_all = jnp.max(m, axis=2)
+    alpha = jnp.exp2(m - m_all[:, :, None])
+    o, l, m = jnp.sum(alpha[:, :, :, None, :] * o, axis=2), jnp.sum(alpha * l, axis=2), m_all
+  else:
+    o, l, m = o[:, :, 0], l[:, :, 0], m[:, :, 0]
+  per_row = lambda x: x[:, :, :n_rows].reshape(q.shape[:-1])
+  return jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l)
+
+
+@functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
+                                             "max_concurrent_steps"])
+def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
+                          splits: Optional[int] = None, step_tiles: Optional[int] = None,
+                          max_concurrent_steps: int = STAGES):
+  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store: the partial of
+  ``mgpu_decode_partial`` (same arguments) normalized.
+
+  Returns:
+    o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
+    float32 (MASK_VALUE for a row with no valid key), as ``decode_attention`` returns them.
+  """
+  o, m, l = mgpu_decode_partial(q, layer, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
+                                max_concurrent_steps=max_concurrent_steps)
+  empty = l == 0
+  o = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
   if not return_lse:
     return o
-  lse = jnp.where(empty, MASK_VALUE, (m_all + jnp.log2(jnp.where(empty, 1.0, l_all))) / LOG2E)
-  return o, lse[:, :, :n_rows].reshape(q.shape[:-1])
+  return o, jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))
