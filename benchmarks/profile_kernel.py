@@ -18,7 +18,7 @@ import argparse
 
 import jax
 
-from jkv_kernels.mgpu_decode_attention import mgpu_decode_attention
+from jkv_kernels.mgpu_decode_attention import STAGES, mgpu_decode_attention
 from kernel_decode import LAYOUTS, Shape, fused, kivi_inputs, layout_config, layout_inputs
 from mgpu_decode import timing_inputs as mgpu_inputs
 
@@ -31,8 +31,8 @@ def main():
   parser.add_argument("--layout", choices=sorted(LAYOUTS), help="a method's layout instead of the KIVI store")
   parser.add_argument("--mgpu", action="store_true",
                       help="the Mosaic GPU kernel on one packed store of L tokens (mgpu_decode.py's timing inputs)")
-  parser.add_argument("--step-tiles", type=int, default=4, help="with --mgpu: tiles of 64 tokens per step")
-  parser.add_argument("--stages", type=int, default=3, help="with --mgpu: pipeline depth")
+  parser.add_argument("--step-tiles", type=int, help="with --mgpu: tiles of 64 tokens per step (default: the kernel's)")
+  parser.add_argument("--stages", type=int, default=STAGES, help="with --mgpu: pipeline depth (default: the kernel's)")
   parser.add_argument("--calls", type=int, default=4)
   args = parser.parse_args()
   shape = Shape(args.batch, args.seq_len)
