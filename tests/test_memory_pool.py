@@ -273,10 +273,11 @@ def test_compiled_prefill_and_decode_hold_no_copy_of_the_cache(name, options):
 
 @pytest.mark.parametrize("name, options", [
     ("kivi", dict(bits=2)), ("kivi", dict(bits=2, mma=True)), ("zipcache", {}), ("dense", {}),
-    pytest.param("ott", dict(bits=2), marks=pytest.mark.xfail(strict=True, reason=(
-        "XLA copies OTT's two stacked window arrays twice per layer and step; without the block event's read of "
-        "the window rows (which the arriving token's write then replaces) the copies go, but an optimization "
-        "barrier, or ordering the write after the event's conditional, did not remove them: not yet pinned down")))])
+    pytest.param("ott", dict(bits=2), marks=pytest.mark.xfail(jax.default_backend() == "cpu", strict=True, reason=(
+        "XLA on the CPU copies OTT's two stacked window arrays twice per layer and step (the GPU's compiled step "
+        "does not: seen on an H200); without the block event's read of the window rows (which the arriving "
+        "token's write then replaces) the copies go, but an optimization barrier, or ordering the write after "
+        "the event's conditional, did not remove them: not yet pinned down")))])
 def test_the_compiled_decode_step_copies_no_cache_array(name, options):
   """The optimized program of the decode step (the default model's shape, compiled for this machine) holds no
   copy instruction the size of a whole stacked cache array. The methods that flush only the sequences that are due
