@@ -26,6 +26,7 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
     python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants \\
         --out benchmarks/results/mgpu_rounds/<n>_before_<change>.json     # a round's A/B (then _after_)
     python benchmarks/mgpu_decode.py --rounds                         # the rounds' table
+    python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants --trace   # kernel against glue
 
 A round's A/B is better taken with benchmarks/mgpu_ab.py, which alternates the two builds process by process.
 """
@@ -117,11 +118,27 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense")
 
 
+def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
+  """The device kernels of ``calls`` back-to-back calls of ``fn`` (rotating ``input_sets``) under the profiler:
+  [{name, us_per_call, calls_per_call}] by total time, so a wall time splits into the kernel and what XLA runs
+  around it (padding q, merging the splits' partials)."""
+  import tempfile
+  from profile_decode_step import device_events, kernel_events, summarize
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      jax.block_until_ready([fn(*input_sets[i % len(input_sets)]) for i in range(calls)])
+    planes = device_events(trace_dir)
+  events = [e for lines in planes.values() for e in kernel_events(lines)]
+  return [dict(name=row["name"], us_per_call=round(row["us_per_step"], 2),
+               calls_per_call=round(row["calls_per_step"], 2)) for row in summarize(events, calls, top=12)]
+
+
 def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
-           repeats: int = 1, variants_at: tuple = (8, 32768)) -> list[dict]:
+           repeats: int = 1, variants_at: tuple = (8, 32768), trace: bool = False) -> list[dict]:
   """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
   depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
-  run by more than neighbouring variants differ)."""
+  run by more than neighbouring variants differ); with ``trace`` each default row also records its device
+  kernels (``traced_kernels``)."""
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -135,7 +152,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
       return
     sets = input_set_count(nbytes, settings)
     try:
-      median_us, compile_s = time_calls(fn, [make(seed) for seed in range(sets)], settings)
+      input_sets = [make(seed) for seed in range(sets)]
+      median_us, compile_s = time_calls(fn, input_sets, settings)
     except Exception as error:
       print(f"skip {impl} B={shape.batch} L={shape.seq_len} {config}: {type(error).__name__}: {str(error)[:300]}")
       return
@@ -143,6 +161,10 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
                           compile_s=compile_s))
     print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} {config} {median_us:9.1f} µs "
           f"{records[-1]['gbps']:7.1f} GB/s")
+    if trace and set(config) <= {"splits"}:
+      records[-1]["kernels"] = traced_kernels(fn, input_sets)
+      for row in records[-1]["kernels"]:
+        print(f"{'':>16}{row['us_per_call']:9.2f} µs  x{row['calls_per_call']:<4} {row['name'][:90]}")
 
   for batch in batches:
     for seq_len in seq_lens:
@@ -260,6 +282,8 @@ def main():
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
+  parser.add_argument("--trace", action="store_true",
+                      help="also record each default row's device kernels under the profiler (kernel against XLA's)")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
   parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_rounds and exit")
@@ -281,7 +305,7 @@ def main():
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
     records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats,
-                      args.variants_at)
+                      args.variants_at, args.trace)
   records = save(out, records, RECORD_KEY)
   print("\n" + table(records) + "\n\n" + variants_table(records))
   if not all(c["ok"] for c in checks):
