@@ -238,7 +238,10 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
   tiles = store.k_codes.shape[3] // splits  # per program
-  steps = tiles // step_tiles
+  # A last step may reach past the program's tiles (into the next split's, or past the capacity, where TMA fills
+  # zeros): its tokens there are masked, so any capacity runs the step that fits best, not one that divides it.
+  steps = -(-tiles // step_tiles)
+  num_layers, capacity = store.k_codes.shape[0], store.capacity
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
@@ -269,8 +272,9 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, o_ref, l_ref, m_ref,
              q_smem, p_smem, o_smem, l_smem, m_smem, q_barrier):
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
-    at = layer_ref[0]
-    seq_len = length_ref[b]
+    at = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+    seq_len = jnp.minimum(jnp.maximum(length_ref[b], 0), capacity)
+    end = jnp.minimum(seq_len, (split + 1) * tiles * TILE)  # the program's tokens stop at its split's end
 
     def body(index, kc, km, vc, vm, carry):
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
@@ -290,7 +294,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (split * tiles + index[0] * step_tiles) * TILE
-      valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
+      valid = [row + (step_start + TILE * t) < end for t in range(step_tiles)]
       s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
       m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
       alpha = jnp.exp2(m_run - m_next)
@@ -394,13 +398,15 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
 
 
 def default_step_tiles(store: MmaStore, stages: int = STAGES) -> int:
-  """The largest step of 4, 2 or 1 tiles that divides the tile count and, ``stages`` deep, lets two programs share
-  an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
-  (182 a thread) allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency
-  uncovered (KIVI-2, 4 tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages)."""
+  """The largest step of 4, 2 or 1 tiles no larger than the tile count that, ``stages`` deep, lets two programs
+  share an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
+  allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency uncovered (KIVI-2, 4
+  tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages). The step need not divide the
+  tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
+  be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1)."""
   tiles = store.k_codes.shape[3]
   budget = SHARED_PER_SM // 2 - 1024
-  steps = [step for step in (4, 2, 1) if tiles % step == 0]
+  steps = [step for step in (4, 2, 1) if step <= tiles]
   return next((step for step in steps if shared_memory_bytes(store, step, stages) <= budget), steps[-1])
 
 
@@ -416,8 +422,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
     splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
       ``default_splits``.
-    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); must divide the
-      tile count (a cache's capacity need not be a multiple of 256). None: ``default_step_tiles``.
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); a split's last
+      step may reach past its tiles (those tokens are masked). None: ``default_step_tiles``.
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). 2, the best or within 3% of the best
       depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
@@ -440,18 +446,18 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
   tiles = store.k_codes.shape[3]
   if max_concurrent_steps < 1:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must be at least 1")
-  if step_tiles is not None and (step_tiles < 1 or tiles % step_tiles):
-    raise ValueError(f"step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens")
+  if step_tiles is not None and step_tiles < 1:
+    raise ValueError(f"step_tiles={step_tiles} must be at least 1")
   step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)
-  # A split covers whole steps and whole key groups.
-  splits = default_splits(batch, kv_heads, tiles // max(step_tiles, store.k_group // TILE)) if splits is None else splits
-  if tiles % (splits * step_tiles) or (tiles // splits * TILE) % store.k_group:
-    raise ValueError(f"splits={splits} x step_tiles={step_tiles} must divide the {tiles} tiles of {TILE} tokens "
-                     f"into whole key groups of {store.k_group}")
+  # A split covers whole key groups (and, by default, whole steps: no split reads past its tiles).
+  unit = max(step_tiles, store.k_group // TILE)
+  splits = default_splits(batch, kv_heads, tiles // unit if tiles % unit == 0 else 1) if splits is None else splits
+  if splits < 1 or tiles % splits or (tiles // splits * TILE) % store.k_group:
+    raise ValueError(f"splits={splits} must divide the {tiles} tiles of {TILE} tokens into whole key groups of "
+                     f"{store.k_group}")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-  num_layers = store.k_codes.shape[0]
-  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
-  length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped to [0, L) in the kernel, as the length to [0, C]
+  length = store.length.astype(jnp.int32)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))

@@ -185,8 +185,8 @@ def test_lowers_to_one_mosaic_gpu_kernel(k_bits, v_bits, k_group, v_group, head_
 
 
 @pytest.mark.parametrize("capacity,k_group", [(320, 32), (384, 128), (1088, 64)])  # 5, 6 and 17 tiles
-def test_the_default_step_divides_any_tile_count(capacity, k_group):
-  """A cache's capacity need not be a multiple of four tiles: the default step is the largest that divides it."""
+def test_any_tile_count_lowers(capacity, k_group):
+  """A cache's capacity need not be a multiple of four tiles: the default step need not divide the tile count."""
   store = _abstract_store(2, 2, k_group, 32, 128, jnp.bfloat16, capacity=capacity)
   q = jax.ShapeDtypeStruct((2, 2, 1, 4, 128), jnp.bfloat16)
   fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store))
@@ -217,7 +217,7 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
             + block("k_meta", max(1, 64 * step // k_group)))
     return stages * slot + 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
 
-  fits = [step for step in (4, 2, 1) if tiles % step == 0 and program_bytes(step) <= 228 * 1024 // 2 - 1024]
+  fits = [step for step in (4, 2, 1) if step <= tiles and program_bytes(step) <= 228 * 1024 // 2 - 1024]
   chosen = default_step_tiles(packed, stages)
   assert chosen == (fits[0] if fits else 1)
   assert shared_memory_bytes(packed, chosen, stages) == program_bytes(chosen)
@@ -233,8 +233,8 @@ def test_bad_arguments_raise():
     mgpu_decode_attention(q.astype(jnp.float16), 0, store)
   with pytest.raises(ValueError, match="splits=3"):
     mgpu_decode_attention(q, 0, store, splits=3)
-  with pytest.raises(ValueError, match="step_tiles=3"):
-    mgpu_decode_attention(q, 0, store, step_tiles=3)
+  with pytest.raises(ValueError, match="step_tiles=0"):
+    mgpu_decode_attention(q, 0, store, step_tiles=0)
   with pytest.raises(ValueError, match="max_concurrent_steps=0"):
     mgpu_decode_attention(q, 0, store, max_concurrent_steps=0)
 
@@ -283,12 +283,16 @@ class TestMgpuDecodeAttentionGpu:
     o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
 
-  @pytest.mark.parametrize("capacity,k_group", [(320, 32), (384, 128)])  # 5 and 6 tiles: steps of 1 and 2
-  def test_a_tile_count_that_four_does_not_divide(self, capacity, k_group):
+  @pytest.mark.parametrize("capacity,k_group,step_tiles,splits", [
+      (320, 32, None, None), (320, 32, 2, None), (384, 128, None, None), (384, 32, 4, 2), (384, 32, 4, 3)])
+  def test_a_step_that_does_not_divide_the_tiles(self, capacity, k_group, step_tiles, splits):
+    """5 and 6 tiles in steps of 4 (or 2): a split's last step reaches past its tiles, into the next split's (whose
+    tokens it must not count) or past the capacity (zeros): those tokens are masked."""
     store = make_store(10, k_bits=2, v_bits=2, k_group=k_group, v_group=32, dtype=jnp.float16, capacity=capacity,
                        lengths=[capacity, capacity - 61, 65])
     q = jax.random.normal(jax.random.key(11), (3, 2, 1, 4, 128), jnp.float16)
-    o = np.asarray(mgpu_decode_attention(q, 1, pack_mma_store(store)), np.float64)
+    o = np.asarray(mgpu_decode_attention(q, 1, pack_mma_store(store), step_tiles=step_tiles, splits=splits),
+                   np.float64)
     o_ref = np.asarray(decode_attention_reference(q, 1, (store,), ()), np.float64)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 2e-3
 
