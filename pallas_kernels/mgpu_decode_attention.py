@@ -241,7 +241,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   # A last step may reach past the program's tiles (into the next split's, or past the capacity, where TMA fills
   # zeros): its tokens there are masked, so any capacity runs the step that fits best, not one that divides it.
   steps = -(-tiles // step_tiles)
-  num_layers, capacity = store.k_codes.shape[0], store.capacity
+  ragged = tiles % step_tiles != 0
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
@@ -272,9 +272,11 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, o_ref, l_ref, m_ref,
              q_smem, p_smem, o_smem, l_smem, m_smem, q_barrier):
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
-    at = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
-    seq_len = jnp.minimum(jnp.maximum(length_ref[b], 0), capacity)
-    end = jnp.minimum(seq_len, (split + 1) * tiles * TILE)  # the program's tokens stop at its split's end
+    at = layer_ref[0]
+    seq_len = length_ref[b]
+    # A ragged last step's tokens past the split's end are masked; otherwise the length is the only bound (one
+    # value less live in the loop: the kernel runs 3 programs per SM at 168 registers, 2 above).
+    end = jnp.minimum(seq_len, (split + 1) * tiles * TILE) if ragged else seq_len
 
     def body(index, kc, km, vc, vm, carry):
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
@@ -456,8 +458,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
     raise ValueError(f"splits={splits} must divide the {tiles} tiles of {TILE} tokens into whole key groups of "
                      f"{store.k_group}")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-  layer = jnp.asarray(layer, jnp.int32).reshape(1)  # clamped to [0, L) in the kernel, as the length to [0, C]
-  length = store.length.astype(jnp.int32)
+  num_layers = store.k_codes.shape[0]
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+  length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
   q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
       q.reshape(batch, kv_heads, n_rows, head_dim))
