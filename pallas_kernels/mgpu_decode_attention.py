@@ -274,8 +274,8 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = layer_ref[0]
     seq_len = length_ref[b]
-    # A ragged last step's tokens past the split's end are masked; otherwise the length is the only bound (one
-    # value less live in the loop: the kernel runs 3 programs per SM at 168 registers, 2 above).
+    # A ragged last step's tokens past the split's end are masked; otherwise the length is the only bound, and the
+    # loop holds no extra value (at 168 registers, on an H100, 3 programs share an SM; 8 more would leave 2).
     end = jnp.minimum(seq_len, (split + 1) * tiles * TILE) if ragged else seq_len
 
     def body(index, kc, km, vc, vm, carry):
