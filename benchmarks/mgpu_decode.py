@@ -36,6 +36,7 @@ import functools
 import json
 import pathlib
 import re
+import tempfile
 import traceback
 
 import jax
@@ -122,8 +123,7 @@ def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
   """The device kernels of ``calls`` back-to-back calls of ``fn`` (rotating ``input_sets``) under the profiler:
   [{name, us_per_call, calls_per_call}] by total time, so a wall time splits into the kernel and what XLA runs
   around it (padding q, merging the splits' partials)."""
-  import tempfile
-  from profile_decode_step import device_events, kernel_events, summarize
+  from profile_decode_step import device_events, kernel_events, summarize  # imports generate's benchmark: lazily
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
       jax.block_until_ready([fn(*input_sets[i % len(input_sets)]) for i in range(calls)])
