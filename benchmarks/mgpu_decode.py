@@ -134,11 +134,13 @@ def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
 
 
 def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
-           repeats: int = 1, variants_at: tuple = (8, 32768), trace: bool = False) -> list[dict]:
+           repeats: int = 1, variants_at: tuple = (8, 32768), trace: bool = False,
+           splits_sweep: tuple = ()) -> list[dict]:
   """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
   depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
   run by more than neighbouring variants differ); with ``trace`` each default row also records its device
-  kernels (``traced_kernels``)."""
+  kernels (``traced_kernels``); with ``splits_sweep`` the kernel at each of those split counts (default step and
+  depth), KIVI-2 and KIVI-4 in turn, at every batch and length, ``repeats`` times (``splits_table``)."""
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -161,7 +163,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
                           compile_s=compile_s))
     print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} {config} {median_us:9.1f} µs "
           f"{records[-1]['gbps']:7.1f} GB/s")
-    if trace and set(config) <= {"splits"}:
+    if trace and set(config) <= {"splits", "sweep", "repeat"}:
       records[-1]["kernels"] = traced_kernels(fn, input_sets)
       for row in records[-1]["kernels"]:
         print(f"{'':>16}{row['us_per_call']:9.2f} µs  x{row['calls_per_call']:<4} {row['name'][:90]}")
@@ -172,20 +174,26 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
       for bits in (2, 4):
         nbytes = bytes_read(shape, bits)
         run(f"mgpu_kivi{bits}", mgpu(), functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)),
-            nbytes, shape, {"splits": default_splits(batch, shape.kv_heads, seq_len // 64 // 4)})
+            nbytes, shape, {"splits": _default_splits(shape, bits)})
         run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
             nbytes, shape, {})
       run("xla_kivi2", xla, lambda seed: inputs(shape, 2, seed, False), bytes_read(shape, 2), shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
       if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
-        splits = default_splits(batch, shape.kv_heads, seq_len // 64 // 4)
+        splits = _default_splits(shape, 2)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
             shape, {"splits": splits, "fill": 0.25})
+      for repeat in range(repeats if splits_sweep else 0):
+        for splits in splits_sweep:
+          for bits in (2, 4):
+            run(f"mgpu_kivi{bits}", mgpu(splits=splits),
+                functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits),
+                shape, {"splits": splits, "sweep": "splits", "repeat": repeat})
       if variants and (batch, seq_len) == tuple(variants_at):
         for repeat in range(repeats):
           for step_tiles, stages in VARIANTS:
             for bits in (2, 4):
-              splits = default_splits(batch, shape.kv_heads, seq_len // 64 // step_tiles)
+              splits = _default_splits(shape, bits, step_tiles)
               run(f"mgpu_kivi{bits}", mgpu(splits=splits, step_tiles=step_tiles, max_concurrent_steps=stages),
                   functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)), bytes_read(shape, bits),
                   shape, {"splits": splits, "step_tiles": step_tiles, "stages": stages, "repeat": repeat})
@@ -195,7 +203,26 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 def at_defaults(record) -> bool:
   """A record of the kernel at its defaults on a full cache (not a variant or a partial fill; issue_blocks and
   pallas_barriers name options timed on 2026-11-26 and since removed, whose records the results keep)."""
-  return not {"stages", "fill", "issue_blocks", "pallas_barriers"} & set(record["config"])
+  return not {"stages", "fill", "sweep", "issue_blocks", "pallas_barriers"} & set(record["config"])
+
+
+def splits_table(records: list[dict]) -> str:
+  """The kernel at each split count swept (``--splits``): the median over repeats and the range, the programs it
+  launches (B * Hkv * splits), and the default's count."""
+  found = {}
+  for r in records:
+    if r["impl"].startswith("mgpu_kivi") and r["config"].get("sweep") == "splits":
+      found.setdefault((r["batch"], r["seq_len"], int(r["impl"][-1]), r["config"]["splits"]), []).append(r["median_us"])
+  lines = ["| B | L | KIVI | splits | programs | median over repeats | range | repeats |",
+           "|---|---|---|---|---|---|---|---|"]
+  for batch, seq_len, bits, splits in sorted(found):
+    times = found[batch, seq_len, bits, splits]
+    packed = _abstract_mma_store(Shape(batch, seq_len), bits)
+    mark = " (default)" if splits == _default_splits(Shape(batch, seq_len), bits) else ""
+    programs = batch * packed.k_codes.shape[2] * splits
+    lines.append(f"| {batch} | {seq_len} | {bits}-bit | {splits}{mark} | {programs} | {np.median(times):.1f} µs | "
+                 f"{min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
+  return "\n".join(lines)
 
 
 def variants_table(records: list[dict]) -> str:
@@ -203,7 +230,7 @@ def variants_table(records: list[dict]) -> str:
   holds, and which the kernel picks by default (``default_step_tiles``, ``STAGES``)."""
   found = {}
   for r in records:
-    if r["impl"].startswith("mgpu_kivi") and "repeat" in r["config"]:
+    if r["impl"].startswith("mgpu_kivi") and "step_tiles" in r["config"]:
       found.setdefault((r["batch"], r["seq_len"], int(r["impl"][-1]), r["config"]["step_tiles"],
                         r["config"]["stages"]), []).append(r["median_us"])
   lines = ["| B | L | KIVI | step_tiles | stages | shared memory | median over repeats | range | repeats |",
@@ -221,6 +248,15 @@ def variants_table(records: list[dict]) -> str:
                      f"{shared_memory_bytes(packed, step_tiles, stages) / 1024:.0f} KB | {np.median(times):.1f} µs | "
                      f"{min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
   return "\n".join(lines)
+
+
+def _default_splits(shape: Shape, bits: int, step_tiles=None) -> int:
+  """The kernel's split count at ``shape``; a round's before build (``mgpu_ab.py``) may be one from before round
+  9, whose ``default_splits`` took (batch, kv_heads, units of whole steps)."""
+  try:
+    return default_splits(_abstract_mma_store(shape, bits), step_tiles)
+  except TypeError:
+    return default_splits(shape.batch, shape.kv_heads, shape.seq_len // 64 // (step_tiles or 4))
 
 
 def _abstract_mma_store(shape: Shape, bits: int) -> MmaStore:
@@ -279,6 +315,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=1, help="times to run the variants' sweep, in turn")
   parser.add_argument("--variants-at", type=int, nargs=2, default=[8, 32768], metavar=("B", "L"),
                       help="the batch and length of the variants' sweep (one of --batches x --seq-lens)")
+  parser.add_argument("--splits", type=int, nargs="+", default=[],
+                      help="also time the kernel at these split counts at every batch and length (--repeats times)")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
@@ -296,7 +334,7 @@ def main():
     return
   if args.table:
     records = json.loads(out.read_text())
-    print(table(records) + "\n\n" + variants_table(records))
+    print(table(records) + "\n\n" + variants_table(records) + "\n\n" + splits_table(records))
     return
   checks = check() if args.check or args.check_only else []
   records = [{"impl": "check", "batch": None, "seq_len": None, "config": {}, "device": device.device_kind,
@@ -305,9 +343,9 @@ def main():
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
     records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats,
-                      args.variants_at, args.trace)
+                      args.variants_at, args.trace, tuple(args.splits))
   records = save(out, records, RECORD_KEY)
-  print("\n" + table(records) + "\n\n" + variants_table(records))
+  print("\n" + table(records) + "\n\n" + variants_table(records) + "\n\n" + splits_table(records))
   if not all(c["ok"] for c in checks):
     raise SystemExit("mgpu_decode_attention disagrees with the reference (see the check lines)")
 

@@ -29,6 +29,7 @@ multiple of 64, T * g <= 16. ``decode_attention_reference`` on the store the pac
 """
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -50,6 +51,11 @@ except ImportError:  # pragma: no cover - an older jax: the kernel is unavailabl
 
 SHARED_PER_SM = 228 * 1024  # shared memory of a Hopper SM (H100, H200)
 STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concurrent_steps: measured there)
+# Programs of 128 threads an SM runs at once, by registers (64K an SM): 168 a thread allow 3, more allow 2 (ptxas
+# on an H100: KIVI-2 168, KIVI-4 181). Splits count on 2: at B = 8, L = 32768, KIVI-2 in 6 splits (3 per SM) took
+# 117-120 µs against 125-157 in 4 in one sweep, but 4 took 114-115 in another run: no clear gain; KIVI-4 in 6 took
+# 182-191 against 139-143.
+PROGRAMS_PER_SM = 2
 ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
@@ -237,11 +243,9 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   units)."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
-  tiles = store.k_codes.shape[3] // splits  # per program
-  # A last step may reach past the program's tiles (into the next split's, or past the capacity, where TMA fills
-  # zeros): its tokens there are masked, so any capacity runs the step that fits best, not one that divides it.
-  steps = -(-tiles // step_tiles)
-  ragged = tiles % step_tiles != 0
+  # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
+  # capacity (TMA fills zeros) and a step past the length: their tokens are masked by the length.
+  tiles = split_tiles(store, splits, step_tiles)
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
@@ -274,9 +278,7 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = layer_ref[0]
     seq_len = length_ref[b]
-    # A ragged last step's tokens past the split's end are masked; otherwise the length is the only bound, and the
-    # loop holds no extra value (at 168 registers, on an H100, 3 programs share an SM; 8 more would leave 2).
-    end = jnp.minimum(seq_len, (split + 1) * tiles * TILE) if ragged else seq_len
+    first = split * tiles
 
     def body(index, kc, km, vc, vm, carry):
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
@@ -295,8 +297,8 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
-      step_start = (split * tiles + index[0] * step_tiles) * TILE
-      valid = [row + (step_start + TILE * t) < end for t in range(step_tiles)]
+      step_start = (first + index[0] * step_tiles) * TILE
+      valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
       s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
       m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
       alpha = jnp.exp2(m_run - m_next)
@@ -320,27 +322,26 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     along_rows = lambda value: plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
             along_rows(M_FLOOR), zeros((TILE, rows)))
-    first = split * tiles
+    tile_block = lambda i: (first // step_tiles + i, 0, 0)  # a split starts on a step boundary
     pipeline = plgpu.emit_pipeline(
         body,
-        grid=(steps,),
+        # A static count: one that stops at the length held 10 more registers (178 against 168 for KIVI-2 at one
+        # split, on an H100: 2 programs per SM instead of 3, 8% slower at B = 256, L = 4608).
+        grid=(tiles // step_tiles,),
         in_specs=[
-            plgpu.BlockSpec((step_tiles, *k_codes.shape[-2:]), lambda i: (i, 0, 0)),   # key codes
+            plgpu.BlockSpec((step_tiles, *k_codes.shape[-2:]), tile_block),            # key codes
             plgpu.BlockSpec((k_groups, *k_meta.shape[-2:]),                            # key scale pairs
-                            lambda i: (i * step_tokens // store.k_group // k_groups, 0, 0)),
-            plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), lambda i: (i, 0, 0)),   # value codes
-            plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), lambda i: (i, 0, 0)),    # value scale pairs
+                            lambda i: ((first * TILE + i * step_tokens) // store.k_group // k_groups, 0, 0)),
+            plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), tile_block),            # value codes
+            plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), tile_block),             # value scale pairs
         ],
         max_concurrent_steps=max_concurrent_steps,
         init_carry=init)
     @pl.when(first * TILE < seq_len)
     def _attend():
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
-      *o_blocks, m_run, l_run = pipeline(
-          kc_ref.at[at, b, h, pl.ds(first, tiles)],
-          km_ref.at[at, b, h, pl.ds(first * TILE // store.k_group, tiles * TILE // store.k_group)],
-          vc_ref.at[at, b, h, pl.ds(first, tiles)],
-          vm_ref.at[at, b, h, pl.ds(first, tiles)])
+      *o_blocks, m_run, l_run = pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
+                                         vm_ref.at[at, b, h])
       for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
         o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
       l_smem[...] = l_run.sum(axis=0)
@@ -380,13 +381,32 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
 
 
-def default_splits(batch: int, kv_heads: int, tiles: int, target_programs: int = 528) -> int:
-  """The largest power of two dividing ``tiles`` (the units a split must keep whole) with batch * kv_heads *
-  splits <= about ``target_programs`` (four programs per SM of an H100), at least 1."""
-  splits = 1
-  while splits * 2 <= tiles and tiles % (splits * 2) == 0 and batch * kv_heads * splits * 2 <= target_programs:
-    splits *= 2
-  return splits
+def split_tiles(store: MmaStore, splits: int, step_tiles: int) -> int:
+  """Tiles of 64 tokens per split: the capacity's tiles shared among ``splits`` programs, rounded up to whole steps
+  and key groups (the last split may hold fewer, and fewer splits may cover the capacity)."""
+  unit = math.lcm(step_tiles, max(1, store.k_group // TILE))
+  return -(-store.k_codes.shape[3] // (splits * unit)) * unit
+
+
+def default_splits(store: MmaStore, step_tiles: Optional[int] = None, sm_count: Optional[int] = None) -> int:
+  """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``): as
+  many as let all of B * Hkv * splits programs run at once (``PROGRAMS_PER_SM`` per SM, fewer where their shared
+  memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
+  than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2 at B = 256, L = 4608 on an H100,
+  the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
+  8, 98.5 with 16)."""
+  _, batch, kv_heads, tiles = store.k_codes.shape[:4]
+  step_tiles = step_tiles or default_step_tiles(store)
+  if sm_count is None:
+    sm_count = getattr(jax.devices()[0], "core_count", None) or 132  # an H100's SMs where a device does not say
+  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, STAGES) + 1024)
+  slots = sm_count * max(1, min(PROGRAMS_PER_SM, fit))
+  splits = min(max(1, slots // (batch * kv_heads)), _most_splits(store, step_tiles))
+  return -(-tiles // split_tiles(store, splits, step_tiles))
+
+
+def _most_splits(store: MmaStore, step_tiles: int) -> int:
+  return -(-store.k_codes.shape[3] // math.lcm(step_tiles, max(1, store.k_group // TILE)))
 
 
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
@@ -422,8 +442,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
     q: [B, Hkv, T, g, D] with T * g <= 16, in the store's scale dtype (fp16 or bf16).
     layer: int32 scalar (clamped to [0, L)).
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
-    splits: programs per (sequence, KV head) along the tokens; must divide the tile count (C / 64). None:
-      ``default_splits``.
+    splits: programs per (sequence, KV head) along the tokens, each ``split_tiles`` tiles of 64 tokens (whole
+      steps and key groups; the last split may hold fewer, and fewer splits may cover the capacity), at most one
+      per step (per key group where a group is longer). None: ``default_splits``.
     step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); a split's last
       step may reach past its tiles (those tokens are masked). None: ``default_step_tiles``.
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). 2, the best or within 3% of the best
@@ -451,12 +472,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
   if step_tiles is not None and step_tiles < 1:
     raise ValueError(f"step_tiles={step_tiles} must be at least 1")
   step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)
-  # A split covers whole key groups (and, by default, whole steps: no split reads past its tiles).
-  unit = max(step_tiles, store.k_group // TILE)
-  splits = default_splits(batch, kv_heads, tiles // unit if tiles % unit == 0 else 1) if splits is None else splits
-  if splits < 1 or tiles % splits or (tiles // splits * TILE) % store.k_group:
-    raise ValueError(f"splits={splits} must divide the {tiles} tiles of {TILE} tokens into whole key groups of "
-                     f"{store.k_group}")
+  if splits is None:
+    splits = default_splits(store, step_tiles)
+  elif not 1 <= splits <= _most_splits(store, step_tiles):
+    raise ValueError(f"splits={splits} must be from 1 to {_most_splits(store, step_tiles)}: a split holds whole steps "
+                     f"of {step_tiles} tiles of {TILE} tokens and whole key groups of {store.k_group}")
+  splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = store.k_codes.shape[0]
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)

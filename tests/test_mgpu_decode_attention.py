@@ -231,8 +231,9 @@ def test_bad_arguments_raise():
     mgpu_decode_attention(jnp.zeros((2, 2, 5, 4, 128), jnp.bfloat16), 0, store)
   with pytest.raises(ValueError, match="one 16-bit type"):
     mgpu_decode_attention(q.astype(jnp.float16), 0, store)
-  with pytest.raises(ValueError, match="splits=3"):
-    mgpu_decode_attention(q, 0, store, splits=3)
+  for splits, step_tiles, most in ((0, 1, 8), (9, 1, 8), (3, 4, 2)):  # 512 tokens: 8 tiles
+    with pytest.raises(ValueError, match=f"splits={splits} must be from 1 to {most}"):
+      mgpu_decode_attention(q, 0, store, splits=splits, step_tiles=step_tiles)
   with pytest.raises(ValueError, match="step_tiles=0"):
     mgpu_decode_attention(q, 0, store, step_tiles=0)
   with pytest.raises(ValueError, match="max_concurrent_steps=0"):
@@ -284,10 +285,13 @@ class TestMgpuDecodeAttentionGpu:
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
 
   @pytest.mark.parametrize("capacity,k_group,step_tiles,splits", [
-      (320, 32, None, None), (320, 32, 2, None), (384, 128, None, None), (384, 32, 4, 2), (384, 32, 4, 3)])
+      (320, 32, None, None), (320, 32, 2, None), (384, 128, None, None), (384, 32, 4, 2), (384, 32, 2, 3),
+      (448, 32, 4, 2), (640, 128, None, 3), (384, 32, 1, 4)])
   def test_a_step_that_does_not_divide_the_tiles(self, capacity, k_group, step_tiles, splits):
-    """5 and 6 tiles in steps of 4 (or 2): a split's last step reaches past its tiles, into the next split's (whose
-    tokens it must not count) or past the capacity (zeros): those tokens are masked."""
+    """5, 6, 7 and 10 tiles in steps of 4, 2 or 1, in splits that need not divide them: a split holds whole steps
+    (7 tiles in 2 splits of 4-tile steps: 4 and 3; 10 tiles in 3, key groups of 2 tiles: 4, 4 and 2; 6 tiles
+    asked in 4 splits of 1-tile steps: 3 splits of 2), so a last step may reach past the capacity (TMA fills
+    zeros) or the length: those tokens are masked."""
     store = make_store(10, k_bits=2, v_bits=2, k_group=k_group, v_group=32, dtype=jnp.float16, capacity=capacity,
                        lengths=[capacity, capacity - 61, 65])
     q = jax.random.normal(jax.random.key(11), (3, 2, 1, 4, 128), jnp.float16)
