@@ -20,8 +20,9 @@ Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (s
 pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
 over the tile's tokens (rows of the logits, reduced across the warpgroup), and writes its partial (o, l, m) in
 fp32 with m in log2 units; a few jnp lines merge the partials exactly. Tokens at and past ``length[b]`` are
-masked; a split whose first token is at or past the length reads nothing (its partial is empty), so a cache
-filled to a fraction of its capacity costs about that fraction (at the granularity of a split).
+masked; a split whose first token is at or past the length reads nothing (its partial is empty), and a step past
+it re-reads a block from L2 and computes nothing, so a cache filled to a fraction of its capacity costs about that
+fraction (at the granularity of a step).
 
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale, no
 full-precision segment (the KIVI window, pools and fetched rows go through ``decode_attention`` today), D a
@@ -279,8 +280,16 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     at = layer_ref[0]
     seq_len = length_ref[b]
     first = split * tiles
+    # The pipeline's step count is static: steps past the length fetch the split's last block with a token again
+    # (from L2, not DRAM) and skip their products, so a cache filled to a fraction of its capacity reads and
+    # computes about that fraction. (A step count that stops at the length held 10 more registers: 178 against
+    # 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
+    last = (jnp.minimum(seq_len - first * TILE, tiles * TILE) - 1) // step_tokens
 
     def body(index, kc, km, vc, vm, carry):
+      return lax.cond(index[0] <= last, functools.partial(attend, index, kc, km, vc, vm), lambda c: c, carry)
+
+    def attend(index, kc, km, vc, vm, carry):
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
       # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
       # A operands are live at once while the tensor cores work.
@@ -322,16 +331,15 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
     along_rows = lambda value: plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
     init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
             along_rows(M_FLOOR), zeros((TILE, rows)))
-    tile_block = lambda i: (first // step_tiles + i, 0, 0)  # a split starts on a step boundary
+    block = lambda i: first // step_tiles + jnp.minimum(i, last)  # a split starts on a step boundary
+    tile_block = lambda i: (block(i), 0, 0)
     pipeline = plgpu.emit_pipeline(
         body,
-        # A static count: one that stops at the length held 10 more registers (178 against 168 for KIVI-2 at one
-        # split, on an H100: 2 programs per SM instead of 3, 8% slower at B = 256, L = 4608).
         grid=(tiles // step_tiles,),
         in_specs=[
             plgpu.BlockSpec((step_tiles, *k_codes.shape[-2:]), tile_block),            # key codes
             plgpu.BlockSpec((k_groups, *k_meta.shape[-2:]),                            # key scale pairs
-                            lambda i: ((first * TILE + i * step_tokens) // store.k_group // k_groups, 0, 0)),
+                            lambda i: (block(i) * step_tokens // store.k_group // k_groups, 0, 0)),
             plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), tile_block),            # value codes
             plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), tile_block),             # value scale pairs
         ],
