@@ -389,14 +389,20 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
 
 
+def _split_unit(store: MmaStore, step_tiles: int) -> int:
+  """The tiles a split's size is a multiple of: whole steps and whole key groups."""
+  return math.lcm(step_tiles, max(1, store.k_group // TILE))
+
+
 def split_tiles(store: MmaStore, splits: int, step_tiles: int) -> int:
   """Tiles of 64 tokens per split: the capacity's tiles shared among ``splits`` programs, rounded up to whole steps
   and key groups (the last split may hold fewer, and fewer splits may cover the capacity)."""
-  unit = math.lcm(step_tiles, max(1, store.k_group // TILE))
+  unit = _split_unit(store, step_tiles)
   return -(-store.k_codes.shape[3] // (splits * unit)) * unit
 
 
-def default_splits(store: MmaStore, step_tiles: Optional[int] = None, sm_count: Optional[int] = None) -> int:
+def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: int = STAGES,
+                   sm_count: Optional[int] = None) -> int:
   """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``): as
   many as let all of B * Hkv * splits programs run at once (``PROGRAMS_PER_SM`` per SM, fewer where their shared
   memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
@@ -404,17 +410,13 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, sm_count: 
   the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
   8, 98.5 with 16)."""
   _, batch, kv_heads, tiles = store.k_codes.shape[:4]
-  step_tiles = step_tiles or default_step_tiles(store)
+  step_tiles = step_tiles or default_step_tiles(store, stages)
   if sm_count is None:
     sm_count = getattr(jax.devices()[0], "core_count", None) or 132  # an H100's SMs where a device does not say
-  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, STAGES) + 1024)
+  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages) + 1024)
   slots = sm_count * max(1, min(PROGRAMS_PER_SM, fit))
-  splits = min(max(1, slots // (batch * kv_heads)), _most_splits(store, step_tiles))
+  splits = min(max(1, slots // (batch * kv_heads)), -(-tiles // _split_unit(store, step_tiles)))
   return -(-tiles // split_tiles(store, splits, step_tiles))
-
-
-def _most_splits(store: MmaStore, step_tiles: int) -> int:
-  return -(-store.k_codes.shape[3] // math.lcm(step_tiles, max(1, store.k_group // TILE)))
 
 
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
@@ -453,8 +455,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
     splits: programs per (sequence, KV head) along the tokens, each ``split_tiles`` tiles of 64 tokens (whole
       steps and key groups; the last split may hold fewer, and fewer splits may cover the capacity), at most one
       per step (per key group where a group is longer). None: ``default_splits``.
-    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); a split's last
-      step may reach past its tiles (those tokens are masked). None: ``default_step_tiles``.
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); the last step
+      may reach past the capacity (TMA fills zeros; those tokens are masked). None: ``default_step_tiles``.
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). 2, the best or within 3% of the best
       depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
@@ -480,11 +482,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
   if step_tiles is not None and step_tiles < 1:
     raise ValueError(f"step_tiles={step_tiles} must be at least 1")
   step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)
+  most = -(-tiles // _split_unit(store, step_tiles))
   if splits is None:
-    splits = default_splits(store, step_tiles)
-  elif not 1 <= splits <= _most_splits(store, step_tiles):
-    raise ValueError(f"splits={splits} must be from 1 to {_most_splits(store, step_tiles)}: a split holds whole steps "
-                     f"of {step_tiles} tiles of {TILE} tokens and whole key groups of {store.k_group}")
+    splits = default_splits(store, step_tiles, max_concurrent_steps)
+  elif not 1 <= splits <= most:
+    raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {step_tiles} tiles of "
+                     f"{TILE} tokens and whole key groups of {store.k_group}")
   splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = store.k_codes.shape[0]

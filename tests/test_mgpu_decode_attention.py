@@ -17,8 +17,8 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (available, default_step_tiles, field_plan, magic_half,
-                                               mgpu_decode_attention, shared_memory_bytes)
+from jkv_kernels.mgpu_decode_attention import (available, default_splits, default_step_tiles, field_plan, magic_half,
+                                               mgpu_decode_attention, shared_memory_bytes, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     read_mma_tiles, value_register_map)
 
@@ -221,6 +221,25 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
   chosen = default_step_tiles(packed, stages)
   assert chosen == (fits[0] if fits else 1)
   assert shared_memory_bytes(packed, chosen, stages) == program_bytes(chosen)
+
+
+@pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
+    (1, 32768, 2, 32), (8, 32768, 2, 32), (8, 32768, 4, 32), (8, 4736, 2, 128), (33, 4608, 2, 32), (256, 4608, 2, 32),
+    (3, 320, 2, 32)])
+def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits, k_group):
+  """Splits hold whole steps and key groups and cover the capacity with none empty; their programs fit the slots
+  (132 SMs, 2 or fewer by shared memory), and one more split would not (by brute force over split counts)."""
+  store = _abstract_store(k_bits, 2, k_group, 32, 128, jnp.bfloat16, layers=1, batch=batch, kv_heads=8,
+                          capacity=capacity)
+  tiles, step = capacity // 64, default_step_tiles(store)
+  fit = min(2, 228 * 1024 // (shared_memory_bytes(store, step, 2) + 1024))
+  splits = default_splits(store, sm_count=132)
+  per = split_tiles(store, splits, step)
+  assert per % step == 0 and per * 64 % k_group == 0
+  assert per * splits >= tiles > per * (splits - 1)
+  covering = lambda asked: -(-tiles // split_tiles(store, asked, step))
+  asked = [n for n in range(1, tiles + 1) if batch * 8 * n <= 132 * fit]  # programs that all run at once
+  assert splits == (covering(max(asked)) if asked else 1)
 
 
 def test_bad_arguments_raise():
