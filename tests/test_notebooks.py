@@ -1,9 +1,11 @@
 """The Colab notebooks run top to bottom on a CPU with their smoke settings (``JKV_NOTEBOOK_SMOKE=1``).
 
-Each runs in a fresh kernel in a temporary directory, so whatever it writes stays out of the tree; any cell
-that raises fails the test with the cell and its error. The notebooks in the repository carry no outputs.
+Each runs in a fresh kernel in a temporary directory, so whatever it writes stays out of the tree, all of them at
+once; any cell that raises fails its notebook's test with the cell and its error. The notebooks in the repository
+carry no outputs.
 """
 
+import asyncio
 import os
 import pathlib
 import sys
@@ -41,17 +43,37 @@ def test_every_notebook_runs_here():
   assert sorted(EXECUTED_ON_CPU) == ALL
 
 
+@pytest.fixture(scope="module")
+def executed(request, tmp_path_factory):
+  """The notebooks this run's test_notebook_runs_on_cpu items ask for, executed all at once, each in a kernel of its
+  own, since one notebook, mostly compiling, leaves much of CI's second core idle. Returns {name: (the executed
+  notebook, the error its run raised or None)}."""
+  names = [item.callspec.params["name"] for item in request.session.items
+           if getattr(item, "function", None) is test_notebook_runs_on_cpu]
+  notebooks = {name: _load(name) for name in names}
+  with pytest.MonkeyPatch.context() as mp:  # what the kernels inherit when they start
+    mp.setenv("JKV_NOTEBOOK_SMOKE", "1")
+    mp.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Colab: plots become outputs
+    mp.setenv("JAX_PLATFORMS", "cpu")
+    mp.setenv("JKV_REPO_DIR", str(COLAB.parent))  # where gpu_benchmark finds benchmarks/
+    # The kernel must find this interpreter's `jkv` console script (`!jkv compare`) whatever PATH the run has.
+    mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    clients = [nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                       resources={"metadata": {"path": str(tmp_path_factory.mktemp(name))}})
+               for name, nb in notebooks.items()]
+
+    async def run_all():
+      return await asyncio.gather(*(c.async_execute() for c in clients), return_exceptions=True)
+
+    results = asyncio.run(run_all())
+  return {name: (nb, r if isinstance(r, BaseException) else None) for (name, nb), r in zip(notebooks.items(), results)}
+
+
 @pytest.mark.parametrize("name", EXECUTED_ON_CPU)
-def test_notebook_runs_on_cpu(name, tmp_path, monkeypatch):
-  monkeypatch.setenv("JKV_NOTEBOOK_SMOKE", "1")
-  monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend, as in Colab: plots become outputs
-  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("JKV_REPO_DIR", str(COLAB.parent))  # where gpu_benchmark finds benchmarks/
-  # The kernel must find this interpreter's `jkv` console script (`!jkv compare`) whatever PATH the run has.
-  monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-  nb = _load(name)
-  client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-  client.execute()  # raises CellExecutionError naming the cell on any error
+def test_notebook_runs_on_cpu(name, executed):
+  nb, error = executed[name]
+  if error is not None:
+    raise error  # CellExecutionError names the cell and its error
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
   assert not [o for o in outputs if o.output_type == "error"]
   assert any("image/png" in o.get("data", {}) for o in outputs), f"{name} showed no plot"

@@ -1,8 +1,8 @@
 """Generate on a device mesh equals generate on one device, token for token, for every method.
 
-Needs 4 devices, fixed when jax is imported: ``tests/test_sharding.py`` runs this module in a process of its own
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; in the main test process (one CPU device) it is
-skipped. Run it alone with
+Needs 4 devices, fixed when jax is imported: ``tests/test_sharding.py`` runs this module in processes of their own
+(two at once, each a half of the tests) with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; in the main
+test process (one CPU device) it is skipped. Run it alone with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m pytest -q tests/test_sharding_devices.py``.
 """
 
@@ -16,6 +16,7 @@ import pytest
 from conftest import random_prompts
 from jkv import cli
 from jkv import generate as gen
+from jkv import load as load_lib
 from jkv import sharding
 from jkv.cache import CacheSpec, is_array_info
 from jkv.evaluation.compare import compare, parse_methods
@@ -166,11 +167,20 @@ def test_perplexity_through_compare_on_a_mesh_equals_one_device(tiny_llama):
   assert sharded["kv_bytes"] == one["kv_bytes"]
 
 
+@pytest.fixture
+def cli_loads_default_model(default_model, monkeypatch):
+  """The CLI's ``load_model("default", "float32")`` (its default dtype) returns the model the tests above loaded,
+  rather than loading it again (~7 s)."""
+  real = load_lib.load_model
+  monkeypatch.setattr(load_lib, "load_model", lambda name, dtype="float32": (
+      default_model if (name, dtype) == ("default", "float32") else real(name, dtype)))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--mesh", "model=4", "hi"], "the model's 3 KV heads (9 query heads) do not split over model=4"),
     (["generate", "--mesh", "data=4", "hi"], "a batch of 1 sequences does not split over data=4 (give a multiple"),
 ])
-def test_cli_mesh_that_does_not_fit_the_model_is_one_line(default_model_once, capsys, argv, message):
+def test_cli_mesh_that_does_not_fit_the_model_is_one_line(cli_loads_default_model, capsys, argv, message):
   assert cli.main(argv) == 2
   last = capsys.readouterr().err.strip().splitlines()[-1]  # after "loading model default ..."
   assert last.startswith("jkv: error: mesh ") and message in last, last
