@@ -1,8 +1,9 @@
 """Generate on a device mesh equals generate on one device, token for token, for every method.
 
 Needs 4 devices, fixed when jax is imported: ``tests/test_sharding.py`` runs this module in processes of their own
-(two at once, each a half of the tests) with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; in the main
-test process (one CPU device) it is skipped. Run it alone with
+(two at once: the default model's tests, and the tiny model's compiled without LLVM's optimizations) with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``; in the main test process (one CPU device) it is skipped.
+Run it alone with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m pytest -q tests/test_sharding_devices.py``.
 """
 
