@@ -2,12 +2,13 @@
 
 Round 5 of issue 26 showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
 them, and in one run a quarter-filled cache took longer than the full one. Here each repeat runs one process per
-build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 and
-cuDNN dense (``mgpu_decode.py --impls``) at each shape of ``--shapes`` (B = 8, L = 32768 by default; 256x4608 is
+build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 (the
+kernel alone, and KIVI's whole attention call with its window) and cuDNN dense (``mgpu_decode.py --impls``; a build
+is its ``jkv_kernels`` and the ``jkv`` beside it) at each shape of ``--shapes`` (B = 8, L = 32768 by default; 256x4608 is
 a largest-batch decode step of Llama-3-8B in generate_decode.py). A build's time is the median over repeats of each
 process's median, and every repeat's value is kept, so drift shows as spread instead of as a change.
 
-    git archive HEAD pallas_kernels | tar -x -C /tmp/before      # the build before, copied out before the run
+    git archive HEAD pallas_kernels jkv | tar -x -C /tmp/before  # the build before, copied out before the run
     python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3] \
         [--shapes 8x32768 256x4608]
 
@@ -30,25 +31,26 @@ from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
-IMPLS = ("mgpu_kivi2", "mgpu_kivi4", "cudnn_dense")
+IMPLS = ("mgpu_kivi2", "mgpu_kivi4", "cudnn_dense", "mgpu_kivi2_window", "mgpu_kivi4_window")
 
 
 def import_root(kernels: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
-  """A directory where ``jkv_kernels`` is ``kernels`` and ``jkv`` is this tree's: put first on PYTHONPATH, it
-  makes one process import that build."""
+  """A directory where ``jkv_kernels`` is ``kernels`` and ``jkv`` the ``jkv`` beside it (this tree's where there is
+  none): put first on PYTHONPATH, it makes one process import that build."""
   root.mkdir(parents=True, exist_ok=True)
-  for name, target in (("jkv_kernels", kernels), ("jkv", REPO / "jkv")):
+  beside = kernels.parent / "jkv"
+  for name, target in (("jkv_kernels", kernels), ("jkv", beside if beside.is_dir() else REPO / "jkv")):
     (root / name).symlink_to(target.resolve(), target_is_directory=True)
   return root
 
 
-def time_build(root: pathlib.Path, out: pathlib.Path, shape: tuple[int, int], check: bool) -> list:
-  """One process of mgpu_decode.py over the build under ``root`` at ``shape`` (B, L): its records (check first,
-  if asked)."""
+def time_build(root: pathlib.Path, out: pathlib.Path, shape: tuple[int, int], check: bool, impls=IMPLS) -> list:
+  """One process of mgpu_decode.py over the build under ``root`` at ``shape`` (B, L): its records of ``impls``
+  (check first, if asked)."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
   env.pop("OUT", None)  # the repeats' files stay here; the combined ones go to $OUT
   command = [sys.executable, str(HERE / "mgpu_decode.py"), "--batches", str(shape[0]), "--seq-lens", str(shape[1]),
-             "--no-variants", "--impls", *IMPLS, "--check" if check else "--no-check", "--out", str(out)]
+             "--no-variants", "--impls", *impls, "--check" if check else "--no-check", "--out", str(out)]
   subprocess.run(command, env=env, check=True)
   return json.loads(out.read_text())
 
@@ -85,6 +87,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--shapes", type=shape_arg, nargs="+", default=[(8, 32768)], metavar="BxL")
   parser.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results" / "mgpu_rounds")
+  parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   args = parser.parse_args()
   for label, path in (("--before", args.before), ("--after", args.after)):
     if not (path / "mgpu_decode_attention.py").is_file():
@@ -97,11 +100,12 @@ def main():
     for repeat in range(args.repeats):
       for build in (builds if repeat % 2 == 0 else builds[::-1]):
         runs[build].append([record for i, shape in enumerate(args.shapes) for record in time_build(
-            roots[build], tmp / f"{build}_{repeat}_{i}.json", shape, check=repeat == 0 and i == 0)])
+            roots[build], tmp / f"{build}_{repeat}_{i}.json", shape, check=repeat == 0 and i == 0,
+            impls=args.impls)])
   for build in builds:
     save(args.out_dir / f"{args.round}_{build}_{args.change}.json", combine(runs[build]), kernel_record_key)
   print(f"round {args.round}, {args.change}: µs per call in each repeat (before | after)")
-  for (batch, seq_len), impl in itertools.product(args.shapes, IMPLS):
+  for (batch, seq_len), impl in itertools.product(args.shapes, args.impls):
     cell = lambda b: [r for r in combine(runs[b]) if (r["impl"], r["batch"], r["seq_len"]) == (impl, batch, seq_len)
                       and set(r["config"]) <= {"splits"}][0]
     before, after = cell("before"), cell("after")

@@ -9,6 +9,10 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L); at B = 8, L = 32768
                  also a cache filled to L / 4 (config "fill": 0.25)
     mgpu_kivi4   4-bit
+    mgpu_kivi2_window   KIVI's whole attention call: ``jkv.attention.decode_attention`` (impl "pallas") over the
+    mgpu_kivi4_window   packed store and a window of 129 exact bf16 tokens (KIVI's R + 1), as a decode step of
+                 KIVI with ``mma=True`` runs it (the window read by the same kernel, or, in a build before round
+                 11, by the Triton kernel and merged in XLA)
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
     xla_kivi2    jkv's XLA path (``jkv.attention.decode_attention``, impl "xla": the store dequantized a block at a
@@ -116,7 +120,19 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
   return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
 
 
-IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense")
+IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
+         "mgpu_kivi4_window")
+WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
+
+
+def window_inputs(shape: Shape, bits: int, seed: int):
+  """(q, store, window) for timing KIVI's attention call: ``timing_inputs``'s packed store and a window of WINDOW
+  random bf16 keys and values per (sequence, KV head), every token valid, stacked over one layer."""
+  q, packed = timing_inputs(shape, bits, seed)
+  kk, kv = jax.random.split(jax.random.key(seed + 1000))
+  ring = (1, shape.batch, shape.kv_heads, WINDOW, shape.head_dim)
+  return (q, packed, (jax.random.normal(kk, ring, shape.dtype), jax.random.normal(kv, ring, shape.dtype),
+                      jnp.ones((shape.batch, 1, WINDOW), bool)))
 
 
 def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
@@ -146,6 +162,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
   xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+  kivi_call = jax.jit(lambda q, s, w: jkv_attention.decode_attention(q, 0, stores=(s,), segments=(w,), impl="pallas"))
+  window_bytes = lambda shape: shape.batch * shape.kv_heads * WINDOW * shape.head_dim * 2 * 2
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
@@ -177,6 +195,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
             nbytes, shape, {"splits": _default_splits(shape, bits)})
         run(f"triton_kivi{bits}", triton, functools.partial(lambda seed, b=bits: inputs(shape, b, seed, False)),
             nbytes, shape, {})
+        run(f"mgpu_kivi{bits}_window", kivi_call, functools.partial(lambda seed, b=bits: window_inputs(shape, b, seed)),
+            nbytes + window_bytes(shape), shape, {"splits": _default_splits(shape, bits)})
       run("xla_kivi2", xla, lambda seed: inputs(shape, 2, seed, False), bytes_read(shape, 2), shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
       if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
@@ -290,18 +310,21 @@ def rounds_table(directory: pathlib.Path) -> str:
              and r["seq_len"] == seq_len and at_defaults(r)]
     return found[0] if found else None
 
-  lines = ["| round | change | B | L | KIVI-2 before | KIVI-2 after | KIVI-4 before | KIVI-4 after | cuDNN (after's "
-           "run) | cuDNN / KIVI-2 after | device |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  impls = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_kivi2_window", "mgpu_kivi4_window")
+  names = ("KIVI-2", "KIVI-4", "KIVI-2 + window", "KIVI-4 + window")
+  lines = ["| round | change | B | L | " + " | ".join(f"{n} before | {n} after" for n in names)
+           + " | cuDNN (after's run) | cuDNN / KIVI-2 after | device |", "|---|---|---|---|" + "---|" * 11]
   for after in sorted(directory.glob("*_after_*.json"), key=lambda p: int(p.name.split("_")[0])):
     number, change = after.stem.split("_after_")
     before = after.with_name(f"{number}_before_{change}.json")
     shapes = lambda path: {(r["batch"], r["seq_len"]) for r in json.loads(path.read_text()) if r["impl"] == "mgpu_kivi2"}
     for batch, seq_len in sorted(shapes(before) & shapes(after)):
-      us = lambda path, impl: cell(path, impl, batch, seq_len)["median_us"]
+      us = lambda path, impl: (cell(path, impl, batch, seq_len) or {}).get("median_us")
+      shown = lambda value: "–" if value is None else f"{value:.1f} µs"
       k2, dense = us(after, "mgpu_kivi2"), us(after, "cudnn_dense")
-      lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | {us(before, 'mgpu_kivi2'):.1f} µs "
-                   f"| {k2:.1f} µs | {us(before, 'mgpu_kivi4'):.1f} µs | {us(after, 'mgpu_kivi4'):.1f} µs | "
-                   f"{dense:.1f} µs | {dense / k2:.2f}x | {cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
+      lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | "
+                   + " | ".join(f"{shown(us(before, i))} | {shown(us(after, i))}" for i in impls)
+                   + f" | {shown(dense)} | {dense / k2:.2f}x | {cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
   return "\n".join(lines)
 
 

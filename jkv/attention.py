@@ -287,7 +287,8 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
     stores: ``QuantizedStore``s (KIVI layout, stacked, each with its own widths, groupings, holes and value
       channel scale; ``jkv_kernels.dequant_attention``) and ``MmaStore``s (the MMA-ready packing of
-      ``jkv_kernels.mma_layout``: read by the Hopper tensor-core kernel with impl "pallas" on a Hopper GPU, by
+      ``jkv_kernels.mma_layout``: read by the Hopper tensor-core kernel with impl "pallas" on a Hopper GPU, with
+      the first segment it reads in place (``mgpu_decode_attention.reads_segment``) in the same softmax; by
       the XLA path everywhere else).
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
       mask [B, T, S] or [B, H, T, S] bool.
@@ -309,9 +310,12 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and rows:
     raise ValueError("token mass (ZipCache's probes, SpeCache's top-k) is not read from MMA-packed stores")
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
-    # The products take one 16-bit type, the stores': q goes to it (bf16 to fp16 is exact for magnitudes in
-    # [6.1e-5, 65504]; query entries outside it do not occur or barely contribute).
-    parts = [mgpu_decode_attention.mgpu_decode_partial(q.astype(store.dtype), layer, store) for store in mma_stores]
+    # The first segment the kernel can read in place (KIVI's window) joins the first store's softmax.
+    fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
+    parts = [mgpu_decode_attention.mgpu_decode_partial(
+        q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None)
+        for i, store in enumerate(mma_stores)]
+    segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
     if stores or segments:  # the rest through the Triton kernel, one softmax merged exactly
       parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
                                                                            return_lse=True)))

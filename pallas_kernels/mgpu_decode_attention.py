@@ -24,12 +24,18 @@ masked; a split whose first token is at or past the length reads nothing (its pa
 it re-reads a block from L2 and computes nothing, so a cache filled to a fraction of its capacity costs about that
 fraction (at the granularity of a step).
 
-Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale, no
-full-precision segment (the KIVI window, pools and fetched rows go through ``decode_attention`` today), D a
-multiple of 64, T * g <= 16. ``decode_attention_reference`` on the store the packing came from is the reference.
+A full-precision segment (KIVI's window: the newest tokens, exact) joins the last split's softmax after its share
+of the store: tiles of 64 of its keys and values go through a second TMA pipeline into swizzled shared memory and
+are both products' A operands from there (the values transposed), in the segment's own 16-bit type, with a mask
+per (token, query row) beside them; rows of the neighbouring head that a tile starts on are masked out.
+
+Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale (the other
+methods' stores go through ``decode_attention``), at most one segment, D a multiple of 64, T * g <= 16.
+``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
 """
 
 import functools
+import inspect
 import math
 from typing import Optional
 
@@ -63,6 +69,12 @@ ROWS = 16       # the most query rows of a KV head; the N of the value product (
 M_FLOOR = MASK_VALUE / 2
 LOG2E = 1.4426950408889634
 _MANTISSA = {"float16": 10, "bfloat16": 7}
+
+
+def _load(ref, **kwargs):
+  """``plgpu.load`` of a whole ref: jax 0.10 takes the index as an argument, 0.11 deprecates it."""
+  takes_index = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+  return plgpu.load(ref, (), **kwargs) if takes_index else plgpu.load(ref, **kwargs)
 
 
 def available() -> bool:
@@ -238,12 +250,14 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles, max_concurrent_steps):
-  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] (N = 8 or 16 rows, the N of the key
-  product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m [B, Hkv, S, N] (m in log2
-  units)."""
+def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps):
+  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in the store's dtype (N = 8 or 16 rows,
+  the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
+  [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
+  join the last split's softmax."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
+  segment_layers, segment_width = (None, None) if segment is None else segment[1].shape[0:4:3]
   # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
   # capacity (TMA fills zeros) and a step past the length: their tokens are masked by the length.
   tiles = split_tiles(store, splits, step_tiles)
@@ -263,23 +277,41 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA) for _ in blocks))(
           lambda ctx, c, m: _value_operands(c, m, tile=tile, blocks=blocks, bits=store.v_bits, head_dim=head_dim,
                                             group=store.v_group, dtype=store.dtype))
-  q_swizzle = plgpu.find_swizzle(head_dim * dtype.itemsize * 8, "q")
-  q_transforms = (plgpu.TilingTransform((8, q_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(q_swizzle))
-  p_swizzle = plgpu.find_swizzle(ROWS * dtype.itemsize * 8, "p")
+  # Swizzles of 16-bit operands in shared memory: q [N, D] and a segment's keys [64, D] by rows of D, p [64, 16]
+  # and a segment's values [64, D] by 16 (a product's two shared-memory operands take one swizzle).
+  swizzled = lambda width, name: (lambda sw: (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))(
+      plgpu.find_swizzle(width * 16, name))
+  q_transforms, p_transforms = swizzled(head_dim, "q"), swizzled(ROWS, "p")
   pad_columns = lambda element: plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA,),
       return_type=plgpu.ShapeDtypeStruct((TILE, ROWS), element, layout=plgpu.Layout.WGMMA))(
           lambda ctx, x: _pad_columns(x, rows))
   widen = (lambda x: pad_columns(x.dtype)(x)) if rows < ROWS else (lambda x: x)  # [64, rows] -> [64, ROWS]
-  p_transforms = (plgpu.TilingTransform((8, p_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(p_swizzle))
   scale_log2 = sm_scale * LOG2E
+  along_tokens = lambda x, width=rows: lax.broadcast_in_dim(x, (TILE, width), [1])
 
-  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, o_ref, l_ref, m_ref,
-             q_smem, p_smem, o_smem, l_smem, m_smem, q_barrier):
+  def softmax_update(s, m_run, l_run):
+    """Online softmax over the logits s (a list of [64, rows] in log2 units, masked to MASK_VALUE): p of each,
+    the new running max and sum, and the factor alpha [rows] that rescales what came before."""
+    m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
+    alpha = jnp.exp2(m_run - m_next)
+    p = [jnp.exp2(x - along_tokens(m_next)) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
+    l_run = l_run * along_tokens(alpha) + functools.reduce(jnp.add, p)  # summed over tokens after the loop
+    return p, m_next, l_run, alpha
+
+  def rescaled(o_blocks, alpha, products):
+    """o's blocks times alpha, plus what ``products`` (on the accumulators' refs) adds."""
+    o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
+    return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
+
+  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, p_smem, o_smem, l_smem,
+             m_smem, q_barrier, sq_smem=None, sp_smem=None, sq_barrier=None):
+    *segment_refs, o_ref, l_ref, m_ref = refs  # segment_refs: q, k, v, allowed (with a segment)
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = layer_ref[0]
     seq_len = length_ref[b]
     first = split * tiles
+    has_store = first * TILE < seq_len  # a split wholly past the length reads nothing of the store
     # The pipeline's step count is static: steps past the length fetch the split's last block with a token again
     # (from L2, not DRAM) and skip their products, so a cache filled to a fraction of its capacity reads and
     # computes about that fraction. (A step count that stops at the length held 10 more registers: 178 against
@@ -308,12 +340,8 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
-      s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
-      m_next = jnp.maximum(m_run, functools.reduce(jnp.maximum, s).max(axis=0))  # one cross-warp reduction
-      alpha = jnp.exp2(m_run - m_next)
-      along_tokens = lambda x, width=rows: lax.broadcast_in_dim(x, (TILE, width), [1])
-      p = [jnp.exp2(x - along_tokens(m_next)) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
-      l_run = l_run * along_tokens(alpha) + functools.reduce(jnp.add, p)  # summed over tokens after the loop
+      p, m_next, l_run, alpha = softmax_update(
+          [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)], m_run, l_run)
       for t in range(step_tiles):
         p_smem[t] = widen(p[t].astype(dtype))
       plgpu.commit_smem()
@@ -323,9 +351,32 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
           for m, a_v in zip(blocks, value_operands(t, blocks)(vc, vm)):
             plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
           plgpu.wgmma_wait(len(blocks))
-      o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
-      next_blocks = pl.run_state(pv)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
-      return (*next_blocks, m_next, l_run)
+      return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
+
+    def attend_segment(index, k_tile, v_tile, allowed, carry):
+      # A tile of the segment's 64 tokens: both products read their A operand from shared memory (the values
+      # transposed), in the segment's dtype; ``allowed`` is its mask [64 tokens, rows].
+      *o_blocks, m_run, l_run = carry
+
+      @pl.when(index[0] == 0)
+      def _():
+        plgpu.barrier_wait(sq_barrier)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, k_tile, sq_smem.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+      logits = pl.run_scoped(qk, plgpu.ACC((TILE, rows), jnp.float32))
+      ok = _load(allowed, layout=plgpu.Layout.WGMMA, optimized=False) != 0
+      (p,), m_next, l_run, alpha = softmax_update([jnp.where(ok, logits * scale_log2, MASK_VALUE)], m_run, l_run)
+      sp_smem[...] = widen(p.astype(sp_smem.dtype))
+      plgpu.commit_smem()
+
+      def pv(acc_refs):
+        for m in blocks:
+          plgpu.wgmma(acc_refs[m], v_tile.at[:, pl.ds(64 * m, 64)].transpose((1, 0)), sp_smem)
+        plgpu.wgmma_wait(0)
+      return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
 
     zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     along_rows = lambda value: plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
@@ -345,22 +396,42 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
         ],
         max_concurrent_steps=max_concurrent_steps,
         init_carry=init)
-    @pl.when(first * TILE < seq_len)
-    def _attend():
+
+    @pl.when(has_store)
+    def _():
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
-      *o_blocks, m_run, l_run = pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                         vm_ref.at[at, b, h])
-      for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
-        o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
-      l_smem[...] = l_run.sum(axis=0)
-      m_smem[...] = m_run
+    carry = lax.cond(has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
+                                                  vm_ref.at[at, b, h]), lambda: init)
+    if segment is not None:
+      sq_ref, sk_ref, sv_ref, sa_ref = segment_refs
+      segment_tiles = (sa_ref.shape[2] - 8) // TILE
+      # The segment's keys and values travel as [L B Hkv W, D] rows, and a swizzled operand's tiling takes them in
+      # groups of 8 rows, which W need not be: tile i starts ``shift`` rows before the segment's token 64 i (the
+      # row of 8 its first token lies in), the mask's tile as far before its token 64 i (it has 8 rows of zeros
+      # in front), so rows of the previous or next head and zeros past the end are masked out.
+      segment_layer = jnp.minimum(at, segment_layers - 1)  # 0 for a segment of one step, not stacked
+      first_row = ((segment_layer * batch + b) * kv_heads + h) * segment_width
+      shift = first_row % 8
+      rows_at = lambda i: (pl.multiple_of(first_row - shift + TILE * i, 8), 0)
+      segment_pipeline = lambda c: plgpu.emit_pipeline(
+          attend_segment,
+          grid=(segment_tiles,),
+          in_specs=[plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=q_transforms),  # keys
+                    plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=p_transforms),  # values
+                    plgpu.BlockSpec((pl.Element(TILE), rows), lambda i: (8 - shift + TILE * i, 0))],   # mask
+          max_concurrent_steps=min(2, segment_tiles),
+          init_carry=c)(sk_ref, sv_ref, sa_ref.at[b, h if sa_ref.shape[1] > 1 else 0])
+      here = split == splits - 1
 
-    @pl.when(first * TILE >= seq_len)
-    def _skip():  # a split wholly past the length reads nothing; its partial is empty (the merge gives it no weight)
-      o_smem[...] = jnp.zeros((head_dim, rows), jnp.float32)
-      l_smem[...] = along_rows(0.0)
-      m_smem[...] = along_rows(M_FLOOR)
-
+      @pl.when(here)
+      def _():
+        plgpu.copy_gmem_to_smem(sq_ref.at[b, h], sq_smem, sq_barrier)
+      carry = lax.cond(here, segment_pipeline, lambda c: c, carry)
+    *o_blocks, m_run, l_run = carry
+    for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
+      o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
+    l_smem[...] = l_run.sum(axis=0)  # a split with no valid key: (m, l, o) = (M_FLOOR, 0, 0), the empty partial
+    m_smem[...] = m_run
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, split])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, h, split])
@@ -370,23 +441,32 @@ def _partials(layer, length, q, store: MmaStore, *, sm_scale, splits, step_tiles
   out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
+  scratch = dict(
+      q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
+      p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
+      o_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
+      l_smem=plgpu.SMEM((rows,), jnp.float32),
+      m_smem=plgpu.SMEM((rows,), jnp.float32),
+      q_barrier=plgpu.Barrier(),
+  )
+  inputs = (layer, length, q, k_codes, k_meta, v_codes, v_meta)
+  if segment is not None:
+    segment_dtype = segment[0].dtype
+    segment = (segment[0], *(x.reshape(-1, head_dim) for x in segment[1:3]), segment[3])
+    scratch.update(sq_smem=plgpu.SMEM((rows, head_dim), segment_dtype, transforms=q_transforms),
+                   sp_smem=plgpu.SMEM((TILE, ROWS), segment_dtype, transforms=p_transforms),
+                   sq_barrier=plgpu.Barrier())
+    inputs += tuple(segment)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       grid=(kv_heads, batch, splits),
       grid_names=("h", "b", "s"),
-      scratch_types=dict(
-          q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
-          p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
-          o_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
-          l_smem=plgpu.SMEM((rows,), jnp.float32),
-          m_smem=plgpu.SMEM((rows,), jnp.float32),
-          q_barrier=plgpu.Barrier(),
-      ),
+      scratch_types=scratch,
       # Pallas's barriers around shared-memory stores and TMA copies stay: by reading none is needed, but dropping
       # them (unsafe_no_auto_barriers) measured no faster in one process on an H100 (benchmarks/README.md, round 6).
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(layer, length, q, k_codes, k_meta, v_codes, v_meta)
+  )(*inputs)
 
 
 def _split_unit(store: MmaStore, step_tiles: int) -> int:
@@ -402,56 +482,101 @@ def split_tiles(store: MmaStore, splits: int, step_tiles: int) -> int:
 
 
 def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: int = STAGES,
-                   sm_count: Optional[int] = None) -> int:
+                   sm_count: Optional[int] = None, segment: bool = False) -> int:
   """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``): as
   many as let all of B * Hkv * splits programs run at once (``PROGRAMS_PER_SM`` per SM, fewer where their shared
   memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
   than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2 at B = 256, L = 4608 on an H100,
   the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
-  8, 98.5 with 16)."""
+  8, 98.5 with 16). ``segment``: a segment joins the store (``shared_memory_bytes``)."""
   _, batch, kv_heads, tiles = store.k_codes.shape[:4]
-  step_tiles = step_tiles or default_step_tiles(store, stages)
+  step_tiles = step_tiles or default_step_tiles(store, stages, segment)
   if sm_count is None:
     sm_count = getattr(jax.devices()[0], "core_count", None) or 132  # an H100's SMs where a device does not say
-  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages) + 1024)
+  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, segment) + 1024)
   slots = sm_count * max(1, min(PROGRAMS_PER_SM, fit))
   splits = min(max(1, slots // (batch * kv_heads)), -(-tiles // _split_unit(store, step_tiles)))
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
 
-def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int) -> int:
+def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words, q, p and the
-  partials (at the widest N, 16 rows)."""
+  partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's two slots of a tile of
+  keys, values and mask where they are larger than the store's (the two pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta))
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
   head_dim, half = store.k_meta.shape[-1], jnp.dtype(store.dtype).itemsize
-  return stages * step + ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
+  fixed = ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
+  if not segment:
+    return stages * step + fixed
+  return max(stages * step, 2 * (2 * TILE * head_dim * 2 + TILE * ROWS * 4)) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
 
 
-def default_step_tiles(store: MmaStore, stages: int = STAGES) -> int:
+def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
   """The largest step of 4, 2 or 1 tiles no larger than the tile count that, ``stages`` deep, lets two programs
   share an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
   allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency uncovered (KIVI-2, 4
   tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages). The step need not divide the
   tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
-  be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1)."""
+  be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1).
+  ``segment``: a segment joins the store (``shared_memory_bytes``)."""
   tiles = store.k_codes.shape[3]
   budget = SHARED_PER_SM // 2 - 1024
   steps = [step for step in (4, 2, 1) if step <= tiles]
-  return next((step for step in steps if shared_memory_bytes(store, step, stages) <= budget), steps[-1])
+  return next((step for step in steps if shared_memory_bytes(store, step, stages, segment) <= budget), steps[-1])
+
+
+def reads_segment(k, v) -> bool:
+  """Whether the kernel reads a segment of keys and values k, v ([L, B, Hkv, W, D] or [B, Hkv, W, D]) in place:
+  one 16-bit type, and L * B * Hkv * W (the rows of D it reads them as) a multiple of 8, the rows a swizzled
+  operand's tiling takes at once."""
+  return (k.dtype in (jnp.float16, jnp.bfloat16) and v.dtype == k.dtype and v.shape == k.shape
+          and math.prod(k.shape[:-1]) % 8 == 0)
+
+
+def _segment_inputs(q_rows, segment, rows):
+  """(q [B, Hkv, rows, D], k, v [L, B, Hkv, W, D], allowed [B, 1 or Hkv, 8 + 64 n, rows] int32) of a segment
+  (k, v [L, B, Hkv, W, D] or [B, Hkv, W, D], mask [B, T, W] or [B, Hkv, T, W]) for q_rows [B, Hkv, T, g, D]: the
+  segment's mask per query row (row t g + j is query t) after 8 masked rows, padded rows and tokens masked, over
+  the n tiles the kernel reads."""
+  k, v, mask = segment
+  if k.ndim == 4:
+    k, v = k[None], v[None]
+  batch, kv_heads, t_rows, q_per_kv, head_dim = q_rows.shape
+  if k.shape[1:3] != (batch, kv_heads) or k.shape[-1] != head_dim or not reads_segment(k, v):
+    raise ValueError(f"segment keys {k.shape} {k.dtype} and values {v.shape} {v.dtype} do not fit q "
+                     f"{q_rows.shape}: they take one 16-bit type, and L * B * Hkv * W a multiple of 8")
+  width = k.shape[3]
+  mask = mask[:, None] if mask.ndim == 3 else mask
+  if mask.shape[0] != batch or mask.shape[1] not in (1, kv_heads) or mask.shape[2:] != (t_rows, width):
+    raise ValueError(f"segment mask {mask.shape} does not fit q {q_rows.shape} and {width} segment tokens")
+  allowed = jnp.swapaxes(jnp.repeat(mask, q_per_kv, axis=2), 2, 3).astype(jnp.int32)  # [B, Hm, W, T g]
+  tiles = -(-(width + (width % 8 and 7)) // TILE)  # a tile starts up to 7 rows early where W is not a multiple of 8
+  allowed = jnp.pad(allowed, ((0, 0), (0, 0), (8, TILE * tiles - width), (0, rows - t_rows * q_per_kv)))
+  q = jnp.zeros((batch, kv_heads, rows, head_dim), k.dtype).at[:, :, :t_rows * q_per_kv].set(
+      q_rows.reshape(batch, kv_heads, -1, head_dim).astype(k.dtype))
+  return q, k, v, allowed
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps"])
-def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, splits: Optional[int] = None,
-                        step_tiles: Optional[int] = None, max_concurrent_steps: int = STAGES):
-  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store, unnormalized: the
-  partial that merges exactly with other passes' (``jkv.attention.merge_partials``).
+def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
+                        splits: Optional[int] = None, step_tiles: Optional[int] = None,
+                        max_concurrent_steps: int = STAGES):
+  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
+  full-precision segment), unnormalized: the partial that merges exactly with other passes'
+  (``jkv.attention.merge_partials``).
 
   Args:
-    q: [B, Hkv, T, g, D] with T * g <= 16, in the store's scale dtype (fp16 or bf16).
+    q: [B, Hkv, T, g, D] with T * g <= 16, fp16 or bf16: the store's products take it in the store's scale
+      dtype, the segment's in the segment's (bf16 to fp16 is exact for magnitudes in [6.1e-5, 65504]).
     layer: int32 scalar (clamped to [0, L)).
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
+    segment: None, or full-precision keys and values with a mask, attended in the same softmax (KIVI's window):
+      (k, v, mask) with k, v [L, B, Hkv, W, D] stacked (read at ``layer``) or [B, Hkv, W, D], one 16-bit type,
+      and mask [B, T, W] or [B, Hkv, T, W] bool, True where query row t may attend token w. The last split's
+      program reads it after its share of the store, in tiles of 64 tokens. Values at tokens no row attends
+      must be finite (the value product multiplies them by p = 0).
     splits: programs per (sequence, KV head) along the tokens, each ``split_tiles`` tiles of 64 tokens (whole
       steps and key groups; the last split may hold fewer, and fewer splits may cover the capacity), at most one
       per step (per key group where a group is longer). None: ``default_splits``.
@@ -472,8 +597,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
   n_rows = t_rows * q_per_kv
   if n_rows > ROWS:
     raise ValueError(f"mgpu_decode_attention takes T * g <= {ROWS} query rows per KV head, got {n_rows}")
-  if q.dtype != jnp.dtype(store.dtype):
-    raise ValueError(f"q is {q.dtype} but the store's scales are {store.dtype}: the products take one 16-bit type")
+  if q.dtype not in (jnp.float16, jnp.bfloat16):
+    raise ValueError(f"q is {q.dtype}: the products take 16-bit operands (fp16 or bf16)")
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   tiles = store.k_codes.shape[3]
@@ -481,10 +606,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must be at least 1")
   if step_tiles is not None and step_tiles < 1:
     raise ValueError(f"step_tiles={step_tiles} must be at least 1")
-  step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps)
+  if segment is not None and segment[0].shape[-2] == 0:
+    segment = None
+  step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps, segment is not None)
   most = -(-tiles // _split_unit(store, step_tiles))
   if splits is None:
-    splits = default_splits(store, step_tiles, max_concurrent_steps)
+    splits = default_splits(store, step_tiles, max_concurrent_steps, segment=segment is not None)
   elif not 1 <= splits <= most:
     raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {step_tiles} tiles of "
                      f"{TILE} tokens and whole key groups of {store.k_group}")
@@ -494,10 +621,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
   length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
-  q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), q.dtype).at[:, :, :n_rows].set(
-      q.reshape(batch, kv_heads, n_rows, head_dim))
-  o, l, m = _partials(layer, length, q_rows, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                      max_concurrent_steps=max_concurrent_steps)
+  q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), store.dtype).at[:, :, :n_rows].set(
+      q.reshape(batch, kv_heads, n_rows, head_dim).astype(store.dtype))
+  if segment is not None:
+    segment = _segment_inputs(q, segment, rows)
+  o, l, m = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
+                      step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps)
   if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
     m_all = jnp.max(m, axis=2)
     alpha = jnp.exp2(m - m_all[:, :, None])
@@ -510,18 +639,18 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, sm_scale: Optional[float] 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
                                              "max_concurrent_steps"])
-def mgpu_decode_attention(q, layer, store: MmaStore, *, sm_scale: Optional[float] = None, return_lse: bool = False,
-                          splits: Optional[int] = None, step_tiles: Optional[int] = None,
+def mgpu_decode_attention(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
+                          return_lse: bool = False, splits: Optional[int] = None, step_tiles: Optional[int] = None,
                           max_concurrent_steps: int = STAGES):
-  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store: the partial of
-  ``mgpu_decode_partial`` (same arguments) normalized.
+  """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
+  full-precision segment): the partial of ``mgpu_decode_partial`` (same arguments) normalized.
 
   Returns:
     o [B, Hkv, T, g, D] in q.dtype (0 for a row with no valid key) and, with ``return_lse``, lse [B, Hkv, T, g]
     float32 (MASK_VALUE for a row with no valid key), as ``decode_attention`` returns them.
   """
-  o, m, l = mgpu_decode_partial(q, layer, store, sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                                max_concurrent_steps=max_concurrent_steps)
+  o, m, l = mgpu_decode_partial(q, layer, store, segment=segment, sm_scale=sm_scale, splits=splits,
+                                step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps)
   empty = l == 0
   o = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
   if not return_lse:

@@ -357,14 +357,17 @@ def _hopper() -> bool:
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Mosaic GPU")
 def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments():
-  """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore, the Triton kernel over the segment,
-  merged by log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding)."""
+  """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore and the first segment (2 * 2 * 24
+  rows of D: it reads them in place), the Triton kernel over the second (2 * 2 * 5 rows: it does not), merged by
+  log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding)."""
   from jkv_kernels.dequant_attention import decode_attention_reference
   from jkv_kernels.mma_layout import pack_mma_store
-  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(22), jnp.bfloat16)
-  o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl="pallas",
-                            return_lse=True)
-  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment,), return_lse=True)
+  rng = np.random.default_rng(22)
+  q, store, segment = _store_and_segments_for_mma(rng, jnp.bfloat16)
+  short = (segment[0][:, :, :5] * 2, segment[1][:, :, 3:8], jnp.asarray(rng.random((2, 2, 1, 5)) < 0.5))
+  o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment, short),
+                            impl="pallas", return_lse=True)
+  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment, short), return_lse=True)
   o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
   assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)

@@ -194,14 +194,30 @@ def test_any_tile_count_lowers(capacity, k_group):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head", [
+    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False), (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True)])
+def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtype, width, t_rows, q_per_kv, per_head):
+  """A full-precision segment (KIVI's window: 129 tokens, in the model's dtype, not the store's) is read by the
+  same kernel, not by a second one."""
+  store = _abstract_store(k_bits, k_bits, 32, 32, 128, store_dtype)
+  s = jax.ShapeDtypeStruct
+  segment = (s((2, 2, 2, width, 128), segment_dtype), s((2, 2, 2, width, 128), segment_dtype),
+             s((2, 2, t_rows, width) if per_head else (2, t_rows, width), jnp.bool_))
+  fn = jax.jit(lambda q, layer, store, segment: mgpu_decode_attention(q, layer, store, segment=segment))
+  text = fn.trace(s((2, 2, t_rows, q_per_kv, 128), segment_dtype), s((), jnp.int32), store, segment).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
 @pytest.mark.parametrize("capacity", [32768, 320])
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages,segment", [(2, False), (4, False), (2, True)])
 def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bits, k_group, v_group, head_dim,
-                                                                   dtype, capacity, stages):
+                                                                   dtype, capacity, stages, segment):
   """The shared memory count is the bytes of the blocks the pipeline moves (sliced from a packed store's arrays),
-  times the depth, plus q, p and the partials; the default step is the largest of 4, 2, 1 that divides the tile
-  count and fits half an SM, by brute force."""
+  times the depth, plus q, p and the partials; a segment's pipeline (two slots of a tile of 16-bit keys and values
+  and an int32 mask of 16 rows) runs after the store's, in the same memory, and adds its q and p. The default step
+  is the largest of 4, 2, 1 that divides the tile count and fits half an SM, by brute force."""
   store = make_store(12, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype, layers=1,
                      batch=1, kv_heads=1, capacity=1024, head_dim=head_dim)
   packed = pack_mma_store(store)
@@ -215,12 +231,15 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
     block = lambda name, rows: rows * getattr(packed, name).shape[-1] * 4
     slot = (block("k_codes", step) + block("v_codes", step) + block("v_meta", step)
             + block("k_meta", max(1, 64 * step // k_group)))
-    return stages * slot + 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
+    fixed = 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
+    if segment:
+      return max(stages * slot, 2 * (2 * 64 * head_dim * 2 + 64 * 16 * 4)) + fixed + 16 * head_dim * 2 + 64 * 16 * 2
+    return stages * slot + fixed
 
   fits = [step for step in (4, 2, 1) if step <= tiles and program_bytes(step) <= 228 * 1024 // 2 - 1024]
-  chosen = default_step_tiles(packed, stages)
+  chosen = default_step_tiles(packed, stages, segment)
   assert chosen == (fits[0] if fits else 1)
-  assert shared_memory_bytes(packed, chosen, stages) == program_bytes(chosen)
+  assert shared_memory_bytes(packed, chosen, stages, segment) == program_bytes(chosen)
 
 
 @pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
@@ -248,8 +267,16 @@ def test_bad_arguments_raise():
   q = jnp.zeros((2, 2, 1, 4, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="query rows"):
     mgpu_decode_attention(jnp.zeros((2, 2, 5, 4, 128), jnp.bfloat16), 0, store)
+  with pytest.raises(ValueError, match="16-bit operands"):
+    mgpu_decode_attention(q.astype(jnp.float32), 0, store)
+  window = jnp.ones((2, 2, 129, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="a multiple of 8"):  # 2 * 2 * 129 rows
+    mgpu_decode_attention(q, 0, store, segment=(window, window, jnp.ones((2, 1, 129), bool)))
   with pytest.raises(ValueError, match="one 16-bit type"):
-    mgpu_decode_attention(q.astype(jnp.float16), 0, store)
+    mgpu_decode_attention(q, 0, store, segment=(window[:, :, :128].astype(jnp.float32),) * 2 + (
+        jnp.ones((2, 1, 128), bool),))
+  with pytest.raises(ValueError, match="segment mask"):
+    mgpu_decode_attention(q, 0, store, segment=(window[:, :, :128], window[:, :, :128], jnp.ones((2, 1, 129), bool)))
   for splits, step_tiles, most in ((0, 1, 8), (9, 1, 8), (3, 4, 2)):  # 512 tokens: 8 tiles
     with pytest.raises(ValueError, match=f"splits={splits} must be from 1 to {most}"):
       mgpu_decode_attention(q, 0, store, splits=splits, step_tiles=step_tiles)
@@ -318,6 +345,40 @@ class TestMgpuDecodeAttentionGpu:
                    np.float64)
     o_ref = np.asarray(decode_attention_reference(q, 1, (store,), ()), np.float64)
     assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 2e-3
+
+  @pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,splits,stacked", [
+      (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, None, True),  # KIVI's window: 129 tokens, the model's dtype
+      (4, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, True, 3, True),
+      (2, jnp.float16, jnp.float16, 64, 3, 5, False, 2, False),      # 15 rows (N = 16), whole rows of 8: no shift
+      (1, jnp.bfloat16, jnp.float16, 200, 2, 4, True, None, False)])
+  def test_a_segment_joins_the_store_in_one_softmax(self, k_bits, store_dtype, segment_dtype, width, t_rows,
+                                                    q_per_kv, per_head, splits, stacked):
+    """A segment's tokens join the last split's softmax: held to the reference over the store and the segment
+    (stacked over layers, or one step's), with a store of length 0 (the segment alone), a row with no valid token
+    anywhere (o = 0, lse = MASK_VALUE), and huge keys at the tokens no row may see (a leaked mask would swamp
+    the softmax)."""
+    store = make_store(20, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=store_dtype, batch=4,
+                       capacity=1024, lengths=[1024, 947, 100, 0])
+    kk, kv, km, kq = jax.random.split(jax.random.key(21), 4)
+    k = jax.random.normal(kk, (2, 4, 2, width, 128), jnp.float32)
+    v = jax.random.normal(kv, (2, 4, 2, width, 128), jnp.float32)
+    mask = jax.random.bernoulli(km, 0.7, (4, 2, t_rows, width) if per_head else (4, t_rows, width))
+    mask = mask.at[3, ..., 0, :].set(False)  # the empty store's first query row sees nothing
+    seen = jnp.any(mask if per_head else mask[:, None], axis=2)  # [B, Hm, W]
+    k = jnp.where(seen[None, ..., None], k, 300.0).astype(segment_dtype)
+    v = v.astype(segment_dtype)
+    q = jax.random.normal(kq, (4, 2, t_rows, q_per_kv, 128), segment_dtype)
+    if not stacked:
+      k, v = k[1], v[1]
+    for layer in (0, 1):
+      o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=(k, v, mask), splits=splits,
+                                     return_lse=True)
+      o_ref, lse_ref = decode_attention_reference(q, layer, (store,), ((k, v, mask),), return_lse=True)
+      assert np.all(np.asarray(o)[3, :, 0] == 0) and np.all(np.asarray(lse)[3, :, 0] == MASK_VALUE)
+      o, o_ref, lse, lse_ref = (np.asarray(x, np.float64) for x in (o, o_ref, lse, lse_ref))
+      tolerance = 1e-2 if jnp.bfloat16 in (store_dtype, segment_dtype) else 2e-3
+      assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= tolerance
+      np.testing.assert_allclose(lse, lse_ref, atol=0.05)
 
   def test_splits_past_the_length_and_an_empty_sequence(self):
     """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and
