@@ -568,8 +568,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   (``jkv.attention.merge_partials``).
 
   Args:
-    q: [B, Hkv, T, g, D] with T * g <= 16, fp16 or bf16: the store's products take it in the store's scale
-      dtype, the segment's in the segment's (bf16 to fp16 is exact for magnitudes in [6.1e-5, 65504]).
+    q: [B, Hkv, T, g, D] with T * g <= 16, floating point: the store's products take it rounded to the store's
+      scale dtype, the segment's to the segment's (bf16 to fp16 is exact for magnitudes in [6.1e-5, 65504]).
     layer: int32 scalar (clamped to [0, L)).
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
     segment: None, or full-precision keys and values with a mask, attended in the same softmax (KIVI's window):
@@ -597,8 +597,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   n_rows = t_rows * q_per_kv
   if n_rows > ROWS:
     raise ValueError(f"mgpu_decode_attention takes T * g <= {ROWS} query rows per KV head, got {n_rows}")
-  if q.dtype not in (jnp.float16, jnp.bfloat16):
-    raise ValueError(f"q is {q.dtype}: the products take 16-bit operands (fp16 or bf16)")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point (the store's type)")
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   tiles = store.k_codes.shape[3]
