@@ -26,14 +26,15 @@ def merge_file(path: pathlib.Path, new: list, key) -> list:
 
 
 def save(out: pathlib.Path, new: list, key) -> list:
-  """Merge ``new`` into ``out`` (``merge_file``) and write it; on the device machine ($OUT set) also into a copy
-  under $OUT, where the device tool brings files back. Returns the merged records of ``out``."""
-  if os.environ.get("OUT"):
-    copy = pathlib.Path(os.environ["OUT"], out.name)
-    copy.write_text(json.dumps(merge_file(copy, new, key), indent=1))
+  """Merge ``new`` into ``out`` (``merge_file``) and write it; on the device machine ($OUT set) also write the same
+  records to a copy under $OUT, where the device tool brings files back: the whole file, the records the tree
+  carried there included, so the copy can replace the committed file (a copy of only the new records once did,
+  and dropped the earlier runs). Returns the merged records of ``out``."""
   records = merge_file(out, new, key)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(records, indent=1))
+  if os.environ.get("OUT"):
+    pathlib.Path(os.environ["OUT"], out.name).write_text(json.dumps(records, indent=1))
   return records
 
 

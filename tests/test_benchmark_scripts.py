@@ -121,3 +121,20 @@ def test_gpu_suite_records_a_runs_counts_and_failures(tmp_path):
   assert len(record["failed_tests"]) == 1 and record["failed_tests"][0].endswith("test_some.py::test_wrong")
   assert record["commit"] == "abc1234" and record["device"] and record["exit_status"] == 1
   assert "assert 1 == 2" in (out.parent / record["log"]).read_text()
+
+
+def test_a_saved_record_comes_back_from_the_device_with_the_runs_before_it(tmp_path, monkeypatch):
+  """``records.save`` on the device machine ($OUT set): the copy the device tool brings back holds the records the
+  tree carried and the new one (replacing a record of the same key), so it can replace the committed file."""
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  import records
+  out, device_out = tmp_path / "results" / "runs.json", tmp_path / "device_out"
+  out.parent.mkdir()
+  device_out.mkdir()
+  committed = [{"date": "a", "passed": 1}, {"date": "b", "passed": 2}]
+  out.write_text(json.dumps(committed))
+  monkeypatch.setenv("OUT", str(device_out))
+  key = lambda r: r["date"]
+  records.save(out, [{"date": "b", "passed": 3}, {"date": "c", "passed": 4}], key)
+  expected = [{"date": "a", "passed": 1}, {"date": "b", "passed": 3}, {"date": "c", "passed": 4}]
+  assert json.loads((device_out / "runs.json").read_text()) == expected == json.loads(out.read_text())
