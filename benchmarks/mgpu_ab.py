@@ -3,10 +3,11 @@
 Round 5 of issue 26 showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
 them, and in one run a quarter-filled cache took longer than the full one. Here each repeat runs one process per
 build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 (the
-kernel alone, and KIVI's whole attention call with its window) and cuDNN dense (``mgpu_decode.py --impls``; a build
-is its ``jkv_kernels`` and the ``jkv`` beside it) at each shape of ``--shapes`` (B = 8, L = 32768 by default; 256x4608 is
-a largest-batch decode step of Llama-3-8B in generate_decode.py). A build's time is the median over repeats of each
-process's median, and every repeat's value is kept, so drift shows as spread instead of as a change.
+kernel alone, and KIVI's whole attention call with its window) and cuDNN dense (``mgpu_decode.py --impls``; a
+build is its ``jkv_kernels`` and the ``jkv`` beside it) at each shape of ``--shapes`` (B = 8, L = 32768 by
+default; 256x4608 is a largest-batch decode step of Llama-3-8B in generate_decode.py). A build's time is the
+median over repeats of each process's median, and every repeat's value is kept, so drift shows as spread instead
+of as a change.
 
     git archive HEAD pallas_kernels jkv | tar -x -C /tmp/before  # the build before, copied out before the run
     python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3] \

@@ -324,7 +324,8 @@ def rounds_table(directory: pathlib.Path) -> str:
       k2, dense = us(after, "mgpu_kivi2"), us(after, "cudnn_dense")
       lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | "
                    + " | ".join(f"{shown(us(before, i))} | {shown(us(after, i))}" for i in impls)
-                   + f" | {shown(dense)} | {dense / k2:.2f}x | {cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
+                   + f" | {shown(dense)} | {dense / k2:.2f}x | "
+                   + f"{cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
   return "\n".join(lines)
 
 

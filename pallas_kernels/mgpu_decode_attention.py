@@ -71,10 +71,14 @@ LOG2E = 1.4426950408889634
 _MANTISSA = {"float16": 10, "bfloat16": 7}
 
 
+# jax 0.10's plgpu.load takes the index as an argument; 0.11 deprecates it for ``ref.at[...]``.
+_LOAD_TAKES_INDEX = (plgpu is not None
+                     and inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
+
+
 def _load(ref, **kwargs):
-  """``plgpu.load`` of a whole ref: jax 0.10 takes the index as an argument, 0.11 deprecates it."""
-  takes_index = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
-  return plgpu.load(ref, (), **kwargs) if takes_index else plgpu.load(ref, **kwargs)
+  """``plgpu.load`` of a whole ref, on either jax."""
+  return plgpu.load(ref, (), **kwargs) if _LOAD_TAKES_INDEX else plgpu.load(ref, **kwargs)
 
 
 def available() -> bool:
@@ -257,7 +261,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   join the last split's softmax."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
-  segment_layers, segment_width = (None, None) if segment is None else segment[1].shape[0:4:3]
+  if segment is not None:
+    segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
   # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
   # capacity (TMA fills zeros) and a step past the length: their tokens are masked by the length.
   tiles = split_tiles(store, splits, step_tiles)
@@ -510,7 +515,8 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
   fixed = ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
   if not segment:
     return stages * step + fixed
-  return max(stages * step, 2 * (2 * TILE * head_dim * 2 + TILE * ROWS * 4)) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
+  segment_slot = 2 * TILE * head_dim * 2 + TILE * ROWS * 4  # a tile of 16-bit keys and values, its int32 mask
+  return max(stages * step, 2 * segment_slot) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
 
 
 def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
