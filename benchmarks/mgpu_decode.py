@@ -317,14 +317,14 @@ def rounds_table(directory: pathlib.Path) -> str:
   for after in sorted(directory.glob("*_after_*.json"), key=lambda p: int(p.name.split("_")[0])):
     number, change = after.stem.split("_after_")
     before = after.with_name(f"{number}_before_{change}.json")
-    shapes = lambda path: {(r["batch"], r["seq_len"]) for r in json.loads(path.read_text()) if r["impl"] == "mgpu_kivi2"}
+    shapes = lambda path: {(r["batch"], r["seq_len"]) for r in json.loads(path.read_text()) if r["impl"] in impls}
     for batch, seq_len in sorted(shapes(before) & shapes(after)):
       us = lambda path, impl: (cell(path, impl, batch, seq_len) or {}).get("median_us")
       shown = lambda value: "–" if value is None else f"{value:.1f} µs"
       k2, dense = us(after, "mgpu_kivi2"), us(after, "cudnn_dense")
       lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | "
                    + " | ".join(f"{shown(us(before, i))} | {shown(us(after, i))}" for i in impls)
-                   + f" | {shown(dense)} | {dense / k2:.2f}x | "
+                   + f" | {shown(dense)} | {'–' if k2 is None else f'{dense / k2:.2f}x'} | "
                    + f"{cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
   return "\n".join(lines)
 
