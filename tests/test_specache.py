@@ -308,8 +308,9 @@ def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
 def test_repair_checks_the_guess_and_recomputes_misses():
   """``repair=True``: layer 0's real-row key tells whether the previous speculative token was the real one. Where
   it was (the speculative rows are the next real rows), every output is plain SpeCache's; where it was not, the
-  real row's output is the fetch-then-recompute baseline's (the stored rows are the same, so are the states) and
-  the speculative row's stays SpeCache's. The first step's rows were chosen by the real first token: right."""
+  real row attends again with the top k (by brute force) of its own probabilities in the step's pass (the guessed
+  rows exact, the rest low-bit) fetched exact, and the speculative row's output stays SpeCache's. The first
+  step's rows were chosen by the real first token: right."""
   rng = np.random.default_rng(13)
   real, wrong = _data(rng, 2, 256)
   lengths, steps = np.array([61, 140]), 6
@@ -319,12 +320,27 @@ def test_repair_checks_the_guess_and_recomputes_misses():
   np.testing.assert_allclose(out, run(FEW, real)[0], rtol=1e-6, atol=1e-6)
   assert all(np.asarray(s.guess_right[0]).all() for s in states[1:])
   out, states = run(repair, wrong)
-  plain, base = run(FEW, wrong)[0], run(SpeCache(fetch_rows=8, residual=32, speculate=False), wrong)[0]
+  plain = run(FEW, wrong)[0]
   assert np.asarray(states[1].guess_right[0]).all()
   assert not any(np.asarray(s.guess_right[0]).any() for s in states[2:])
   np.testing.assert_allclose(out[0], plain[0], rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(out[1:, :, :, :1], base[1:], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(out[:, :, :, 1:], plain[:, :, :, 1:], rtol=1e-6, atol=1e-6)
+  q, k, v = real
+  mixed = _MixedCache(k, v, repair.residual)
+  for t in range(1, steps):
+    pos = lengths + t
+    bound = np.asarray(repair.low_bit.key_boundary(jnp.asarray(pos + 1)))
+    for b in range(2):
+      held = np.arange(256) <= pos[b]
+      guess_k, _ = mixed(b, pos[b], np.asarray(states[t].fetched_idx[0][b]), np.asarray(states[t].fetched_ok[0][b]))
+      logits = np.einsum("hgd,hsd->hgs", q[b, :, pos[b]], guess_k) / np.sqrt(D)
+      p = np.exp(logits - logits.max(-1, keepdims=True)) * held
+      scores = np.where(np.arange(256) < bound[b], (p / p.sum(-1, keepdims=True)).sum(1), -1.0)  # [H, 256]
+      top = np.argsort(-scores, axis=-1, kind="stable")[:, :8]
+      kb, vb = mixed(b, pos[b], top, scores[np.arange(H)[:, None], top] >= 0)
+      ref = gqa_attention_reference(jnp.asarray(q[b:b + 1, :, pos[b]][:, :, None]), jnp.asarray(kb[None]),
+                                    jnp.asarray(vb[None]), jnp.asarray(held[None, None]))
+      np.testing.assert_allclose(out[t, b, :, :1], np.asarray(ref)[0], rtol=2e-5, atol=2e-5)
   assert not np.allclose(out[1:, :, :, :1], plain[1:, :, :, :1], rtol=1e-3, atol=1e-3)  # the repair did something
   assert SpeCache(repair=True, speculate=False).repairs is False  # no guess, nothing to repair
 
