@@ -213,7 +213,9 @@ def allocate(info: ArrayInfo, sharding: Optional[jax.sharding.Sharding] = None):
   function's out_shardings) is made whole on the device first, a transient the size of the host copy (8 GiB of
   device memory for an 8 GiB ``pinned_host`` array on an H100; SpeCache's 32 GiB host copy at B = 8, 32k did not
   fit beside the weights). Inside a jitted function (a prefill sub-batch's empty state) the zeros are traced and
-  ``device_put`` gives them their memory kind.
+  ``device_put`` gives them their memory kind; there a GPU's XLA makes zeros moved to host an allocation it does
+  not fill (AllocateBuffer, measured on an H100), so such an array's elements are undefined until written, and a
+  method reads none it has not written.
   """
   if sharding is None and info.memory_kind != "device":
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=info.memory_kind)

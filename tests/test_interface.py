@@ -202,6 +202,10 @@ def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options, record_p
   record_property("logits_max_abs_difference", float(np.abs(np.asarray(logits_sub) - np.asarray(logits_one)).max()))
   record_property("logits_allowed_difference", float(bound * np.abs(np.asarray(logits_one)).max()))
   for a, b in zip([logits_one] + jax.tree.leaves(cache_one), [logits_sub] + jax.tree.leaves(cache_sub)):
+    if bound and a.sharding.memory_kind == "pinned_host":
+      # A sub-batch's host array is made inside jit, where XLA allocates zeros moved to host without filling them:
+      # only the rows prefill wrote ([0, T) on the token axis) are defined (test_specache holds the rest unread).
+      a, b = a[..., :tokens.shape[1], :], b[..., :tokens.shape[1], :]
     a, b = np.asarray(a), np.asarray(b)
     if jnp.issubdtype(a.dtype, jnp.floating) and bound:
       eps = float(jnp.finfo(a.dtype).eps)

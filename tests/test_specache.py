@@ -100,16 +100,17 @@ def _driver(method, impl="xla", layer=1) -> Driver:
   return _DRIVERS[method, impl, layer]
 
 
-def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla", layer=1):
-  """Prefill ``lengths`` [B] tokens of ``real``, pre-decode, then ``steps`` steps; returns each step's output
-  [steps, B, H, T, g, D] (T = 2 rows for a speculative method, the real one first) and the states after
-  pre-decode and after each step."""
+def _run(method, real, spec_rows, lengths, steps, capacity=256, impl="xla", layer=1, after_prefill=None):
+  """Prefill ``lengths`` [B] tokens of ``real`` (then ``after_prefill(state)``, if given), pre-decode, then
+  ``steps`` steps; returns each step's output [steps, B, H, T, g, D] (T = 2 rows for a speculative method, the
+  real one first) and the states after pre-decode and after each step."""
   q, k, v = real
   sq, sk, sv = spec_rows
   lengths = np.asarray(lengths)
   B = len(lengths)
   driver = _driver(method, impl, layer)
   state = driver.start(_spec(B, capacity), k[:, :, :lengths.max()], v[:, :, :lengths.max()], lengths)
+  state = after_prefill(state) if after_prefill else state
   if method.speculative_rows:
     _, state = driver.pre_decode(state, _at(q, lengths), _at(k, lengths), _at(v, lengths), lengths)
   outs, states = [], [state]
@@ -205,6 +206,28 @@ def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
     assert not np.any(np.asarray(state.host_kv[0]))  # the other layer was never written
   at_use, _ = _run(SpeCache(fetch_rows=8, residual=32, prefetch=False), real, spec_rows, lengths, 12)
   np.testing.assert_array_equal(outs, at_use)
+
+
+def test_host_rows_never_stored_are_never_read():
+  """On a GPU a prefill sub-batch's host copy is made inside jit, where XLA turns zeros moved to host memory into an
+  allocation it does not fill: rows at positions not stored yet hold whatever that memory held. A step must not
+  depend on them: with NaN there, every output equals the run over a zeroed copy bit for bit. (With more rows to
+  fetch than quantized positions, the rows not fetched point past the length; they are zeroed before the value
+  product multiplies them by p = 0.)"""
+  rng = np.random.default_rng(31)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths, method = np.array([40, 100]), SpeCache(fetch_rows=64, residual=32)
+
+  def poison(state):
+    stored = np.arange(256)[None, None, None, :, None] < lengths[None, :, None, None, None]
+    host = np.where(stored, np.asarray(state.host_kv), np.nan).astype(state.host_kv.dtype)
+    return state.replace(host_kv=jax.device_put(host, state.host_kv.sharding))
+  outs, states = _run(method, real, spec_rows, lengths, 4)
+  poisoned, _ = _run(method, real, spec_rows, lengths, 4, after_prefill=poison)
+  kernel, _ = _run(method, real, spec_rows, lengths, 2, impl="interpret", after_prefill=poison)
+  assert not np.asarray(states[1].fetched_ok[1]).all()  # some rows are not fetched: they point past the length
+  np.testing.assert_array_equal(poisoned, outs)
+  np.testing.assert_allclose(kernel, outs[:2], rtol=1e-5, atol=1e-5)  # the fused kernel's path (interpret mode)
 
 
 def _fake_quant(x, axis):
@@ -308,9 +331,8 @@ def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
 def test_repair_checks_the_guess_and_recomputes_misses():
   """``repair=True``: layer 0's real-row key tells whether the previous speculative token was the real one. Where
   it was (the speculative rows are the next real rows), every output is plain SpeCache's; where it was not, the
-  real row attends again with the top k (by brute force) of its own probabilities in the step's pass (the guessed
-  rows exact, the rest low-bit) fetched exact, and the speculative row's output stays SpeCache's. The first
-  step's rows were chosen by the real first token: right."""
+  real row's output is the fetch-then-recompute baseline's (the stored rows are the same, so are the states) and
+  the speculative row's stays SpeCache's. The first step's rows were chosen by the real first token: right."""
   rng = np.random.default_rng(13)
   real, wrong = _data(rng, 2, 256)
   lengths, steps = np.array([61, 140]), 6
@@ -320,27 +342,12 @@ def test_repair_checks_the_guess_and_recomputes_misses():
   np.testing.assert_allclose(out, run(FEW, real)[0], rtol=1e-6, atol=1e-6)
   assert all(np.asarray(s.guess_right[0]).all() for s in states[1:])
   out, states = run(repair, wrong)
-  plain = run(FEW, wrong)[0]
+  plain, base = run(FEW, wrong)[0], run(SpeCache(fetch_rows=8, residual=32, speculate=False), wrong)[0]
   assert np.asarray(states[1].guess_right[0]).all()
   assert not any(np.asarray(s.guess_right[0]).any() for s in states[2:])
   np.testing.assert_allclose(out[0], plain[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out[1:, :, :, :1], base[1:], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(out[:, :, :, 1:], plain[:, :, :, 1:], rtol=1e-6, atol=1e-6)
-  q, k, v = real
-  mixed = _MixedCache(k, v, repair.residual)
-  for t in range(1, steps):
-    pos = lengths + t
-    bound = np.asarray(repair.low_bit.key_boundary(jnp.asarray(pos + 1)))
-    for b in range(2):
-      held = np.arange(256) <= pos[b]
-      guess_k, _ = mixed(b, pos[b], np.asarray(states[t].fetched_idx[0][b]), np.asarray(states[t].fetched_ok[0][b]))
-      logits = np.einsum("hgd,hsd->hgs", q[b, :, pos[b]], guess_k) / np.sqrt(D)
-      p = np.exp(logits - logits.max(-1, keepdims=True)) * held
-      scores = np.where(np.arange(256) < bound[b], (p / p.sum(-1, keepdims=True)).sum(1), -1.0)  # [H, 256]
-      top = np.argsort(-scores, axis=-1, kind="stable")[:, :8]
-      kb, vb = mixed(b, pos[b], top, scores[np.arange(H)[:, None], top] >= 0)
-      ref = gqa_attention_reference(jnp.asarray(q[b:b + 1, :, pos[b]][:, :, None]), jnp.asarray(kb[None]),
-                                    jnp.asarray(vb[None]), jnp.asarray(held[None, None]))
-      np.testing.assert_allclose(out[t, b, :, :1], np.asarray(ref)[0], rtol=2e-5, atol=2e-5)
   assert not np.allclose(out[1:, :, :, :1], plain[1:, :, :, :1], rtol=1e-3, atol=1e-3)  # the repair did something
   assert SpeCache(repair=True, speculate=False).repairs is False  # no guess, nothing to repair
 

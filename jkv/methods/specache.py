@@ -47,17 +47,16 @@ cache, its own probabilities pick the top k, those rows come from host memory an
 what the guess costs in quality.
 
 ``repair=True`` checks each step's guess and repairs a miss (not in the paper, which never checks: spec §2.5). The
-guess was right exactly when the real token is the previous step's speculative token, and then the two rows' layer-0
-keys (same token, same position) agree; a different token's key differs in every channel. Where the guess was wrong,
-the real row's own top k, by its probabilities in the step's pass (the guessed rows read in 16 bits, the rest
-low-bit), are fetched and it attends again: one more pass, where fetch-then-recompute takes two (a pass over the
-low-bit cache alone to pick them, then the one with them); the speculative row and the rows it picks for the next
-step are unchanged. A step pays the extra pass only when some sequence missed (``lax.cond``). Why (issue 27,
-benchmarks/results/specache_quality_512.json, default model, 16 windows of 512 + 64 tokens of pydoc_data.topics):
-scored on a text, the speculative token was the text's next token at 10.8% of the steps (each guess continues the
-previous guess, never the real token), and SpeCache-1 reached perplexity 13.649 against dense's 11.851; with the
-text's own next token as the guess it reached 12.712, the non-speculative baseline's 12.670. In greedy generation
-from the same contexts the guess was right at 50% of the steps.
+guess was right exactly when the real token is the previous step's speculative token, and then the two rows'
+layer-0 keys (same token, same position) agree; a different token's key differs in every channel. Where the
+guess was wrong, the real row gets the fetch-then-recompute pass (its own top k, fetched and attended again); the
+speculative row and the rows it picks for the next step are unchanged. A step pays the second pass only when some
+sequence missed (``lax.cond``). Why (issue 27, benchmarks/results/specache_quality_512.json, default model, 16
+windows of 512 + 64 tokens of pydoc_data.topics): scored on a text, the speculative token was the text's next token
+at 10.8% of the steps (each guess continues the previous guess, never the real token), and SpeCache-1 reached
+perplexity 13.649 against dense's 11.851; with the text's own next token as the guess it reached 12.712, the
+non-speculative baseline's 12.670. In greedy generation from the same contexts the guess was right at 50% of the
+steps.
 
 The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
 top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
@@ -213,7 +212,8 @@ def _named(check):
 @struct.dataclass
 class SpeCacheState:
   low: KiviState  # the low-bit copy on the device (KIVI layout; its residual window in full precision)
-  host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value
+  host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value (rows not
+                      # stored yet are undefined after a sub-batched prefill on a GPU: ``cache.allocate``)
   staged_kv: jax.Array  # [L, B, H, 1, 2D] model dtype: this step's real row, written to host_kv at its end
   fetched_idx: jax.Array  # [L, B, H, k] int32: positions the next step attends from their 16-bit rows
   fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
@@ -375,14 +375,13 @@ class SpeCache(CacheMethod):
       fetched = (idx, ok, rows)
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
-    # The real row's probabilities come from this pass too where the guess is scored (counts_hits) or repaired.
-    mass_rows = ((0, 1) if self.counts_hits or self.repairs else (1,)) if k_rows else ()
+    mass_rows = ((0, 1) if self.counts_hits else (1,)) if k_rows else ()
     out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
     state = state.replace(low=low, staged_kv=staged)
     if self.repairs and k_rows:
       state, right = self._verify(state, layer, k)
-      repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._refetch(
-          low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, scores[:, :, 0], k_rows, ctx.impl)[0])
+      repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
+          low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, k_rows, ctx.impl)[0])
       out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
     if k_rows:
       if self.counts_hits:
@@ -395,17 +394,13 @@ class SpeCache(CacheMethod):
     positions [B, 1] (its K/V already in the window) attends the low-bit cache, its own probabilities pick the
     top k among this step's quantized keys, those rows come from host memory, and it attends again with them.
     Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
-    if not k_rows:
-      return self._attend(low, layer, q, positions, n + 1, None, None, (), impl)[0], None
-    _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
-    return self._refetch(low, host_kv, layer, q, positions, n, scores[:, :, 0], k_rows, impl)
-
-  def _refetch(self, low, host_kv, layer, q, positions, n, scores, k_rows, impl):
-    """The real row q [B, H, 1, g, D] attends again with the top k of its probabilities ``scores`` [B, H, C]
-    among this step's quantized keys fetched from host memory. Returns the output and (idx, ok, rows)."""
-    idx, ok = self._select(scores, self.low_bit.key_boundary(n + 1), k_rows)
-    fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
-    return self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)[0], fetched
+    fetched = None
+    if k_rows:
+      _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
+      idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
+    out, _ = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)
+    return out, fetched
 
   @staticmethod
   def _verify(state, layer, k):
