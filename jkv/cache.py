@@ -211,11 +211,12 @@ def allocate(info: ArrayInfo, sharding: Optional[jax.sharding.Sharding] = None):
 
   A host-resident array is made from host zeros: ``jnp.zeros`` placed in host memory (by ``device_put`` or a jitted
   function's out_shardings) is made whole on the device first, a transient the size of the host copy (8 GiB of
-  device memory for an 8 GiB ``pinned_host`` array on an H100; SpeCache's 32 GiB host copy at B = 8, 32k did not
-  fit beside the weights). Inside a jitted function (a prefill sub-batch's empty state) the zeros are traced and
-  ``device_put`` gives them their memory kind; there a GPU's XLA makes zeros moved to host an allocation it does
-  not fill (AllocateBuffer, measured on an H100), so such an array's elements are undefined until written, and a
-  method reads none it has not written.
+  device memory for an 8 GiB ``pinned_host`` array on an H100; SpeCache's 32 GiB host copy at B = 8, 32k did not fit
+  beside the weights). Inside a jitted function (a prefill sub-batch's empty state) the zeros are traced and
+  ``device_put`` gives them their memory kind; there a GPU's XLA makes zeros moved to host an allocation it does not
+  fill (AllocateBuffer: ``benchmarks/host_zeros_in_jit.py`` on an H100), so such an array's elements are undefined
+  until written, and no method's output may depend on one it has not written (tests/test_specache.py holds
+  SpeCache's with NaN there).
   """
   if sharding is None and info.memory_kind != "device":
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=info.memory_kind)
