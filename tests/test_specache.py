@@ -212,7 +212,7 @@ def test_host_rows_never_stored_are_never_read():
   """On a GPU a prefill sub-batch's host copy is made inside jit, where XLA turns zeros moved to host memory into an
   allocation it does not fill: rows at positions not stored yet hold whatever that memory held. A step must not
   depend on them: with NaN there, every output equals the run over a zeroed copy bit for bit. (With more rows to
-  fetch than quantized positions, the rows not fetched point past the length; they are zeroed before the value
+  fetch than quantized positions, the rows not fetched point past the length; they are zeroed before any value
   product multiplies them by p = 0.)"""
   rng = np.random.default_rng(31)
   real, spec_rows = _data(rng, 2, 256)

@@ -448,7 +448,9 @@ class SpeCache(CacheMethod):
       valid = ~jnp.zeros((B, H, C), bool).at[b_i, h_i, idx].set(ok)
       in_fetched = jnp.any((win[:, None, :, None] == idx[:, :, None, :]) & ok[:, :, None, :], axis=-1)  # [B, H, W]
       win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
-      rows = rows.astype(q.dtype)
+      # Rows not fetched point past the length, at host rows that may never have been written (``cache.allocate``):
+      # zeroed, as a kernel that multiplies a masked value by p = 0 needs it finite.
+      rows = jnp.where(ok[..., None], rows, 0).astype(q.dtype)
       segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(ok[:, :, None, :], (B, H, T, ok.shape[-1]))))
     segments = [(low.k_ring, low.v_ring, win_mask)] + segments + ([own] if own is not None else [])
     store = kivi.store(low, kivi.value_boundary(lengths), valid)
