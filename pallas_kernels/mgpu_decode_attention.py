@@ -560,9 +560,14 @@ def _segment_inputs(q_rows, segment, rows):
   allowed = jnp.swapaxes(jnp.repeat(mask, q_per_kv, axis=2), 2, 3).astype(jnp.int32)  # [B, Hm, W, T g]
   tiles = -(-(width + (width % 8 and 7)) // TILE)  # a tile starts up to 7 rows early where W is not a multiple of 8
   allowed = jnp.pad(allowed, ((0, 0), (0, 0), (8, TILE * tiles - width), (0, rows - t_rows * q_per_kv)))
-  q = jnp.zeros((batch, kv_heads, rows, head_dim), k.dtype).at[:, :, :t_rows * q_per_kv].set(
-      q_rows.reshape(batch, kv_heads, -1, head_dim).astype(k.dtype))
-  return q, k, v, allowed
+  return _padded_rows(q_rows, rows, k.dtype), k, v, allowed
+
+
+def _padded_rows(q, rows, dtype):
+  """q [B, Hkv, T, g, D] as [B, Hkv, rows, D] in ``dtype``: row t g + j is query t's head j, zeros after."""
+  batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
+  return jnp.zeros((batch, kv_heads, rows, head_dim), dtype).at[:, :, :t_rows * q_per_kv].set(
+      q.reshape(batch, kv_heads, t_rows * q_per_kv, head_dim).astype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps"])
@@ -627,8 +632,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
   length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
-  q_rows = jnp.zeros((batch, kv_heads, rows, head_dim), store.dtype).at[:, :, :n_rows].set(
-      q.reshape(batch, kv_heads, n_rows, head_dim).astype(store.dtype))
+  q_rows = _padded_rows(q, rows, store.dtype)
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   o, l, m = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
