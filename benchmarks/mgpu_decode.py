@@ -322,10 +322,11 @@ def rounds_table(directory: pathlib.Path) -> str:
       us = lambda path, impl: (cell(path, impl, batch, seq_len) or {}).get("median_us")
       shown = lambda value: "–" if value is None else f"{value:.1f} µs"
       k2, dense = us(after, "mgpu_kivi2"), us(after, "cudnn_dense")
+      device = next(cell(after, i, batch, seq_len)["device"] for i in ("cudnn_dense", *impls)
+                    if cell(after, i, batch, seq_len))
       lines.append(f"| {number} | {change.replace('_', ' ')} | {batch} | {seq_len} | "
                    + " | ".join(f"{shown(us(before, i))} | {shown(us(after, i))}" for i in impls)
-                   + f" | {shown(dense)} | {'–' if k2 is None else f'{dense / k2:.2f}x'} | "
-                   + f"{cell(after, 'cudnn_dense', batch, seq_len)['device']} |")
+                   + f" | {shown(dense)} | {'–' if None in (k2, dense) else f'{dense / k2:.2f}x'} | {device} |")
   return "\n".join(lines)
 
 
