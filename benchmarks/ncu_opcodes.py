@@ -6,6 +6,7 @@ instructions executed and the warp stall samples. With ``--codes N`` (the code e
 B * Hkv * tokens * D for keys, as many for values) it also gives thread instructions per code.
 
     python benchmarks/ncu_opcodes.py sass.csv --codes 534773760 --top 20
+    python benchmarks/ncu_opcodes.py sass.csv --hotspots 12    # also the instructions warps wait at most
 """
 
 import argparse
@@ -32,11 +33,32 @@ def opcode_mix(path):
   return executed, stalls
 
 
+def hotspots(path, top):
+  """The ``top`` SASS instructions by warp stall samples: (address, source, samples, executions, the two largest
+  stall reasons with their samples)."""
+  with open(path, newline="") as f:
+    rows = list(csv.reader(f))
+  header_at = next(i for i, row in enumerate(rows) if "Instructions Executed" in row)
+  header = rows[header_at]
+  col = {name: i for i, name in enumerate(header)}
+  reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
+  number = lambda row, name: int(float(row[col[name]].replace(",", "") or 0))
+  found = []
+  for row in rows[header_at + 1:]:
+    if len(row) < len(header) or not row[col["Source"]].strip():
+      continue
+    why = sorted(((number(row, r), r[len("stall_"):]) for r in reasons), reverse=True)[:2]
+    found.append((row[col["Address"]], row[col["Source"]].strip(), number(row, "Warp Stall Sampling (All Samples)"),
+                  number(row, "Instructions Executed"), why))
+  return sorted(found, key=lambda f: -f[2])[:top]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("csv")
   parser.add_argument("--codes", type=int, help="code elements the kernel reads (for instructions per code)")
   parser.add_argument("--top", type=int, default=20)
+  parser.add_argument("--hotspots", type=int, default=0, help="also list this many instructions by stall samples")
   args = parser.parse_args()
   executed, stalls = opcode_mix(args.csv)
   total, total_stalls = sum(executed.values()), max(sum(stalls.values()), 1)
@@ -47,6 +69,13 @@ def main():
   for opcode, n in executed.most_common(args.top):
     code = f"{32 * n / args.codes:.2f}" if args.codes else "–"
     print(f"| {opcode} | {100 * n / total:.1f}% | {code} | {100 * stalls[opcode] / total_stalls:.1f}% |")
+  if args.hotspots:
+    print(f"\n{sum(stalls.values())} stall samples; the instructions with the most")
+    print("| address | instruction | share of stall samples | executions (warps) | largest reasons |")
+    print("| --- | --- | ---: | ---: | --- |")
+    for address, source, samples, runs, why in hotspots(args.csv, args.hotspots):
+      reasons = ", ".join(f"{r} {n}" for n, r in why if n)
+      print(f"| {address[-5:]} | `{source}` | {100 * samples / total_stalls:.1f}% | {runs} | {reasons} |")
 
 
 if __name__ == "__main__":
