@@ -15,41 +15,39 @@ import csv
 import sys
 
 
-def opcode_mix(path):
-  """{opcode: (warp instructions executed, stall samples)} and the totals, from a SASS source-page CSV."""
+def instructions(path):
+  """(the column index of each header name, the rows of SASS instructions) of a SASS source-page CSV."""
   with open(path, newline="") as f:
     rows = list(csv.reader(f))
   header_at = next(i for i, row in enumerate(rows) if "Instructions Executed" in row)
-  header = rows[header_at]
-  col = {name: i for i, name in enumerate(header)}
+  col = {name: i for i, name in enumerate(rows[header_at])}
+  return col, [row for row in rows[header_at + 1:] if len(row) >= len(col) and row[col["Source"]].strip()]
+
+
+def _count(row, col, name):
+  return int(float(row[col[name]].replace(",", "") or 0))
+
+
+def opcode_mix(path):
+  """{opcode: (warp instructions executed, stall samples)} and the totals, from a SASS source-page CSV."""
+  col, rows = instructions(path)
   executed, stalls = collections.Counter(), collections.Counter()
-  for row in rows[header_at + 1:]:
-    if len(row) < len(header) or not row[col["Source"]].strip():
-      continue
+  for row in rows:
     words = row[col["Source"]].split()
     opcode = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]  # drop a predicate, modifiers
-    executed[opcode] += int(row[col["Instructions Executed"]] or 0)
-    stalls[opcode] += int(row[col["Warp Stall Sampling (All Samples)"]] or 0)
+    executed[opcode] += _count(row, col, "Instructions Executed")
+    stalls[opcode] += _count(row, col, "Warp Stall Sampling (All Samples)")
   return executed, stalls
 
 
 def hotspots(path, top):
   """The ``top`` SASS instructions by warp stall samples: (address, source, samples, executions, the two largest
   stall reasons with their samples)."""
-  with open(path, newline="") as f:
-    rows = list(csv.reader(f))
-  header_at = next(i for i, row in enumerate(rows) if "Instructions Executed" in row)
-  header = rows[header_at]
-  col = {name: i for i, name in enumerate(header)}
-  reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
-  number = lambda row, name: int(float(row[col[name]].replace(",", "") or 0))
-  found = []
-  for row in rows[header_at + 1:]:
-    if len(row) < len(header) or not row[col["Source"]].strip():
-      continue
-    why = sorted(((number(row, r), r[len("stall_"):]) for r in reasons), reverse=True)[:2]
-    found.append((row[col["Address"]], row[col["Source"]].strip(), number(row, "Warp Stall Sampling (All Samples)"),
-                  number(row, "Instructions Executed"), why))
+  col, rows = instructions(path)
+  reasons = [name for name in col if name.startswith("stall_") and "Not Issued" not in name]
+  found = [(row[col["Address"]], row[col["Source"]].strip(), _count(row, col, "Warp Stall Sampling (All Samples)"),
+            _count(row, col, "Instructions Executed"),
+            sorted(((_count(row, col, r), r[len("stall_"):]) for r in reasons), reverse=True)[:2]) for row in rows]
   return sorted(found, key=lambda f: -f[2])[:top]
 
 
