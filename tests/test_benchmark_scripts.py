@@ -58,15 +58,19 @@ def test_generate_decode(tmp_path):
 
 def test_ncu_opcodes_sums_a_sass_source_page(tmp_path, monkeypatch):
   monkeypatch.syspath_prepend(str(BENCHMARKS))
-  from ncu_opcodes import opcode_mix
-  header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
-  rows = [("0x0", "LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT", "5", "100"),
-          ("0x10", "@P0 LOP3.LUT R3, R3, 0x4b000000, RZ, 0xfc, !PT", "1", "60"),
-          ("0x20", "HADD2.F32 R4, -RZ, R5.H0_H0", "2", "40"), ("0x30", "EXIT", "0", "")]
+  from ncu_opcodes import hotspots, opcode_mix
+  header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_wait", "stall_wait (Not Issued)"]
+  rows = [("0x0", "LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT", "5", "100", "1", "4", "9"),
+          ("0x10", "@P0 LOP3.LUT R3, R3, 0x4b000000, RZ, 0xfc, !PT", "1", "60", "1", "0", "0"),
+          ("0x20", "HADD2.F32 R4, -RZ, R5.H0_H0", "2", "1,040", "2", "0", "0"), ("0x30", "EXIT", "0", "", "", "", "")]
   path = tmp_path / "sass.csv"
   path.write_text("\n".join(",".join(f'"{x}"' for x in row) for row in [("Kernel Name", "k"), header, *rows]))
   executed, stalls = opcode_mix(path)
-  assert executed == {"LOP3": 160, "HADD2": 40, "EXIT": 0} and stalls == {"LOP3": 6, "HADD2": 2, "EXIT": 0}
+  assert executed == {"LOP3": 160, "HADD2": 1040, "EXIT": 0} and stalls == {"LOP3": 6, "HADD2": 2, "EXIT": 0}
+  top = hotspots(path, 2)
+  assert [(t[0], t[2], t[3]) for t in top] == [("0x0", 5, 100), ("0x20", 2, 1040)]
+  assert top[0][4] == [(4, "wait"), (1, "long_sb")]  # the "Not Issued" column is not a reason of its own
 
 
 def test_mgpu_ab_alternates_the_builds_and_keeps_every_repeat(tmp_path, monkeypatch):
