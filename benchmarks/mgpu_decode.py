@@ -305,8 +305,12 @@ def rounds_table(directory: pathlib.Path) -> str:
   """One row per round of kernel work and shape: ``<n>_before_<change>.json`` and ``<n>_after_<change>.json``, the
   build before the change and after it on one machine (two runs minutes apart in rounds 1-4, ``mgpu_ab.py`` from
   round 5), at B = 8, L = 32768 and, from round 7, at a largest-batch decode step (B = 256, L = 4608)."""
+  @functools.cache
+  def records(path):
+    return json.loads(path.read_text())
+
   def cell(path, impl, batch, seq_len):
-    found = [r for r in json.loads(path.read_text()) if r["impl"] == impl and r["batch"] == batch
+    found = [r for r in records(path) if r["impl"] == impl and r["batch"] == batch
              and r["seq_len"] == seq_len and at_defaults(r)]
     return found[0] if found else None
 
@@ -317,7 +321,7 @@ def rounds_table(directory: pathlib.Path) -> str:
   for after in sorted(directory.glob("*_after_*.json"), key=lambda p: int(p.name.split("_")[0])):
     number, change = after.stem.split("_after_")
     before = after.with_name(f"{number}_before_{change}.json")
-    shapes = lambda path: {(r["batch"], r["seq_len"]) for r in json.loads(path.read_text()) if r["impl"] in impls}
+    shapes = lambda path: {(r["batch"], r["seq_len"]) for r in records(path) if r["impl"] in impls}
     for batch, seq_len in sorted(shapes(before) & shapes(after)):
       us = lambda path, impl: (cell(path, impl, batch, seq_len) or {}).get("median_us")
       shown = lambda value: "–" if value is None else f"{value:.1f} µs"
