@@ -254,11 +254,12 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps):
+def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
+              operand_blocks):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in the store's dtype (N = 8 or 16 rows,
   the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
-  join the last split's softmax."""
+  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
   if segment is not None:
@@ -272,6 +273,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
   blocks = tuple(range(head_dim // 64))  # the tile's channel blocks of 64: one value product each
+  # The channel blocks whose operands are built and issued together: all of a tile's, or one block at a time,
+  # each product waited for before the next block's operand is built (at most two blocks' operands live).
+  issued_parts = tuple((m,) for m in blocks) if operand_blocks else (blocks,)
   key_operand = lambda tile, blocks: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType()),
       return_type=plgpu.ShapeDtypeStruct((TILE, 64 * len(blocks)), dtype, layout=plgpu.Layout.WGMMA))(
@@ -338,8 +342,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
 
       def qk(*acc_refs):
         for t, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, key_operand(t, blocks)(kc, km), q_smem.transpose((1, 0)))
-          plgpu.wgmma_wait(1)
+          for part in issued_parts:
+            plgpu.wgmma(acc_ref, key_operand(t, part)(kc, km),
+                        q_smem.at[:, pl.ds(64 * part[0], 64 * len(part))].transpose((1, 0)))
+            plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
@@ -353,9 +359,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
 
       def pv(acc_refs):
         for t in range(step_tiles):
-          for m, a_v in zip(blocks, value_operands(t, blocks)(vc, vm)):
-            plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
-          plgpu.wgmma_wait(len(blocks))
+          for part in issued_parts:
+            for m, a_v in zip(part, value_operands(t, part)(vc, vm)):
+              plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
+            plgpu.wgmma_wait(len(part))
       return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
 
     def attend_segment(index, k_tile, v_tile, allowed, carry):
@@ -424,7 +431,7 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
           in_specs=[plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=q_transforms),  # keys
                     plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=p_transforms),  # values
                     plgpu.BlockSpec((pl.Element(TILE), rows), lambda i: (8 - shift + TILE * i, 0))],   # mask
-          max_concurrent_steps=min(2, segment_tiles),
+          max_concurrent_steps=min(segment_slots(operand_blocks), segment_tiles),
           init_carry=c)(sk_ref, sv_ref, sa_ref.at[b, h if sa_ref.shape[1] > 1 else 0])
       here = split == splits - 1
 
@@ -474,6 +481,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   )(*inputs)
 
 
+def _sm_count() -> int:
+  return getattr(jax.devices()[0], "core_count", None) or 132  # an H100's SMs where a device does not say
+
+
 def _split_unit(store: MmaStore, step_tiles: int) -> int:
   """The tiles a split's size is a multiple of: whole steps and whole key groups."""
   return math.lcm(step_tiles, max(1, store.k_group // TILE))
@@ -496,18 +507,35 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
   8, 98.5 with 16). ``segment``: a segment joins the store (``shared_memory_bytes``)."""
   _, batch, kv_heads, tiles = store.k_codes.shape[:4]
   step_tiles = step_tiles or default_step_tiles(store, stages, segment)
-  if sm_count is None:
-    sm_count = getattr(jax.devices()[0], "core_count", None) or 132  # an H100's SMs where a device does not say
   fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, segment) + 1024)
-  slots = sm_count * max(1, min(PROGRAMS_PER_SM, fit))
+  slots = (sm_count or _sm_count()) * max(1, min(PROGRAMS_PER_SM, fit))
   splits = min(max(1, slots // (batch * kv_heads)), -(-tiles // _split_unit(store, step_tiles)))
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
 
-def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False) -> int:
+def default_operand_blocks(store: MmaStore, splits: int, segment: bool, sm_count: Optional[int] = None) -> bool:
+  """Whether ``mgpu_decode_partial`` builds its operands a block at a time by default: with a segment, where
+  the B * Hkv * splits programs are more than run at once two to an SM. There a third program per SM is worth
+  the extra waits (KIVI-2 with KIVI's window at B = 256, L = 4608 on an H100: 474.6 µs against 509.3); where
+  all programs run at once it is not (B = 8, L = 32768: 140.5 against 127.8), nor without a segment, whose
+  kernel is three to an SM either way (B = 256: 425.3 against 403.5)."""
+  if not segment:
+    return False
+  _, batch, kv_heads = store.k_codes.shape[:3]
+  return batch * kv_heads * splits > PROGRAMS_PER_SM * (sm_count or _sm_count())
+
+
+def segment_slots(operand_blocks: bool) -> int:
+  """The depth of a segment's pipeline: one slot with ``operand_blocks`` (``mgpu_decode_partial``), two otherwise."""
+  return 1 if operand_blocks else 2
+
+
+def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
+                        operand_blocks: bool = False) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words, q, p and the
-  partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's two slots of a tile of
-  keys, values and mask where they are larger than the store's (the two pipelines run one after the other)."""
+  partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's slots
+  (``segment_slots``) of a tile of keys, values and mask where they are larger than the store's (the two
+  pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta))
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
@@ -516,7 +544,8 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
   if not segment:
     return stages * step + fixed
   segment_slot = 2 * TILE * head_dim * 2 + TILE * ROWS * 4  # a tile of 16-bit keys and values, its int32 mask
-  return max(stages * step, 2 * segment_slot) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
+  return (max(stages * step, segment_slots(operand_blocks) * segment_slot) + fixed
+          + (ROWS * head_dim + TILE * ROWS) * 2)
 
 
 def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
@@ -570,10 +599,11 @@ def _padded_rows(q, rows, dtype):
       q.reshape(batch, kv_heads, t_rows * q_per_kv, head_dim).astype(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps"])
+@functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps",
+                                             "operand_blocks"])
 def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                         splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                        max_concurrent_steps: int = STAGES):
+                        max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment), unnormalized: the partial that merges exactly with other passes'
   (``jkv.attention.merge_partials``).
@@ -597,6 +627,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
+    operand_blocks: build and issue each product's register operand 64 channels at a time, each product waited
+      for before the next block's operand is built, and run a segment's pipeline one slot deep: KIVI-2 with a
+      segment then takes 140 registers and 76 KB instead of 177 and 100 KB (ptxas, H100), so three programs
+      share an SM instead of two, but each step waits more often. None: ``default_operand_blocks``.
 
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
@@ -627,6 +661,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {step_tiles} tiles of "
                      f"{TILE} tokens and whole key groups of {store.k_group}")
   splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
+  if operand_blocks is None:
+    operand_blocks = default_operand_blocks(store, splits, segment is not None)
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = store.k_codes.shape[0]
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
@@ -636,7 +672,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   o, l, m = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
-                      step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps)
+                      step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
+                      operand_blocks=operand_blocks)
   if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
     m_all = jnp.max(m, axis=2)
     alpha = jnp.exp2(m - m_all[:, :, None])
@@ -648,10 +685,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps"])
+                                             "max_concurrent_steps", "operand_blocks"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                           return_lse: bool = False, splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = STAGES):
+                          max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment): the partial of ``mgpu_decode_partial`` (same arguments) normalized.
 
@@ -660,7 +697,8 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, segment=None, sm_scale: 
     float32 (MASK_VALUE for a row with no valid key), as ``decode_attention`` returns them.
   """
   o, m, l = mgpu_decode_partial(q, layer, store, segment=segment, sm_scale=sm_scale, splits=splits,
-                                step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps)
+                                step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
+                                operand_blocks=operand_blocks)
   empty = l == 0
   o = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
   if not return_lse:

@@ -35,12 +35,14 @@ def _prefill(method, state, layer, k, v, lengths, impl="xla"):
 
 
 def _step_fn(method, layer, impl="xla"):
-  """A jitted decode step: (state, q [B, H, T, g, D], k, v [B, H, T, D], held [B]) -> (out, state), rows at
-  positions held + [0, T)."""
+  """A jitted decode step as the model runs it, ``step`` then ``end_step``: (state, q [B, H, T, g, D], k, v
+  [B, H, T, D], held [B]) -> (out, state), rows at positions held + [0, T)."""
   @jax.jit
   def step(state, q, k, v, held):
     positions = held[:, None] + jnp.arange(k.shape[2])[None]
-    return method.step(state, layer, q, k, v, StepContext(lengths=held, positions=positions, impl=impl))
+    ctx = StepContext(lengths=held, positions=positions, impl=impl)
+    out, state = method.step(state, layer, q, k, v, ctx)
+    return out, method.end_step(state, ctx)
   return lambda state, q, k, v, held: step(state, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                            jnp.asarray(held, jnp.int32))
 
@@ -68,33 +70,38 @@ def _oracle_jit(q_row, k, v, n, b_k, b_v, k_bits, v_bits):
   return gqa_attention_reference(q_row, k_hat, v_hat, mask)
 
 
-def _oracle(method, q_row, k, v, n):
-  """Attention of one query row q_row [1, H, 1, g, D] at length n, with the spec's boundaries (§2.6):
+def _oracle(method, q_rows, k, v, n):
+  """Attention of the query rows q_rows [1, H, T, g, D] of a step that ends at length n (row t at position
+  n - T + t, seeing the positions up to its own), with the spec's boundaries (§2.6) at n:
   bK = R*floor((n - λ)/R) and bV = max(0, n - λ - R)."""
-  lam, R = method.lam, method.residual
+  lam, R, rows = method.lam, method.residual, q_rows.shape[2]
   b_k = R * ((n - lam) // R)
   b_v = max(0, n - lam - R)
-  return _oracle_jit(jnp.asarray(q_row), jnp.asarray(k), jnp.asarray(v), n, b_k, b_v, method.kb, method.vb)
+  return jnp.concatenate([
+      _oracle_jit(jnp.asarray(q_rows[:, :, t:t + 1]), jnp.asarray(k), jnp.asarray(v), n - rows + 1 + t, b_k, b_v,
+                  method.kb, method.vb) for t in range(rows)], axis=2)
 
 
-@pytest.mark.parametrize("bits, lam_before, prompt_len, mma", [
-    (2, False, 1, False), (2, False, 31, False), (2, False, 64, False), (4, False, 65, False),
-    (2, False, 133, False), (2, True, 64, False), (4, True, 100, False), (2, True, 1, False),
-    (2, False, 31, True), (4, False, 65, True), (2, True, 100, True),
+@pytest.mark.parametrize("bits, lam_before, prompt_len, mma, rows", [
+    (2, False, 1, False, 1), (2, False, 31, False, 1), (2, False, 64, False, 1), (4, False, 65, False, 1),
+    (2, False, 133, False, 1), (2, True, 64, False, 1), (4, True, 100, False, 1), (2, True, 1, False, 1),
+    (2, False, 31, True, 1), (4, False, 65, True, 1), (2, True, 100, True, 1), (2, False, 64, True, 1),
+    (2, False, 62, True, 3),
 ])
-def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len, mma):
-  """Prefill, then steps across several flushes; every step's attention and the key codes equal the oracle.
-  With mma=True the store is the MMA packing (tiles, a value tail): the same oracle holds."""
+def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len, mma, rows):
+  """Prefill, then steps of ``rows`` rows across several flushes; every step's attention and the key codes equal
+  the oracle. With mma=True the store is the MMA packing (tiles, a value tail, a flush and a value tile's packing
+  at the end of the step before): the same oracle holds, also where a flush falls inside a step of 3 rows."""
   method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before, mma=mma)
   steps = 150
   rng = np.random.default_rng(prompt_len + 10 * bits)
   q, k, v = _qkv(rng, 1, 384)  # random past the end too: the oracle must mask it
   state = _prefill(method, method.init(_spec(1, 384)), 1, k[:, :, :prompt_len], v[:, :, :prompt_len], [prompt_len])
   step = _step_fn(method, 1)
-  for n in range(prompt_len + 1, prompt_len + steps + 1):
-    p = n - 1
+  for n in range(prompt_len + rows, prompt_len + steps + 1, rows):
+    p = n - rows
     out, state = step(state, q[:, :, p:n], k[:, :, p:n], v[:, :, p:n], [p])
-    if n % 5 and (n - 1) % 64 not in (0, 1, 63):  # every 5th step, and every step around a flush
+    if rows == 1 and n % 5 and (n - 1) % 64 not in (0, 1, 63):  # every 5th step, and every step around a flush
       continue
     ref = _oracle(method, q[:, :, p:n], k, v, n)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)

@@ -17,8 +17,9 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (available, default_splits, default_step_tiles, field_plan, magic_half,
-                                               mgpu_decode_attention, shared_memory_bytes, split_tiles)
+from jkv_kernels.mgpu_decode_attention import (available, default_operand_blocks, default_splits, default_step_tiles,
+                                               field_plan, magic_half, mgpu_decode_attention, shared_memory_bytes,
+                                               split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     read_mma_tiles, value_register_map)
 
@@ -194,16 +195,19 @@ def test_any_tile_count_lowers(capacity, k_group):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head", [
-    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False), (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True)])
-def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtype, width, t_rows, q_per_kv, per_head):
+@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,operand_blocks", [
+    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, False), (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True, False),
+    (2, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, False, True)])
+def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtype, width, t_rows, q_per_kv, per_head,
+                                               operand_blocks):
   """A full-precision segment (KIVI's window: 129 tokens, in the model's dtype, not the store's) is read by the
-  same kernel, not by a second one."""
+  same kernel, not by a second one (also with the operands built a block of channels at a time)."""
   store = _abstract_store(k_bits, k_bits, 32, 32, 128, store_dtype)
   s = jax.ShapeDtypeStruct
   segment = (s((2, 2, 2, width, 128), segment_dtype), s((2, 2, 2, width, 128), segment_dtype),
              s((2, 2, t_rows, width) if per_head else (2, t_rows, width), jnp.bool_))
-  fn = jax.jit(lambda q, layer, store, segment: mgpu_decode_attention(q, layer, store, segment=segment))
+  fn = jax.jit(lambda q, layer, store, segment: mgpu_decode_attention(q, layer, store, segment=segment,
+                                                                     operand_blocks=operand_blocks))
   text = fn.trace(s((2, 2, t_rows, q_per_kv, 128), segment_dtype), s((), jnp.int32), store, segment).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
@@ -227,19 +231,22 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
       jnp.uint32) for name in ("k_codes", "k_meta", "v_codes", "v_meta")})
   half = jnp.dtype(dtype).itemsize
 
-  def program_bytes(step):
+  def program_bytes(step, segment_slots=2):
     block = lambda name, rows: rows * getattr(packed, name).shape[-1] * 4
     slot = (block("k_codes", step) + block("v_codes", step) + block("v_meta", step)
             + block("k_meta", max(1, 64 * step // k_group)))
     fixed = 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
     if segment:
-      return max(stages * slot, 2 * (2 * 64 * head_dim * 2 + 64 * 16 * 4)) + fixed + 16 * head_dim * 2 + 64 * 16 * 2
+      return (max(stages * slot, segment_slots * (2 * 64 * head_dim * 2 + 64 * 16 * 4)) + fixed
+              + 16 * head_dim * 2 + 64 * 16 * 2)
     return stages * slot + fixed
 
   fits = [step for step in (4, 2, 1) if step <= tiles and program_bytes(step) <= 228 * 1024 // 2 - 1024]
   chosen = default_step_tiles(packed, stages, segment)
   assert chosen == (fits[0] if fits else 1)
   assert shared_memory_bytes(packed, chosen, stages, segment) == program_bytes(chosen)
+  if segment:  # with operands built a block at a time, the segment's pipeline is one slot deep
+    assert shared_memory_bytes(packed, chosen, stages, segment, operand_blocks=True) == program_bytes(chosen, 1)
 
 
 @pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
@@ -259,6 +266,9 @@ def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits,
   covering = lambda asked: -(-tiles // split_tiles(store, asked, step))
   asked = [n for n in range(1, tiles + 1) if batch * 8 * n <= 132 * fit]  # programs that all run at once
   assert splits == (covering(max(asked)) if asked else 1)
+  # Operands a block at a time: only with a segment, and only where the programs do not all run at once.
+  assert not default_operand_blocks(store, splits, segment=False, sm_count=132)
+  assert default_operand_blocks(store, splits, segment=True, sm_count=132) == (batch * 8 * splits > 2 * 132)
 
 
 def test_bad_arguments_raise():
@@ -296,16 +306,18 @@ def _has_hopper() -> bool:
 
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
 class TestMgpuDecodeAttentionGpu:
-  @pytest.mark.parametrize("step_tiles,stages", [(1, 2), (2, 3), (4, 3), (None, 2)])
+  @pytest.mark.parametrize("step_tiles,stages,operand_blocks", [(1, 2, None), (2, 3, None), (4, 3, None),
+                                                                (None, 2, None), (None, 2, True)])
   @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
-  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages):
+  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages,
+                             operand_blocks):
     store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
                        head_dim=head_dim, capacity=1024, lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(5), (3, 2, 1, 4, head_dim), dtype)
     packed = pack_mma_store(store)
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, packed, return_lse=True, step_tiles=step_tiles,
-                                     max_concurrent_steps=stages)
+                                     max_concurrent_steps=stages, operand_blocks=operand_blocks)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), (), return_lse=True)
       o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
       assert np.all(np.isfinite(o))
@@ -351,8 +363,9 @@ class TestMgpuDecodeAttentionGpu:
       (4, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, True, 3, True),
       (2, jnp.float16, jnp.float16, 64, 3, 5, False, 2, False),      # 15 rows (N = 16), whole rows of 8: no shift
       (1, jnp.bfloat16, jnp.float16, 200, 2, 4, True, None, False)])
+  @pytest.mark.parametrize("operand_blocks", [False, True])
   def test_a_segment_joins_the_store_in_one_softmax(self, k_bits, store_dtype, segment_dtype, width, t_rows,
-                                                    q_per_kv, per_head, splits, stacked):
+                                                    q_per_kv, per_head, splits, stacked, operand_blocks):
     """A segment's tokens join the last split's softmax: held to the reference over the store and the segment
     (stacked over layers, or one step's), with a store of length 0 (the segment alone), a row with no valid token
     anywhere (o = 0, lse = MASK_VALUE), and huge keys at the tokens no row may see (a leaked mask would swamp
@@ -372,7 +385,7 @@ class TestMgpuDecodeAttentionGpu:
       k, v = k[1], v[1]
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=(k, v, mask), splits=splits,
-                                     return_lse=True)
+                                     return_lse=True, operand_blocks=operand_blocks)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), ((k, v, mask),), return_lse=True)
       assert np.all(np.asarray(o)[3, :, 0] == 0) and np.all(np.asarray(lse)[3, :, 0] == MASK_VALUE)
       o, o_ref, lse, lse_ref = (np.asarray(x, np.float64) for x in (o, o_ref, lse, lse_ref))

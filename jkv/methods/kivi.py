@@ -15,11 +15,13 @@ paper's Algorithm 1 (quantize, then attend). Those two boundaries are the whole 
 why the state needs no counters beyond the sequence length.
 
 With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
-tensor-core kernel reads: key tiles of 64 tokens are packed at each flush, and a value tile when its 64th token
-arrives, quantized per token from the value ring (which holds all 64: W >= R >= 64). Per-token groups do not
-depend on neighbours, so these are the codes the library's layout stores token by token; and since
-bV = N - λ - R < 64⌊N/64⌋, every value the softmax reads quantized is in a packed tile. The same codes, scales
-and boundaries, one softmax over the packed store and the rings.
+tensor-core kernel reads: key tiles of 64 tokens are packed at each flush, and a value tile at the end of the step
+that brings its 64th token, quantized per token from the value ring (which holds all 64: W >= R >= 64); both for
+every layer at once, in ``end_step`` (a flush that λ = 1 puts before a step's first row is done at the end of the
+step before: nothing reads the ring in between). Per-token groups do not depend on neighbours, so these are the
+codes the library's layout stores token by token; and since bV = N - λ - R < 64⌊N/64⌋, every value the softmax
+reads quantized is in a packed tile. The same codes, scales and boundaries, one softmax over the packed store and
+the rings.
 
 ``bits=1`` uses SpeCache's 1-bit quantizer (quarter-point levels, ``jkv_kernels.quantization``) for keys and
 values together: the spec's KIVI-1bit baseline (shared/specs/specache.md §2.1).
@@ -228,7 +230,9 @@ class Kivi(CacheMethod):
           k_codes=write_layer(state.k_codes, layer, kc), k_scale=write_layer(state.k_scale, layer, ks),
           k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
           v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
-    b_k, held = self.key_boundary(lengths), self.ring_positions(lengths)  # [B], [B, W]
+    # With the MMA packing the state between steps has the block ending at the length flushed (``end_step``).
+    b_k = self.key_boundary(lengths + (self.lam if self.mma else 0))
+    held = self.ring_positions(lengths)  # [B, W]
     take = lambda x: jnp.take_along_axis(x, jnp.clip(held, 0, T - 1)[:, None, :, None], axis=2)
     # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1).
     block = self._dequantized_block(kc, ks, kz, b_k - R, state.k_ring.dtype)
@@ -248,41 +252,68 @@ class Kivi(CacheMethod):
         v_tiles=write_layer(state.v_tiles, layer, v_words), v_meta=write_layer(state.v_meta, layer, v_meta))
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
-    for t in range(k.shape[2]):  # T is 1..4 at decode: a short static loop
-      state = self.append_one(state, layer, k[:, :, t], v[:, :, t], ctx.lengths + t, ctx.impl)
-    return self._attend(state, layer, q, ctx.positions, self.advance(ctx.lengths, k.shape[2]), ctx.impl), state
+    rows = k.shape[2]
+    for t in range(rows):  # T is 1..4 at decode: a short static loop
+      # With the MMA packing, a block ending at a step's first position was flushed by the step before's end_step,
+      # and a step of one row leaves its value tile to end_step too.
+      state = self.append_one(state, layer, k[:, :, t], v[:, :, t], ctx.lengths + t, ctx.impl,
+                              flush_before=not (self.mma and t == 0), pack_values=rows > 1)
+    return self._attend(state, layer, q, ctx.positions, self.advance(ctx.lengths, rows), ctx.impl), state
 
-  def append_one(self, state, layer, k, v, pos, impl):
-    """Store one token per sequence: k, v [B, H, D] at positions pos [B]."""
+  def append_one(self, state, layer, k, v, pos, impl, flush_before: bool = True, pack_values: bool = True):
+    """Store one token per sequence: k, v [B, H, D] at positions pos [B]. ``flush_before`` (λ = 1): flush the key
+    block that ends at pos here; ``pack_values`` (MMA packing): pack the value tile that pos completes here."""
     R, W = self.residual, self.residual + self.lam
     state = state.replace(v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
-    if self.mma:  # a value tile is packed from the ring with its 64th token
-      state = self._pack_value_tile(state, layer, pos // TILE, pos % TILE == TILE - 1, impl)
-    else:
+    if self.mma and pack_values:
+      due = pos % TILE == TILE - 1
+      state = jax.lax.cond(jnp.any(due), lambda s: self._pack_value_tile(s, layer, pos // TILE, due, impl),
+                           lambda s: s, state)
+    elif not self.mma:
       vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
       state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
                             v_scale=write_at(state.v_scale, layer, vs, pos, axis=2),
                             v_zero=write_at(state.v_zero, layer, vz, pos, axis=2))
-    if self.lam == 1:  # the block before p leaves the ring before p takes slot 0
+    if self.lam == 1 and flush_before:  # the block before p leaves the ring before p takes slot 0
       state = self._flush(state, layer, pos, (pos % R == 0) & (pos > 0), impl)
     state = state.replace(k_ring=write_at(state.k_ring, layer, k[:, :, None], pos % W, axis=2))
     if self.lam == 0:  # the block ending at p is quantized before this step attends
       state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl)
     return state
 
+  def end_step(self, state, ctx: StepContext):
+    """With the MMA packing, per-layer conditional work done once for every layer: after a step of one row, the
+    value tile it completed is packed (in a step of more rows, a tile completed by an early row can be read
+    by the same step's attention: those pack in ``step``), and (λ = 1) the key block that ends at the new
+    length is flushed, which the next step's first row would otherwise flush in each layer before attending
+    (nothing reads the ring in between). Two conditionals a step instead of two per layer: at KIVI-2's largest
+    batch on an H100, 64 ``set_case_condition`` launches and their waits were most of a step's 0.7 ms of gaps
+    between kernels (benchmarks/results/profile_decode_step_kivi2_mma_b307_*)."""
+    if not self.mma:
+      return state
+    rows = ctx.positions.shape[1]
+    end = ctx.lengths + rows
+    every_layer = lambda work, due: lambda s: jax.lax.fori_loop(0, s.k_ring.shape[0], lambda i, s: work(s, i, due), s)
+    if rows == 1:
+      pack_due = end % TILE == 0  # the row completed its tile
+      pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, ctx.impl)
+      state = jax.lax.cond(jnp.any(pack_due), every_layer(pack, pack_due), lambda s: s, state)
+    if self.lam == 1:
+      flush_due = end % self.residual == 0
+      flush = lambda s, layer, due: self._flush_now(s, layer, end, due, ctx.impl)
+      state = jax.lax.cond(jnp.any(flush_due), every_layer(flush, flush_due), lambda s: s, state)
+    return state
+
   def _pack_value_tile(self, state, layer, tile, due, impl):
     """Quantize the values of tile ``tile`` [B] (positions 64 tile + [0, 64), all in the value ring) per token
-    and pack them, for the sequences where ``due`` (the tile's 64th token arrived)."""
+    and pack them, for the sequences where ``due``."""
     W = self.residual + self.lam
-
-    def now(s):
-      positions = TILE * tile[:, None] + jnp.arange(TILE)[None]  # [B, 64]
-      values = jnp.take_along_axis(s.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
-      codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
-      words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
-      return s.replace(v_tiles=write_at_where(s.v_tiles, layer, words, tile, 2, due),
-                       v_meta=write_at_where(s.v_meta, layer, meta, tile, 2, due))
-    return jax.lax.cond(jnp.any(due), now, lambda s: s, state)
+    positions = TILE * tile[:, None] + jnp.arange(TILE)[None]  # [B, 64]
+    values = jnp.take_along_axis(state.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
+    codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
+    words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
+    return state.replace(v_tiles=write_at_where(state.v_tiles, layer, words, tile, 2, due),
+                         v_meta=write_at_where(state.v_meta, layer, meta, tile, 2, due))
 
   def _flush(self, state, layer, end, due, impl):
     """Quantize the keys of positions [end - R, end) from the key ring into the key store, and put them back in
