@@ -29,6 +29,10 @@ of the store: tiles of 64 of its keys and values go through a second TMA pipelin
 are both products' A operands from there (the values transposed), in the segment's own 16-bit type, with a mask
 per (token, query row) beside them; rows of the neighbouring head that a tile starts on are masked out.
 
+Where more programs are launched than run two to an SM, a kernel with a segment builds each product's operand a
+block of 64 channels at a time and runs the segment's pipeline one slot deep (``operand_blocks``), so that its
+registers and shared memory let three programs share an SM.
+
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale (the other
 methods' stores go through ``decode_attention``), at most one segment, D a multiple of 64, T * g <= 16.
 ``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
@@ -516,9 +520,9 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
 def default_operand_blocks(store: MmaStore, splits: int, segment: bool, sm_count: Optional[int] = None) -> bool:
   """Whether ``mgpu_decode_partial`` builds its operands a block at a time by default: with a segment, where
   the B * Hkv * splits programs are more than run at once two to an SM. There a third program per SM is worth
-  the extra waits (KIVI-2 with KIVI's window at B = 256, L = 4608 on an H100: 474.6 µs against 509.3); where
-  all programs run at once it is not (B = 8, L = 32768: 140.5 against 127.8), nor without a segment, whose
-  kernel is three to an SM either way (B = 256: 425.3 against 403.5)."""
+  the extra waits (KIVI-2 with KIVI's window at B = 256, L = 4608 on an H100: 476.3 µs against 509.9); where
+  all programs run at once it is not (B = 8, L = 32768: 134.1 against 129.3), nor without a segment, whose
+  kernel is three to an SM either way (B = 256: 421.6 against 409.7; benchmarks/mgpu_builds.py, round 15)."""
   if not segment:
     return False
   _, batch, kv_heads = store.k_codes.shape[:3]
