@@ -517,16 +517,19 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
 
-def default_operand_blocks(store: MmaStore, splits: int, segment: bool, sm_count: Optional[int] = None) -> bool:
+def default_operand_blocks(store: MmaStore, splits: int, segment: bool, step_tiles: int, stages: int = STAGES,
+                           sm_count: Optional[int] = None) -> bool:
   """Whether ``mgpu_decode_partial`` builds its operands a block at a time by default: with a segment, where
-  the B * Hkv * splits programs are more than run at once two to an SM. There a third program per SM is worth
-  the extra waits (KIVI-2 with KIVI's window at B = 256, L = 4608 on an H100: 476.3 µs against 509.9); where
-  all programs run at once it is not (B = 8, L = 32768: 134.1 against 129.3), nor without a segment, whose
-  kernel is three to an SM either way (B = 256: 421.6 against 409.7; benchmarks/mgpu_builds.py, round 15)."""
+  the B * Hkv * splits programs are more than run at once two to an SM and the smaller shared memory lets a
+  third share an SM. There the third program is worth the extra waits (KIVI-2 with KIVI's window at B = 256,
+  L = 4608 on an H100: 476.3 µs against 509.9); where all programs run at once it is not (B = 8, L = 32768:
+  134.1 against 129.3), nor without a segment, whose kernel is three to an SM either way (B = 256: 421.6
+  against 409.7; benchmarks/mgpu_builds.py, round 15). (KIVI-4's steps are too large for a third program.)"""
   if not segment:
     return False
   _, batch, kv_heads = store.k_codes.shape[:3]
-  return batch * kv_heads * splits > PROGRAMS_PER_SM * (sm_count or _sm_count())
+  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, True, operand_blocks=True) + 1024)
+  return fit > PROGRAMS_PER_SM and batch * kv_heads * splits > PROGRAMS_PER_SM * (sm_count or _sm_count())
 
 
 def segment_slots(operand_blocks: bool) -> int:
@@ -633,7 +636,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
     operand_blocks: build and issue each product's register operand 64 channels at a time, each product waited
       for before the next block's operand is built, and run a segment's pipeline one slot deep: KIVI-2 with a
-      segment then takes 140 registers and 76 KB instead of 177 and 100 KB (ptxas, H100), so three programs
+      segment then takes 140 registers and 74 KB instead of 177 and 98 KB (ptxas, H100), so three programs
       share an SM instead of two, but each step waits more often. None: ``default_operand_blocks``.
 
   Returns:
@@ -666,7 +669,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
                      f"{TILE} tokens and whole key groups of {store.k_group}")
   splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
   if operand_blocks is None:
-    operand_blocks = default_operand_blocks(store, splits, segment is not None)
+    operand_blocks = default_operand_blocks(store, splits, segment is not None, step_tiles, max_concurrent_steps)
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = store.k_codes.shape[0]
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)

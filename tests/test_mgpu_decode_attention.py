@@ -251,7 +251,7 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
 
 @pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
     (1, 32768, 2, 32), (8, 32768, 2, 32), (8, 32768, 4, 32), (8, 4736, 2, 128), (33, 4608, 2, 32), (256, 4608, 2, 32),
-    (3, 320, 2, 32)])
+    (256, 4608, 4, 32), (3, 320, 2, 32)])
 def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits, k_group):
   """Splits hold whole steps and key groups and cover the capacity with none empty; their programs fit the slots
   (132 SMs, 2 or fewer by shared memory), and one more split would not (by brute force over split counts)."""
@@ -266,9 +266,11 @@ def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits,
   covering = lambda asked: -(-tiles // split_tiles(store, asked, step))
   asked = [n for n in range(1, tiles + 1) if batch * 8 * n <= 132 * fit]  # programs that all run at once
   assert splits == (covering(max(asked)) if asked else 1)
-  # Operands a block at a time: only with a segment, and only where the programs do not all run at once.
-  assert not default_operand_blocks(store, splits, segment=False, sm_count=132)
-  assert default_operand_blocks(store, splits, segment=True, sm_count=132) == (batch * 8 * splits > 2 * 132)
+  # Operands a block at a time: only with a segment, only where the programs do not all run at once two to an SM,
+  # and only where a third then fits in shared memory.
+  assert not default_operand_blocks(store, splits, False, step, sm_count=132)
+  third = 228 * 1024 // (shared_memory_bytes(store, step, 2, True, operand_blocks=True) + 1024) >= 3
+  assert default_operand_blocks(store, splits, True, step, sm_count=132) == (third and batch * 8 * splits > 2 * 132)
 
 
 def test_bad_arguments_raise():
