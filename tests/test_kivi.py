@@ -153,19 +153,20 @@ def test_exact_cases_equal_dense_attention(method):
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
-def test_batch_of_different_lengths_equals_each_alone(impl):
-  """Sequences of different lengths step together (each at its own position, crossing flushes at different
-  steps); every step's output and the stored codes equal each sequence run alone."""
-  method = Kivi(bits=2, group_size=32, residual=64)
+@pytest.mark.parametrize("impl,mma", [("xla", False), ("interpret", False), ("xla", True)])
+def test_batch_of_different_lengths_equals_each_alone(impl, mma):
+  """Sequences of different lengths step together (each at its own position, crossing flushes and, in the MMA
+  packing, value tiles at different steps); every step's output and the stored codes equal each sequence run
+  alone."""
+  method = Kivi(bits=2, group_size=32, residual=64, mma=mma)
   rng = np.random.default_rng(3)
-  lengths = np.array([40, 129, 200])
+  lengths = np.array([40, 100, 170])
   q, k, v = _qkv(rng, 3, 256)
   step = _step_fn(method, 0, impl)
   state = _prefill(method, method.init(_spec(3, 256)), 0, k[:, :, :200], v[:, :, :200], lengths, impl)
   alone = [_prefill(method, method.init(_spec(1, 256)), 0, k[b:b + 1, :, :n], v[b:b + 1, :, :n], [n], impl)
            for b, n in enumerate(lengths)]
-  for t in range(40 if impl == "xla" else 12):  # crosses a flush for every sequence (xla)
+  for t in range(40 if impl == "xla" else 12):  # crosses a flush for every sequence, each at its own step (xla)
     pos = lengths + t
     row = lambda x: np.stack([x[b, :, pos[b]] for b in range(3)])[:, :, None]
     qq = np.stack([q[b, :, pos[b]] for b in range(3)])[:, :, None]
@@ -176,8 +177,9 @@ def test_batch_of_different_lengths_equals_each_alone(impl):
   n = lengths + t + 1
   for b in range(3):
     n_k = int(method.key_boundary(n[b]))
-    np.testing.assert_array_equal(np.asarray(state.k_codes[0, b, :, :, :n_k // 16]),
-                                  np.asarray(alone[b].k_codes[0, 0, :, :, :n_k // 16]))
+    stored = ((state.k_tiles[0, b, :, :n_k // 64], alone[b].k_tiles[0, 0, :, :n_k // 64]) if mma else
+              (state.k_codes[0, b, :, :, :n_k // 16], alone[b].k_codes[0, 0, :, :, :n_k // 16]))
+    np.testing.assert_array_equal(*map(np.asarray, stored))
 
 
 def test_planted_outlier_channels_favour_per_channel_keys():
