@@ -30,7 +30,7 @@ import numpy as np
 
 from kernel_decode import Settings, Shape, record, time_calls
 from mgpu_ab import shape_arg
-from mgpu_decode import WINDOW, bytes_read, window_inputs
+from mgpu_decode import bytes_read, window_bytes, window_inputs
 from records import kernel_record_key, save
 
 KINDS = {"mgpu_kivi2": False, "mgpu_kivi2_window": True}  # impl -> with KIVI's window as the segment
@@ -77,8 +77,7 @@ def run(builds, shapes, rounds: int, settings: Settings) -> list[dict]:
         print(f"check B={batch} L={seq_len} {impl} {name}: max |o - {builds[0][0]}'s| = {diff:.2e}")
         if diff > 2e-2:
           raise SystemExit(f"build {name} disagrees with {builds[0][0]} on {impl} at B={batch} L={seq_len}")
-      nbytes = {"mgpu_kivi2": bytes_read(shape, 2),
-                "mgpu_kivi2_window": bytes_read(shape, 2) + batch * shape.kv_heads * WINDOW * shape.head_dim * 4}
+      nbytes = {"mgpu_kivi2": bytes_read(shape, 2), "mgpu_kivi2_window": bytes_read(shape, 2) + window_bytes(shape)}
       arguments = {name: kwargs for name, _, kwargs in builds}
       for r in range(rounds):
         order = list(calls) if r % 2 == 0 else list(calls)[::-1]

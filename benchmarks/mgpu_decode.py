@@ -110,6 +110,11 @@ def bytes_read(shape: Shape, bits: int, group: int = 32) -> int:
   return int(shape.batch * shape.kv_heads * per_head + shape.batch * shape.q_heads * shape.head_dim * 2)
 
 
+def window_bytes(shape: Shape) -> int:
+  """Bytes of KIVI's window that ``window_inputs`` gives: WINDOW bf16 keys and values per (sequence, KV head)."""
+  return shape.batch * shape.kv_heads * WINDOW * shape.head_dim * 2 * 2
+
+
 def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fill: float = 1.0):
   """(q, store) for timing: random words and scales, G = 32, the first ``fill`` of the slots valid (every slot by
   default); the store MMA-packed or not."""
@@ -163,7 +168,6 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   kivi_call = jax.jit(lambda q, s, w: jkv_attention.decode_attention(q, 0, stores=(s,), segments=(w,), impl="pallas"))
-  window_bytes = lambda shape: shape.batch * shape.kv_heads * WINDOW * shape.head_dim * 2 * 2
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 

@@ -254,10 +254,10 @@ class Kivi(CacheMethod):
   def step(self, state, layer, q, k, v, ctx: StepContext):
     rows = k.shape[2]
     for t in range(rows):  # T is 1..4 at decode: a short static loop
-      # With the MMA packing, a block ending at a step's first position was flushed by the step before's end_step,
-      # and a step of one row leaves its value tile to end_step too.
+      # With the MMA packing, a block ending at a step's first position was flushed by the step before's end_step.
       state = self.append_one(state, layer, k[:, :, t], v[:, :, t], ctx.lengths + t, ctx.impl,
-                              flush_before=not (self.mma and t == 0), pack_values=rows > 1)
+                              flush_before=not (self.mma and t == 0),
+                              pack_values=not self._packs_at_end_step(rows))
     return self._attend(state, layer, q, ctx.positions, self.advance(ctx.lengths, rows), ctx.impl), state
 
   def append_one(self, state, layer, k, v, pos, impl, flush_before: bool = True, pack_values: bool = True):
@@ -282,9 +282,8 @@ class Kivi(CacheMethod):
     return state
 
   def end_step(self, state, ctx: StepContext):
-    """With the MMA packing, per-layer conditional work done once for every layer: after a step of one row, the
-    value tile it completed is packed (in a step of more rows, a tile completed by an early row can be read
-    by the same step's attention: those pack in ``step``), and (λ = 1) the key block that ends at the new
+    """With the MMA packing, per-layer conditional work done once for every layer: the value tile a step of one
+    row completed is packed (``_packs_at_end_step``), and (λ = 1) the key block that ends at the new
     length is flushed, which the next step's first row would otherwise flush in each layer before attending
     (nothing reads the ring in between). Two conditionals a step instead of two per layer (64 for Llama-3-8B,
     each a ``set_case_condition`` launch in the profile: benchmarks/results/profile_decode_step_kivi2_mma_b307_*):
@@ -294,7 +293,7 @@ class Kivi(CacheMethod):
     rows = ctx.positions.shape[1]
     end = ctx.lengths + rows
     every_layer = lambda work, due: lambda s: jax.lax.fori_loop(0, s.k_ring.shape[0], lambda i, s: work(s, i, due), s)
-    if rows == 1:
+    if self._packs_at_end_step(rows):
       pack_due = end % TILE == 0  # the row completed its tile
       pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, ctx.impl)
       state = jax.lax.cond(jnp.any(pack_due), every_layer(pack, pack_due), lambda s: s, state)
@@ -303,6 +302,12 @@ class Kivi(CacheMethod):
       flush = lambda s, layer, due: self._flush_now(s, layer, end, due, ctx.impl)
       state = jax.lax.cond(jnp.any(flush_due), every_layer(flush, flush_due), lambda s: s, state)
     return state
+
+  @staticmethod
+  def _packs_at_end_step(rows: int) -> bool:
+    """Whether a step of ``rows`` rows leaves its value tile to ``end_step`` (MMA packing): a step of one row; in a
+    longer step a tile completed by an early row can be read by the same step's attention (R = 64)."""
+    return rows == 1
 
   def _pack_value_tile(self, state, layer, tile, due, impl):
     """Quantize the values of tile ``tile`` [B] (positions 64 tile + [0, 64), all in the value ring) per token
