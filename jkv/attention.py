@@ -223,11 +223,11 @@ def _store_source(layer, store: QuantizedStore) -> _Source:
 
 def _mma_store_source(layer, store: MmaStore) -> _Source:
   """An MMA-packed store, dequantized a block of whole tiles (and whole key groups) at a time; slots at and past
-  ``store.length`` are not keys."""
+  ``store.length`` and holes are not keys."""
   unit = max(TILE, store.k_group)
   block = unit * _block_size(store.capacity // unit, largest=max(1, 512 // unit))
   load = lambda start: read_mma_tiles(store, layer, start // TILE, block // TILE)
-  valid = lambda start: ((start + jnp.arange(block))[None] < store.length[:, None])[:, None, None, :]
+  valid = lambda start: store.slot_mask(layer, start, block)[:, :, None, :]
   return _Source(load, valid, store.capacity, block, jnp.max(store.length))
 
 

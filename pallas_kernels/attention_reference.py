@@ -74,4 +74,15 @@ def gqa_attention_reference(q, k, v, mask, *, sm_scale=None, return_lse=False):
   return (o, lse) if return_lse else o
 
 
+def slot_mask(length, valid, layer, start, size, kv_heads):
+  """[B, Hkv, size] bool: which of a store's slots [start, start + size) are keys at ``layer``: below ``length``
+  [B] and not holes (``valid``: None, or [L, B, Hkv, C] stacked or [B, Hkv, C] bool, False at a hole)."""
+  mask = (start + jnp.arange(size))[None, None, :] < length[:, None, None]
+  mask = jnp.broadcast_to(mask, (length.shape[0], kv_heads, size))
+  if valid is not None:
+    valid = valid[layer] if valid.ndim == 4 else valid
+    mask = mask & lax.dynamic_slice_in_dim(valid, start, size, axis=2)
+  return mask
+
+
 gqa_attention_reference_jit = jax.jit(gqa_attention_reference, static_argnames=("sm_scale", "return_lse"))

@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs
+from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs, slot_mask
 from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
 KERNEL_BITS = (1, 2, 4, 8)
@@ -136,13 +136,7 @@ class QuantizedStore:
   def slot_mask(self, layer, start=0, size=None):
     """[B, Hkv, size] bool: slots [start, start + size) attended at ``layer`` (below ``length`` and not holes)."""
     size = self.capacity if size is None else size
-    kv_heads = self.v_codes.shape[2]
-    mask = (start + jnp.arange(size))[None, None, :] < self.length[:, None, None]
-    mask = jnp.broadcast_to(mask, (self.length.shape[0], kv_heads, size))
-    if self.valid is not None:
-      valid = self.valid[layer] if self.valid.ndim == 4 else self.valid
-      mask = mask & jax.lax.dynamic_slice_in_dim(valid, start, size, axis=2)
-    return mask
+    return slot_mask(self.length, self.valid, layer, start, size, self.v_codes.shape[2])
 
 
 # ----------------------------------------------------------------------------------------------------------------

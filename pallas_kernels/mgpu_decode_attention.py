@@ -33,8 +33,12 @@ Where more programs are launched than run two to an SM, a kernel with a segment 
 block of 64 channels at a time and runs the segment's pipeline one slot deep (``operand_blocks``), so that its
 registers and shared memory let three programs share an SM.
 
-Scope of this version: one store of 1-, 2- or 4-bit keys and values, no holes, no channel scale (the other
-methods' stores go through ``decode_attention``), at most one segment, D a multiple of 64, T * g <= 16.
+A store with holes (``MmaStore.valid``) brings a byte per slot through the same pipeline, and each thread masks
+its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
+multiplies the store's part of o once, after the store's pipeline and before a segment's values join it.
+
+Scope of this version: one store of 1-, 2- or 4-bit keys and values, at most one segment, D a multiple of 64,
+T * g <= 16.
 ``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
 """
 
@@ -274,6 +278,12 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
+  # Holes travel as one byte per slot, [L, B, Hkv, C / 64, 64] (a layer axis of 1 where they are not stacked),
+  # through the same pipeline as the codes: each thread reads the bytes of its two tokens of a tile.
+  holes = None if store.valid is None else (
+      store.valid if store.valid.ndim == 4 else store.valid[None]).astype(jnp.int8).reshape(
+          -1, *store.k_codes.shape[1:4], TILE)
+  channel_scale = None if store.v_channel_scale is None else store.v_channel_scale.astype(jnp.float32)
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
   blocks = tuple(range(head_dim // 64))  # the tile's channel blocks of 64: one value product each
@@ -318,8 +328,11 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, p_smem, o_smem, l_smem,
-             m_smem, q_barrier, sq_smem=None, sp_smem=None, sq_barrier=None):
-    *segment_refs, o_ref, l_ref, m_ref = refs  # segment_refs: q, k, v, allowed (with a segment)
+             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None):
+    *refs, o_ref, l_ref, m_ref = refs
+    n_holes, n_scale = int(holes is not None), int(channel_scale is not None)
+    hole_refs, scale_refs = refs[:n_holes], refs[n_holes:n_holes + n_scale]
+    segment_refs = refs[n_holes + n_scale:]  # q, k, v, allowed (with a segment)
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = layer_ref[0]
     seq_len = length_ref[b]
@@ -331,10 +344,12 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     # 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
     last = (jnp.minimum(seq_len - first * TILE, tiles * TILE) - 1) // step_tokens
 
-    def body(index, kc, km, vc, vm, carry):
-      return lax.cond(index[0] <= last, functools.partial(attend, index, kc, km, vc, vm), lambda c: c, carry)
+    def body(index, *refs_and_carry):
+      *step_refs, carry = refs_and_carry
+      return lax.cond(index[0] <= last, functools.partial(attend, index, *step_refs), lambda c: c, carry)
 
-    def attend(index, kc, km, vc, vm, carry):
+    def attend(index, kc, km, vc, vm, *hole_and_carry):
+      *hole_tiles, carry = hole_and_carry
       # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
       # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
       # A operands are live at once while the tensor cores work.
@@ -355,6 +370,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
+      for hole_tile in hole_tiles:  # the slot bytes of the thread's tokens, along its logits' columns
+        valid = [v & (lax.broadcast_in_dim(_load(hole_tile.at[t], layout=plgpu.Layout.WGMMA.reduce(1),
+                                                 optimized=False), (TILE, rows), [0]) != 0)
+                 for t, v in enumerate(valid)]
       p, m_next, l_run, alpha = softmax_update(
           [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)], m_run, l_run)
       for t in range(step_tiles):
@@ -409,15 +428,25 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
                             lambda i: (block(i) * step_tokens // store.k_group // k_groups, 0, 0)),
             plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), tile_block),            # value codes
             plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), tile_block),             # value scale pairs
-        ],
+        ] + [plgpu.BlockSpec((step_tiles, TILE), lambda i: (block(i), 0))] * (holes is not None),  # slot bytes (holes)
         max_concurrent_steps=max_concurrent_steps,
         init_carry=init)
 
     @pl.when(has_store)
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
+    for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
+      plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
+    hole_layer = jnp.minimum(at, 0 if holes is None else holes.shape[0] - 1)
     carry = lax.cond(has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                                  vm_ref.at[at, b, h]), lambda: init)
+                                                  vm_ref.at[at, b, h], *(r.at[hole_layer, b, h] for r in hole_refs)),
+                     lambda: init)
+    if scale_refs:  # the value channel scale, on the store's o (rows are channels), before a segment's values join
+      plgpu.barrier_wait(cs_barrier)
+      *o_blocks, m_run, l_run = carry
+      by_channel = lambda i: lax.broadcast_in_dim(
+          _load(cs_smem.at[pl.ds(64 * i, 64)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False), (64, ROWS), [0])
+      carry = (*[o * by_channel(i) for i, o in enumerate(o_blocks)], m_run, l_run)
     if segment is not None:
       sq_ref, sk_ref, sv_ref, sa_ref = segment_refs
       segment_tiles = (sa_ref.shape[2] - 8) // TILE
@@ -466,6 +495,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       q_barrier=plgpu.Barrier(),
   )
   inputs = (layer, length, q, k_codes, k_meta, v_codes, v_meta)
+  inputs += tuple(x for x in (holes, channel_scale) if x is not None)
+  if channel_scale is not None:
+    scratch.update(cs_smem=plgpu.SMEM((head_dim,), jnp.float32), cs_barrier=plgpu.Barrier())
   if segment is not None:
     segment_dtype = segment[0].dtype
     segment = (segment[0], *(x.reshape(-1, head_dim) for x in segment[1:3]), segment[3])
@@ -539,15 +571,17 @@ def segment_slots(operand_blocks: bool) -> int:
 
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
                         operand_blocks: bool = False) -> int:
-  """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words, q, p and the
-  partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's slots
+  """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
+  q, p, the partials (at the widest N, 16 rows) and a value channel scale; with a ``segment``, its q and p, and its pipeline's slots
   (``segment_slots``) of a tile of keys, values and mask where they are larger than the store's (the two
   pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
-  step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta))
+  step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
+                       + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
   head_dim, half = store.k_meta.shape[-1], jnp.dtype(store.dtype).itemsize
   fixed = ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
+  fixed += head_dim * 4 if store.v_channel_scale is not None else 0
   if not segment:
     return stages * step + fixed
   segment_slot = 2 * TILE * head_dim * 2 + TILE * ROWS * 4  # a tile of 16-bit keys and values, its int32 mask

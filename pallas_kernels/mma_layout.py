@@ -34,11 +34,13 @@ dequantizes the packed form back, the plain-jnp check that the two layouts hold 
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv_kernels.attention_reference import slot_mask
 from jkv_kernels.quantization import dequantize, pack, unpack
 
 TILE = 64          # tokens per tile: the M of one wgmma for keys, its K for values
@@ -135,11 +137,15 @@ def _pair_words(a, b):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_codes", "k_meta", "v_codes", "v_meta", "length"],
+    data_fields=["k_codes", "k_meta", "v_codes", "v_meta", "length", "valid", "v_channel_scale"],
     meta_fields=["k_bits", "v_bits", "k_group", "v_group", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class MmaStore:
-  """A KIVI store in the MMA-ready packing (module docstring), every array stacked over layers."""
+  """A KIVI store in the MMA-ready packing (module docstring), every array stacked over layers.
+
+  ``valid`` and ``v_channel_scale`` are ``QuantizedStore``'s: slot c of KV head h is a key iff c < length[b] and
+  valid[..., b, h, c] (holes: OTT's placeholders, ZipCache's group tails), and every dequantized value channel d
+  is multiplied by v_channel_scale[..., b, h, d] (ZipCache's channel-separable values)."""
   k_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * k_bits / 32] uint32
   k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 4] uint32: (scale pair, zero pair) words, quads interleaved
   v_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * v_bits / 32] uint32
@@ -150,10 +156,17 @@ class MmaStore:
   k_group: int
   v_group: int
   dtype: str          # of the scales and zero-points: "float16" or "bfloat16"
+  valid: Optional[jax.Array] = None            # [L, B, Hkv, C] (stacked) or [B, Hkv, C] bool; None: no holes
+  v_channel_scale: Optional[jax.Array] = None  # [L, B, Hkv, D] float; None: 1
 
   @property
   def capacity(self) -> int:
     return self.k_codes.shape[3] * TILE
+
+  def slot_mask(self, layer, start=0, size=None):
+    """[B, Hkv, size] bool: slots [start, start + size) attended at ``layer`` (below ``length`` and not holes)."""
+    size = self.capacity if size is None else size
+    return slot_mask(self.length, self.valid, layer, start, size, self.k_codes.shape[2])
 
 
 def check_mma_packing(*, k_bits: int, v_bits: int, k_group: int, v_group: int, head_dim: int, tokens: int,
@@ -225,12 +238,10 @@ def pack_mma_store(store) -> MmaStore:
                     head_dim=head_dim, tokens=capacity, meta_dtype=store.k_scale.dtype)
   if jnp.dtype(store.v_scale.dtype) != jnp.dtype(store.k_scale.dtype):
     raise ValueError("the MMA packing takes one 16-bit type for the key and value scales")
-  if store.valid is not None or store.v_channel_scale is not None:
-    raise ValueError("the MMA packing does not yet take stores with holes or a value channel scale")
   k_codes, k_meta = pack_key_tiles(store.k_codes, store.k_scale, store.k_zero, bits=store.k_bits)
   v_codes, v_meta = pack_value_tiles(store.v_codes, store.v_scale, store.v_zero, bits=store.v_bits)
   return MmaStore(k_codes, k_meta, v_codes, v_meta, store.length, store.k_bits, store.v_bits, store.k_group,
-                  store.v_group, jnp.dtype(store.k_scale.dtype).name)
+                  store.v_group, jnp.dtype(store.k_scale.dtype).name, store.valid, store.v_channel_scale)
 
 
 def _tile_order(tokens, channels) -> np.ndarray:
@@ -283,8 +294,8 @@ def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
 
 
 def read_mma_tiles(mma: MmaStore, layer, start, count: int):
-  """Tiles [start, start + count) of layer ``layer`` dequantized from the MMA packing: keys, values
-  [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles lie in one key group or cover
+  """Tiles [start, start + count) of layer ``layer`` dequantized from the MMA packing: keys, values (times the
+  value channel scale) [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles lie in one key group or cover
   whole ones. The plain-jnp reading of the packing: the check that ``pack_mma_store`` kept every code, scale
   and zero-point, and the XLA path's way to read an MMA store."""
   def take(x, first, n):  # one dynamic slice of the stacked array: [B, H, n, W] at ``layer``
@@ -296,6 +307,8 @@ def read_mma_tiles(mma: MmaStore, layer, start, count: int):
                         bits=mma.k_bits, group=mma.k_group, dtype=dtype)
   values = read_value_tiles(take(mma.v_codes, start, count), take(mma.v_meta, start, count), bits=mma.v_bits,
                             group=mma.v_group, dtype=dtype)
+  if mma.v_channel_scale is not None:
+    values = values * mma.v_channel_scale[layer].astype(jnp.float32)[:, :, None, :]
   return keys, values
 
 

@@ -324,11 +324,14 @@ def test_xla_decode_attention_equals_the_reference(n_stores):
   np.testing.assert_allclose(sum(np.asarray(m).sum(-1) for m in jax.tree.leaves(mass)), g, rtol=1e-5)
 
 
-def _store_and_segments_for_mma(rng, dtype):
+def _store_and_segments_for_mma(rng, dtype, holes=False):
   """Layer 1 of 3 (others NaN) of a KIVI-2/4 store of 512 slots with bf16 scales (the MMA packing takes 16-bit
-  ones), q and a per-step segment in ``dtype``."""
+  ones), q and a per-step segment in ``dtype``. ``holes``: a third of the slots are holes (all of sequence 1's
+  second tile) and the values have a channel scale (OTT's and ZipCache's stores)."""
   L, B, H, T, g, D, C, S = 3, 2, 2, 1, 4, 64, 512, 24
-  store = _random_store(rng, L, B, H, C, D, k_bits=2, v_bits=4, k_group=32, v_group=32, lengths=[300, 64])
+  valid = jnp.asarray(rng.random((L, B, H, C)) < 0.67).at[:, 1, :, 64:128].set(False) if holes else None
+  store = _random_store(rng, L, B, H, C, D, k_bits=2, v_bits=4, k_group=32, v_group=32, lengths=[300, 200],
+                        holes=valid, channel_scale=holes)
   bf16 = lambda x: x.astype(jnp.bfloat16)
   store = dataclasses.replace(store, k_scale=bf16(store.k_scale), k_zero=bf16(store.k_zero),
                               v_scale=bf16(store.v_scale), v_zero=bf16(store.v_zero))
@@ -338,12 +341,13 @@ def _store_and_segments_for_mma(rng, dtype):
   return q, store, segment
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
-def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl):
+@pytest.mark.parametrize("impl,holes", [("xla", False), ("interpret", False), ("xla", True)])
+def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl, holes):
   """An MmaStore beside a segment, through the XLA path (where every impl reads it off a Hopper GPU), against
-  the same store in the library's layout: the same keys and values, one softmax."""
+  the same store in the library's layout: the same keys and values, one softmax (holes and a value channel
+  scale too)."""
   from jkv_kernels.mma_layout import pack_mma_store
-  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(21), jnp.float32)
+  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(21), jnp.float32, holes)
   o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
                             return_lse=True)
   o_ref, lse_ref = decode_attention(q, jnp.int32(1), stores=(store,), segments=(segment,), impl="xla",
@@ -360,14 +364,16 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Mosaic GPU")
-def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments():
+@pytest.mark.parametrize("holes", [False, True])
+def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments(holes):
   """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore and the first segment (2 * 2 * 24
   rows of D: it reads them in place), the Triton kernel over the second (2 * 2 * 5 rows: it does not), merged by
-  log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding)."""
+  log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding); with holes and
+  a value channel scale too."""
   from jkv_kernels.dequant_attention import decode_attention_reference
   from jkv_kernels.mma_layout import pack_mma_store
   rng = np.random.default_rng(22)
-  q, store, segment = _store_and_segments_for_mma(rng, jnp.bfloat16)
+  q, store, segment = _store_and_segments_for_mma(rng, jnp.bfloat16, holes)
   short = (segment[0][:, :, :5] * 2, segment[1][:, :, 3:8], jnp.asarray(rng.random((2, 2, 1, 5)) < 0.5))
   o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment, short),
                             impl="pallas", return_lse=True)

@@ -162,14 +162,17 @@ def test_packing_refuses_what_the_kernel_does_not_take():
 
 
 def _abstract_store(k_bits, v_bits, k_group, v_group, head_dim, dtype, layers=2, batch=2, kv_heads=2,
-                    capacity=1024):
+                    capacity=1024, holes=None):
+  """``holes``: None, "stacked" ([L, B, Hkv, C], with a value channel scale) or "step" ([B, Hkv, C])."""
   s = jax.ShapeDtypeStruct
   lead = (layers, batch, kv_heads)
   tiles = capacity // 64
+  valid = None if holes is None else s((*lead, capacity) if holes == "stacked" else lead[1:] + (capacity,), jnp.bool_)
   return MmaStore(s((*lead, tiles, 2 * head_dim * k_bits), jnp.uint32), s((*lead, capacity // k_group, head_dim),
                   jnp.uint32), s((*lead, tiles, 2 * head_dim * v_bits), jnp.uint32),
                   s((*lead, tiles, head_dim // v_group * 64), jnp.uint32), s((batch,), jnp.int32),
-                  k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name)
+                  k_bits, v_bits, k_group, v_group, jnp.dtype(dtype).name, valid,
+                  s((*lead, head_dim), jnp.float32) if holes == "stacked" else None)
 
 
 @pytest.mark.parametrize("step_tiles,q_per_kv", [(1, 4), (4, 4), (4, 12), (None, 4)])
@@ -195,14 +198,16 @@ def test_any_tile_count_lowers(capacity, k_group):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,operand_blocks", [
-    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, False), (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True, False),
-    (2, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, False, True)])
+@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,operand_blocks,holes", [
+    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, False, None),
+    (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True, False, "step"),
+    (2, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, False, True, "stacked")])
 def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtype, width, t_rows, q_per_kv, per_head,
-                                               operand_blocks):
+                                               operand_blocks, holes):
   """A full-precision segment (KIVI's window: 129 tokens, in the model's dtype, not the store's) is read by the
-  same kernel, not by a second one (also with the operands built a block of channels at a time)."""
-  store = _abstract_store(k_bits, k_bits, 32, 32, 128, store_dtype)
+  same kernel, not by a second one (also with the operands built a block of channels at a time, and with a
+  store's holes, stacked or one step's, read in the same pipeline)."""
+  store = _abstract_store(k_bits, k_bits, 32, 32, 128, store_dtype, holes=holes)
   s = jax.ShapeDtypeStruct
   segment = (s((2, 2, 2, width, 128), segment_dtype), s((2, 2, 2, width, 128), segment_dtype),
              s((2, 2, t_rows, width) if per_head else (2, t_rows, width), jnp.bool_))
@@ -394,6 +399,39 @@ class TestMgpuDecodeAttentionGpu:
       tolerance = 1e-2 if jnp.bfloat16 in (store_dtype, segment_dtype) else 2e-3
       assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= tolerance
       np.testing.assert_allclose(lse, lse_ref, atol=0.05)
+
+  @pytest.mark.parametrize("k_bits,dtype,step_tiles,stacked,with_segment,operand_blocks", [
+      (2, jnp.float16, None, True, False, None), (4, jnp.bfloat16, 1, False, False, None),
+      (2, jnp.bfloat16, 2, True, True, None), (1, jnp.float16, None, False, True, True)])
+  def test_holes_and_a_value_channel_scale(self, k_bits, dtype, step_tiles, stacked, with_segment, operand_blocks):
+    """Holes (a fifth of the slots, all of sequence 1's tile 3, every slot of sequence 2) masked in the kernel, and
+    a value channel scale on its output, stacked over layers or one step's, with and without a segment: held to
+    the reference over the library-layout store with the same holes and scale. Without the holes the answer is
+    far off (so a hole that leaked would show), and sequence 2 has no key in the store (o = 0, lse = MASK_VALUE
+    without a segment)."""
+    store = make_store(30, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=dtype, capacity=1024,
+                       lengths=[1024, 947, 100])
+    kh, kc, kq, kk, kv, km = jax.random.split(jax.random.key(31), 6)
+    valid = jax.random.bernoulli(kh, 0.8, (2, 3, 2, 1024)).at[:, 1, :, 192:256].set(False).at[:, 2].set(False)
+    scale = jax.random.uniform(kc, (2, 3, 2, 128), jnp.float32, 0.25, 4.0)
+    store = dataclasses.replace(store, valid=valid if stacked else valid[1], v_channel_scale=scale)
+    q = jax.random.normal(kq, (3, 2, 1, 4, 128), dtype)
+    segments = ()
+    if with_segment:  # 132 tokens: L * B * Hkv * W a multiple of 8, the kernel reads it in place
+      segment_kv = lambda key: jax.random.normal(key, (2, 3, 2, 132, 128), dtype)
+      segments = ((segment_kv(kk), segment_kv(kv), jax.random.bernoulli(km, 0.7, (3, 1, 132))),)
+    for layer in (0, 1):
+      o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=segments[0] if segments else None,
+                                     return_lse=True, step_tiles=step_tiles, operand_blocks=operand_blocks)
+      o_ref, lse_ref = decode_attention_reference(q, layer, (store,), segments, return_lse=True)
+      no_holes = decode_attention_reference(q, layer, (dataclasses.replace(store, valid=None),), segments)
+      o, o_ref, no_holes = (np.asarray(x, np.float64) for x in (o, o_ref, no_holes))
+      if not with_segment:
+        assert np.all(o[2] == 0) and np.all(np.asarray(lse)[2] == MASK_VALUE)
+      tolerance = 1e-2 if dtype == jnp.bfloat16 else 2e-3
+      assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= tolerance
+      assert np.linalg.norm(no_holes - o_ref) / np.linalg.norm(o_ref) > 10 * tolerance
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
   def test_splits_past_the_length_and_an_empty_sequence(self):
     """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and
