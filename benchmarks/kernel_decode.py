@@ -251,15 +251,17 @@ LAYOUTS = {
 }
 
 
-def layout_inputs(shape: Shape, name: str, seed: int, *, quantized_from_data: bool = False, num_layers: int = 1):
-  """Arguments (q, layer, stores, segments) of decode_attention for LAYOUTS[name] with L = shape.seq_len tokens.
+def layout_inputs(shape: Shape, name: Union[str, Layout], seed: int, *, quantized_from_data: bool = False,
+                  num_layers: int = 1):
+  """Arguments (q, layer, stores, segments) of decode_attention for LAYOUTS[name] (or the Layout ``name``) with
+  L = shape.seq_len tokens.
 
   Each store's capacity is its share of the quantized tokens (L minus the full-precision ones), rounded up to
   whole key groups and 64 tokens, and every slot is below its length; holes are random (a fraction, or a count
   per (b, h)); channel scales are random in [0.5, 2]; segment masks are all True. Stacked arrays carry
   ``num_layers`` layers and layer = num_layers - 1.
   """
-  layout = LAYOUTS[name]
+  layout = LAYOUTS[name] if isinstance(name, str) else name
   b, h, d = shape.batch, shape.kv_heads, shape.head_dim
   quantized = shape.seq_len - sum(length for length, _, _ in layout.segments)
   keys = iter(jax.random.split(jax.random.key(seed), 4 * len(layout.pools) + 2 * len(layout.segments) + 1))

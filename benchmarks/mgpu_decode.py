@@ -17,6 +17,11 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
     xla_kivi2    jkv's XLA path (``jkv.attention.decode_attention``, impl "xla": the store dequantized a block at a
                  time, where the Pallas kernels do not run) on the same store
+    mgpu_ott2    OTT's whole attention call at its defaults (2 bits, G = 16, Gv = 32, R = 32, N = 8, A = 32;
+                 ``kernel_decode.ott_layout``): ``jkv.attention.decode_attention`` (impl "pallas") over the store
+                 MMA-packed with its holes (the buffer of G + R tokens read by the same kernel, the pool segment by
+                 the Triton kernel, merged exactly), as a decode step of OTT with ``mma=True`` runs it
+    triton_ott2  the same call on the store in the library's layout: the Triton kernel over all of it
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
@@ -52,8 +57,9 @@ from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, deco
 from jkv_kernels.mgpu_decode_attention import (STAGES, default_splits, default_step_tiles, mgpu_decode_attention,
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
-from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, record,
-                           store_arrays, time_calls)
+from jkv.methods.ott import Ott
+from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, inputs_bytes,
+                           layout_inputs, ott_layout, record, store_arrays, time_calls)
 from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -126,7 +132,15 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
 
 
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
-         "mgpu_kivi4_window")
+         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2")
+OTT_LAYOUT = ott_layout(Ott())  # OTT at its defaults
+
+
+def ott_inputs(shape: Shape, seed: int, packed: bool):
+  """(q, store, segments) of OTT's attention call at its defaults (``kernel_decode.layout_inputs``: random codes,
+  holes at N + A slots per KV head, every slot below the length), the store MMA-packed or not."""
+  q, _, (ott_store,), segments = layout_inputs(shape, OTT_LAYOUT, seed)
+  return q, (jax.block_until_ready(pack_mma_store(ott_store)) if packed else ott_store), segments
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
 
 
@@ -168,6 +182,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   kivi_call = jax.jit(lambda q, s, w: jkv_attention.decode_attention(q, 0, stores=(s,), segments=(w,), impl="pallas"))
+  ott_call = jax.jit(lambda q, s, segments: jkv_attention.decode_attention(q, 0, stores=(s,), segments=segments,
+                                                                            impl="pallas"))
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
@@ -203,6 +219,10 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
             nbytes + window_bytes(shape), shape, {"splits": _default_splits(shape, bits)})
       run("xla_kivi2", xla, lambda seed: inputs(shape, 2, seed, False), bytes_read(shape, 2), shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
+      ott_bytes = inputs_bytes(jax.eval_shape(lambda: ott_inputs(shape, 0, False)))
+      for impl, packed in (("mgpu_ott2", True), ("triton_ott2", False)):
+        run(impl, ott_call, functools.partial(lambda seed, p=packed: ott_inputs(shape, seed, p)), ott_bytes, shape,
+            {})
       if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
         splits = _default_splits(shape, 2)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
@@ -294,14 +314,15 @@ def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
   impls = IMPLS
-  lines = ["| B | L | " + " | ".join(impls) + " | cuDNN / mgpu_kivi2 | cuDNN / mgpu_kivi4 |",
-           "|---|---|" + "---|" * (len(impls) + 2)]
+  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2")
+  lines = ["| B | L | " + " | ".join(impls) + "".join(f" | cuDNN / {i}" for i in ratios) + " |",
+           "|---|---|" + "---|" * (len(impls) + len(ratios))]
   for batch, seq_len in keys:
     get = lambda i: cells.get((i, batch, seq_len))
     row = [f"{get(i)['median_us']:.1f} µs ({get(i)['gbps']:.0f} GB/s)" if get(i) else "–" for i in impls]
     ratio = lambda i: (f"{get('cudnn_dense')['median_us'] / get(i)['median_us']:.2f}x"
                        if get(i) and get("cudnn_dense") else "–")
-    lines.append(f"| {batch} | {seq_len} | " + " | ".join(row) + f" | {ratio('mgpu_kivi2')} | {ratio('mgpu_kivi4')} |")
+    lines.append(f"| {batch} | {seq_len} | " + " | ".join(row + [ratio(i) for i in ratios]) + " |")
   return "\n".join(lines)
 
 

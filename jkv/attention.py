@@ -278,6 +278,25 @@ def merge_partials(partials):
   return o, jnp.where(empty, MASK_VALUE, m_all + jnp.log(jnp.where(empty, 1.0, l_all)))
 
 
+def _joined_segments(layer, segments):
+  """Segments the Hopper kernel can read, joined into one of this layer's [B, H, S1 + S2 + ..., D] (per-head masks)
+  where there are several of one type (OTT's buffer and pools): one copy of their few rows, so that the kernel
+  reads them all in its softmax instead of a second kernel reading the rest (OTT at its defaults, B = 8,
+  L = 32768, H100: benchmarks/README.md). The others follow, in their order."""
+  readable = [seg for seg in segments if mgpu_decode_attention.reads_segment(seg[0], seg[1])]
+  if len(readable) < 2 or len({seg[0].dtype for seg in readable}) > 1:
+    return segments
+  at_layer = lambda x: x[layer] if x.ndim == 5 else x
+  batch, heads = at_layer(readable[0][0]).shape[:2]
+  per_head = lambda mask: jnp.broadcast_to(mask if mask.ndim == 4 else mask[:, None],
+                                           (batch, heads) + mask.shape[-2:])
+  joined = tuple(jnp.concatenate([f(seg[i]) for seg in readable], axis=-2 if i < 2 else -1)
+                 for i, f in enumerate((at_layer, at_layer, per_head)))
+  if not mgpu_decode_attention.reads_segment(joined[0], joined[1]):
+    return segments
+  return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
+
+
 def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=None, return_lse: bool = False,
                      token_mass_rows: tuple = ()):
   """Attention of q [B, H, T, g, D] over quantized stores and full-precision segments, one softmax.
@@ -310,6 +329,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and rows:
     raise ValueError("token mass (ZipCache's probes, SpeCache's top-k) is not read from MMA-packed stores")
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
+    segments = _joined_segments(layer, segments)
     # The first segment the kernel can read in place (KIVI's window) joins the first store's softmax.
     fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
     parts = [mgpu_decode_attention.mgpu_decode_partial(

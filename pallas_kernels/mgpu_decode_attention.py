@@ -572,9 +572,9 @@ def segment_slots(operand_blocks: bool) -> int:
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
                         operand_blocks: bool = False) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
-  q, p, the partials (at the widest N, 16 rows) and a value channel scale; with a ``segment``, its q and p, and its pipeline's slots
-  (``segment_slots``) of a tile of keys, values and mask where they are larger than the store's (the two
-  pipelines run one after the other)."""
+  q, p, the partials (at the widest N, 16 rows) and a value channel scale; with a ``segment``, its q and p, and
+  its pipeline's slots (``segment_slots``) of a tile of keys, values and mask where they are larger than the
+  store's (the two pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
                        + (TILE if store.valid is not None else 0))  # a byte per slot for the holes

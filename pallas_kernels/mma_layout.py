@@ -191,6 +191,23 @@ def _channel_pairs(head_dim):
   return 2 * q_idx + 8 * j_idx
 
 
+def _key_words(k, bits):
+  """Integer key codes [..., n, D] (n a multiple of 64) -> tile words [..., n / 64, 64 D bits / 32] uint32."""
+  *lead, tokens, head_dim = k.shape
+  kt, kc = key_register_map(head_dim)
+  return _pack_registers(k.reshape(*lead, tokens // TILE, TILE, head_dim)[..., kt, kc], bits)
+
+
+def key_meta_words(scale, zero):
+  """Key scales and zero-points [..., D, groups] (16-bit) -> meta words [..., groups, D] uint32: per group,
+  (scale pair, zero pair) words of the channel pairs (2 q + 8 j, + 1), quads interleaved."""
+  *lead, head_dim, groups = scale.shape
+  ch = _channel_pairs(head_dim)  # [4, D/8]
+  ks, kz = jnp.swapaxes(scale, -1, -2), jnp.swapaxes(zero, -1, -2)  # [..., groups, D]
+  meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
+  return _interleave_quads(meta.reshape(*lead, groups, 4, -1))
+
+
 def pack_key_tiles(codes, scale, zero, *, bits: int):
   """Keys in the library's layout -> the MMA packing, for any leading axes and n tokens (a multiple of 64 and
   of the key group G).
@@ -200,14 +217,26 @@ def pack_key_tiles(codes, scale, zero, *, bits: int):
   Returns:
     (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / G, D] uint32).
   """
-  *lead, head_dim, groups = scale.shape
-  k = jnp.swapaxes(unpack(codes, bits=bits, axis=-1), -1, -2)  # [..., n, D]
-  k = k.reshape(*lead, -1, TILE, head_dim)
-  kt, kc = key_register_map(head_dim)
-  ch = _channel_pairs(head_dim)  # key scales per group: [4, D/8, 2] words of channel pairs (2q + 8j, +1)
-  ks, kz = jnp.swapaxes(scale, -1, -2), jnp.swapaxes(zero, -1, -2)  # [..., n/G, D]
-  meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
-  return _pack_registers(k[..., kt, kc], bits), _interleave_quads(meta.reshape(*lead, groups, 4, -1))
+  return _key_words(jnp.swapaxes(unpack(codes, bits=bits, axis=-1), -1, -2), bits), key_meta_words(scale, zero)
+
+
+def _value_words(v, bits):
+  """Integer value codes [..., n, D] (n a multiple of 64) -> tile words [..., n / 64, 64 D bits / 32] uint32."""
+  *lead, tokens, head_dim = v.shape
+  vt, vc = value_register_map(head_dim)
+  return _pack_registers(v.reshape(*lead, tokens // TILE, TILE, head_dim)[..., vt, vc], bits)
+
+
+def _value_meta_words(scale, zero):
+  """Value scales and zero-points [..., n, D / Gv] (16-bit, n a multiple of 64) -> meta words
+  [..., n / 64, D / Gv * 64] uint32: per tile and channel group, (scale pair, zero pair) words of the token pairs
+  (2 q + 8 j, + 1), quads interleaved."""
+  *lead, tokens, channel_groups = scale.shape
+  tok = _channel_pairs(64)  # [4, 8]
+  per_tile = lambda a: jnp.swapaxes(a.reshape(*lead, tokens // TILE, TILE, channel_groups), -1, -2)
+  vs, vz = per_tile(scale), per_tile(zero)  # [..., tile, D/Gv, 64]
+  meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])], -1)
+  return _interleave_quads(meta.reshape(*meta.shape[:-3], 4, 16)).reshape(*lead, tokens // TILE, -1)
 
 
 def pack_value_tiles(codes, scale, zero, *, bits: int):
@@ -218,17 +247,45 @@ def pack_value_tiles(codes, scale, zero, *, bits: int):
   Returns:
     (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / 64, D / Gv * 64] uint32).
   """
-  *lead, tokens, channel_groups = scale.shape
-  v = unpack(codes, bits=bits, axis=-1)  # [..., n, D]
-  head_dim = v.shape[-1]
-  v = v.reshape(*lead, tokens // TILE, TILE, head_dim)
-  vt, vc = value_register_map(head_dim)
-  tok = _channel_pairs(64)  # value scales per tile: [D/Gv, 4, 8, 2] words of token pairs (2q + 8j, +1)
-  per_tile = lambda a: jnp.swapaxes(a.reshape(*lead, tokens // TILE, TILE, channel_groups), -1, -2)
-  vs, vz = per_tile(scale), per_tile(zero)  # [..., tile, D/Gv, 64]
-  meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])], -1)
-  meta = _interleave_quads(meta.reshape(*meta.shape[:-3], 4, 16)).reshape(*lead, tokens // TILE, -1)
-  return _pack_registers(v[..., vt, vc], bits), meta
+  return _value_words(unpack(codes, bits=bits, axis=-1), bits), _value_meta_words(scale, zero)
+
+
+def merge_into_tiles(k_words, v_words, v_meta, keys, values, offset, *, k_bits: int, v_bits: int):
+  """Packed tiles with M tokens from ``offset`` replaced by new ones in the library's layout, every other token
+  kept: how a method that quantizes a block of tokens at a time (OTT's G, at any multiple of G within a tile)
+  writes the MMA packing.
+
+  Args:
+    k_words, v_words: [B, H, n, W] uint32, the n tiles that hold the tokens; v_meta: [B, H, n, Wm] uint32.
+    keys: (codes [B, H, D, M / Pk] uint32, scale, zero [B, H, D, M / G]); values: (codes [B, H, M, D / Pv],
+      scale, zero [B, H, M, D / Gv]): the library's layout (``quantize_pack``).
+    offset: [B] int32 where the first new token lies in the first tile; offset and M multiples of 16 (a pair of
+      neighbouring tokens shares a value meta word), offset + M <= 64 n.
+  Returns:
+    (k_words, k_meta [B, H, M / G, D], v_words, v_meta): the merged tiles and the new key groups' meta words.
+  """
+  tokens = TILE * k_words.shape[2]
+  k_codes, k_scale, k_zero = keys
+  v_codes, v_scale, v_zero = values
+
+  def place(x):  # [B, H, M, ...] -> [B, H, 64 n, ...]: x at tokens [offset, offset + M) of each sequence, 0 around
+    zeros = jnp.zeros((*x.shape[1:2], tokens, *x.shape[3:]), x.dtype)
+    at = lambda b_x, b_offset: jax.lax.dynamic_update_slice_in_dim(zeros, b_x, b_offset, axis=1)
+    return jax.vmap(at)(x, offset)
+
+  new = jnp.ones(v_codes.shape[:3] + (1,), bool)
+  in_range = place(new)  # [B, H, 64 n, 1]
+  ones = lambda bits: jnp.where(in_range, (1 << bits) - 1, 0).astype(jnp.uint32)  # every field of the new tokens
+  head_dim = k_codes.shape[2]
+  k_mask = _key_words(jnp.broadcast_to(ones(k_bits), in_range.shape[:3] + (head_dim,)), k_bits)
+  v_mask = _value_words(jnp.broadcast_to(ones(v_bits), in_range.shape[:3] + (head_dim,)), v_bits)
+  k_new = _key_words(place(jnp.swapaxes(unpack(k_codes, bits=k_bits, axis=-1), -1, -2)), k_bits)
+  v_new = _value_words(place(unpack(v_codes, bits=v_bits, axis=-1)), v_bits)
+  meta_new = _value_meta_words(place(v_scale), place(v_zero))
+  marked = place(jnp.ones(v_scale.shape, v_scale.dtype))
+  meta_mask = _value_meta_words(marked, marked) != 0
+  return ((k_words & ~k_mask) | k_new, key_meta_words(k_scale, k_zero), (v_words & ~v_mask) | v_new,
+          jnp.where(meta_mask, meta_new, v_meta))
 
 
 def pack_mma_store(store) -> MmaStore:
@@ -295,9 +352,9 @@ def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
 
 def read_mma_tiles(mma: MmaStore, layer, start, count: int):
   """Tiles [start, start + count) of layer ``layer`` dequantized from the MMA packing: keys, values (times the
-  value channel scale) [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles lie in one key group or cover
-  whole ones. The plain-jnp reading of the packing: the check that ``pack_mma_store`` kept every code, scale
-  and zero-point, and the XLA path's way to read an MMA store."""
+  value channel scale) [B, Hkv, 64 count, D] float32. ``layer`` and ``start`` may be traced; the tiles lie in
+  one key group or cover whole ones. The plain-jnp reading of the packing: the check that ``pack_mma_store``
+  kept every code, scale and zero-point, and the XLA path's way to read an MMA store."""
   def take(x, first, n):  # one dynamic slice of the stacked array: [B, H, n, W] at ``layer``
     return jax.lax.dynamic_slice(x, (layer, 0, 0, first, 0), (1, *x.shape[1:3], n, x.shape[4]))[0]
 

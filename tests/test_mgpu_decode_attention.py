@@ -75,6 +75,38 @@ def test_a_range_of_tiles_reads_as_the_same_tokens_of_the_store(k_group):
     np.testing.assert_array_equal(np.asarray(v), np.asarray(v_all[:, :, tokens]))
 
 
+@pytest.mark.parametrize("bits,k_group,offsets,tokens,tiles", [
+    (2, 16, [16, 48], 16, 1), (4, 32, [32, 0], 32, 1), (1, 32, [0, 32], 32, 2), (2, 64, [0, 0], 128, 2)])
+def test_merging_tokens_into_tiles_replaces_them_and_keeps_the_rest(bits, k_group, offsets, tokens, tiles):
+  """A block of new tokens merged into packed tiles at a per-sequence offset: read back, those tokens are the new
+  block's and every other token (and key group) is the old tiles', for each width (1-bit words mix both halves
+  of a value tile's tokens)."""
+  from jkv_kernels.mma_layout import merge_into_tiles, read_key_tiles, read_value_tiles
+  config = dict(k_bits=bits, v_bits=bits, k_group=k_group, v_group=32, dtype=jnp.float16, layers=1, batch=2)
+  old = make_store(40, capacity=64 * tiles, **config)
+  new = make_store(41, capacity=tokens, **config)
+  packed = pack_mma_store(old)
+  first = lambda *arrays: tuple(a[0] for a in arrays)
+  k_words, k_meta, v_words, v_meta = merge_into_tiles(
+      packed.k_codes[0], packed.v_codes[0], packed.v_meta[0], first(new.k_codes, new.k_scale, new.k_zero),
+      first(new.v_codes, new.v_scale, new.v_zero), jnp.asarray(offsets), k_bits=bits, v_bits=bits)
+  meta = np.array(packed.k_meta[0])
+  for b, offset in enumerate(offsets):
+    meta[b, :, offset // k_group:(offset + tokens) // k_group] = k_meta[b]
+  keys = read_key_tiles(k_words, jnp.asarray(meta), bits=bits, group=k_group, dtype=jnp.float16)
+  values = read_value_tiles(v_words, v_meta, bits=bits, group=32, dtype=jnp.float16)
+  k_old, v_old, _ = old.read_layer(0)
+  k_new, v_new, _ = new.read_layer(0)
+  for b, offset in enumerate(offsets):
+    span = slice(offset, offset + tokens)
+    np.testing.assert_array_equal(np.asarray(keys[b, :, span]), np.asarray(k_new[b]))
+    np.testing.assert_array_equal(np.asarray(values[b, :, span]), np.asarray(v_new[b]))
+    rest = np.ones(64 * tiles, bool)
+    rest[span] = False
+    np.testing.assert_array_equal(np.asarray(keys[b][:, rest]), np.asarray(k_old[b][:, rest]))
+    np.testing.assert_array_equal(np.asarray(values[b][:, rest]), np.asarray(v_old[b][:, rest]))
+
+
 def test_register_maps_follow_the_ptx_wgmma_a_layout():
   """PTX ISA, wgmma .m64nNk16 A fragment (16-bit): thread t of the warpgroup holds rows 16 (t // 32) + (t % 32) // 4
   (+ 8) and, per 8-column block, columns 2 (t % 4) (+ 1). Every (row, column) of a tile is held exactly once."""

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 
 from jkv import cli
+from jkv.attention import hopper_kernel_available
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation.compare import MethodSpec
 from jkv.methods import make_method
 from jkv.methods.ott import Ott, compete
 from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv_kernels.dequant_attention import QuantizedStore
+from jkv_kernels.mma_layout import MmaStore, read_mma_store
 from jkv_kernels.quantization import dequantize, quantize, unpack
 import quant_oracle
 from conftest import has_pallas_gpu
@@ -412,6 +415,85 @@ def test_batch_rows_are_independent():
   expected = (3 * 2 * np.sum(n_q * (2 * 2 / 8 * 64 + 2 * 2 * 64 / G + 2 * 2 * 64 / min(G, 64) + 1) + (n - n_q) * 2 * 4 * 64)
               + pooled * (2 * 4 * 64 + 4) + int((pos[..., :3] >= 0).sum()) * 4 + 1 * 2 * 3 * 5 + 4 * 3)
   assert method.held_bytes(spec, state, n).device == round(expected)
+
+
+def _mma_and_library_runs(G, selection, impls, steps, dtype=jnp.float32):
+  """OTT with its store in the MMA packing (impl ``impls[True]``) and in the library's layout (``impls[False]``)
+  over one ragged batch with pools, evictions and holes, two rows a step: the outputs of each step and the
+  final states."""
+  rng = np.random.default_rng(12)
+  q, k, v = _random_qkv(rng, 3, 512)
+  lengths = np.array([40, 3 * G + 7, 200])  # block events at each sequence's own steps
+  T = int(lengths.max())
+  runs = {}
+  for mma in (False, True):
+    method = Ott(group_size=G, residual=16, pool_size=3, aux_size=8, prefill_selection=selection, mma=mma)
+    state = _prefill(method, method.init(_spec(3, 512, head_dim=64, dtype=dtype)), 2, k[:, :, :T], v[:, :, :T],
+                     lengths, impls[mma])
+    outs = []
+    for t in range(0, steps, 2):
+      held = lengths + t
+      rows = lambda x: _rows(x, held, 2).astype(dtype)
+      out, state = _step(method, state, 2, rows(q), rows(k), rows(v), jnp.asarray(held, jnp.int32), impls[mma])
+      outs.append(np.asarray(out, np.float64))
+    runs[mma] = (np.stack(outs), state, method)
+  return runs, lengths + steps
+
+
+@pytest.mark.parametrize("G,selection", [(16, "oneshot"), (32, "sequential"), (128, "oneshot")])
+def test_mma_packing_equals_the_library_layout(G, selection):
+  """The MMA packing (block events merged into the tile that holds them: a quarter or half tile at G = 16, 32,
+  two tiles at G = 128) against the library's layout, both read by the XLA path: every step's output is the
+  same, and so is every quantized token, hole and pool."""
+  runs, n = _mma_and_library_runs(G, selection, {False: "xla", True: "xla"}, steps=40)
+  (ref, ref_state, method), (out, state, _) = runs[False], runs[True]
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+  assert not np.asarray(ref_state.valid[2]).all()  # holes were made
+  n_q = np.asarray(method.quantized(jnp.asarray(n)))
+  D = 64
+  library = QuantizedStore(ref_state.k_codes, ref_state.k_scale, ref_state.k_zero, ref_state.v_codes,
+                           ref_state.v_scale, ref_state.v_zero, jnp.asarray(n_q), 2, 2, G, method.value_group_for(D))
+  k_ref, v_ref, _ = library.read_layer(2)
+  mma = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, jnp.asarray(n_q), 2, 2, G,
+                 method.value_group_for(D), "float16")
+  k, v = read_mma_store(mma, 2)
+  for b in range(3):
+    np.testing.assert_array_equal(np.asarray(k[b, :, :n_q[b]]), np.asarray(k_ref[b, :, :n_q[b]]))
+    np.testing.assert_array_equal(np.asarray(v[b, :, :n_q[b]]), np.asarray(v_ref[b, :, :n_q[b]]))
+  for name in ("valid", "k_fp", "v_fp", "pool_k", "pool_v", "pool_pos", "pool_score", "aux_count", "frozen"):
+    np.testing.assert_array_equal(np.asarray(getattr(state, name)), np.asarray(getattr(ref_state, name)),
+                                  err_msg=name)
+
+
+def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
+  """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes
+  the query rows) and the settings allow it (G dividing 64 or a multiple of it, 1/2/4 bits); mma=True with
+  settings the packing does not take is a one-line error."""
+  import jkv.methods.ott as ott
+  spec = _spec(2, 256, head_dim=64)
+  monkeypatch.setattr(ott, "hopper_kernel_takes", lambda rows: True)
+  assert Ott().for_impl(spec, "pallas").mma and Ott(group_size=128).for_impl(spec, "pallas").mma
+  assert not Ott().for_impl(spec, "xla").mma
+  assert not Ott(group_size=48).for_impl(spec, "pallas").mma and not Ott(bits=8).for_impl(spec, "pallas").mma
+  assert not Ott().for_impl(_spec(2, 256, head_dim=32), "pallas").mma  # D a multiple of 64
+  monkeypatch.setattr(ott, "hopper_kernel_takes", lambda rows: False)
+  assert not Ott().for_impl(spec, "pallas").mma
+  with pytest.raises(ValueError, match="group_size=48 to divide 64"):
+    Ott(group_size=48, mma=True)
+  with pytest.raises(ValueError, match="k_bits=8"):
+    Ott(bits=8, mma=True)
+
+
+@pytest.mark.skipif(not hopper_kernel_available(), reason="needs a Hopper GPU and Mosaic GPU")
+def test_mma_packing_on_the_hopper_kernel_equals_the_library_layout():
+  """With impl pallas on a Hopper GPU, OTT's MMA-packed store (holes masked in the kernel, the buffer in the same
+  kernel, the pool segment merged from the Triton kernel) against the library's layout on the XLA path, in bf16:
+  every step's output within 16-bit rounding."""
+  runs, _ = _mma_and_library_runs(16, "oneshot", {False: "xla", True: "pallas"}, steps=24, dtype=jnp.bfloat16)
+  (ref, _, _), (out, state, _) = runs[False], runs[True]
+  assert not np.asarray(state.valid[2]).all()
+  for step_out, step_ref in zip(out, ref):
+    assert np.linalg.norm(step_out - step_ref) / np.linalg.norm(step_ref) <= 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ the kernel

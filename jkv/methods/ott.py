@@ -20,9 +20,14 @@ and later blocks are quantized exactly as KIVI would quantize them. Layers [0, n
 Attention (spec §3.6) is one softmax over three parts, so every token counts once: the quantized store with its
 holes masked, the pools (one segment: the N pool slots, then the A auxiliary slots, each masked per KV head where
 empty) and the full-precision buffer.
+
+With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
+tensor-core kernel reads, holes and all: a block event merges its G tokens into the tile that holds them
+(``merge_into_tiles``: G divides 64, or is a multiple of it), with the same codes, scales and placeholders.
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -30,12 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import QuantizedStore, decode_attention
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import write_at, write_layer
+from jkv.cache_arrays import read_at, write_at, write_layer
 from jkv.config import DTYPES
 from jkv.methods.kivi import KIVI_BITS
 from jkv.methods.registry import register
+from jkv_kernels.mma_layout import TILE, check_mma_packing, merge_into_tiles
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
 PREFILL_SELECTIONS = ("oneshot", "sequential")
@@ -61,6 +67,25 @@ class OttState:
   pool_score: jax.Array  # [L, B, H, N] float32 key L1 norm of the outlier pool, ascending by (score, position)
   aux_count: jax.Array  # [L, B, H] int32 tokens in the auxiliary pool
   frozen: jax.Array  # [L, B, H] bool: this head has stopped selecting outliers
+
+
+@struct.dataclass
+class OttMmaState:
+  """OTT's state with the store in the MMA-ready packing (``Ott(mma=True)``); the other arrays are OttState's."""
+
+  k_tiles: jax.Array  # [L, B, H, C/64, 2 D bits] uint32: key tiles
+  k_meta: jax.Array  # [L, B, H, C/G, D] uint32: per key group, (scale, zero) pairs
+  v_tiles: jax.Array  # [L, B, H, C/64, 2 D bits] uint32: value tiles
+  v_meta: jax.Array  # [L, B, H, C/64, D/Gv 64] uint32: per value tile, (scale, zero) pairs
+  valid: jax.Array
+  k_fp: jax.Array
+  v_fp: jax.Array
+  pool_k: jax.Array
+  pool_v: jax.Array
+  pool_pos: jax.Array
+  pool_score: jax.Array
+  aux_count: jax.Array
+  frozen: jax.Array
 
 
 def compete(pool_score, pool_pos, block_score, block_pos, capacity):
@@ -137,6 +162,10 @@ class Ott(CacheMethod):
       "help": "'oneshot': the prompt's N smallest-norm tokens in one competition; 'sequential': one "
               "competition per block, as decoding runs them (same pool; evicted tokens fill the auxiliary pool)"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+  mma: Optional[bool] = dataclasses.field(default=None, metadata={
+      "help": "keep the store in the packing the Hopper tensor-core kernel reads (1/2/4-bit, 16-bit scales, G "
+              "dividing 64 or a multiple of it); default: where that kernel runs (a Hopper GPU, attention impl "
+              "pallas) and the settings and model allow the packing"})
 
   def __post_init__(self):
     G, R = self.group_size, self.residual
@@ -159,6 +188,8 @@ class Ott(CacheMethod):
                      ("no_pool_layers", self.no_pool_layers)):
       if n < 0:
         raise ValueError(f"ott {label}={n} must be non-negative")
+    if self.mma:  # the head dim is checked with the spec
+      self._check_mma(head_dim=64 * -(-(self.value_group or G) // 64), capacity=TILE)
 
   @property
   def window(self) -> int:
@@ -187,6 +218,36 @@ class Ott(CacheMethod):
     if spec.head_dim % Gv or Gv % (32 // self.bits):
       raise ValueError(f"ott value group {Gv} must divide the head dim {spec.head_dim} and be a multiple of "
                        f"{32 // self.bits} ({self.bits}-bit codes pack {32 // self.bits} per word)")
+    if self.mma:
+      self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
+
+  def _check_mma(self, *, head_dim: int, capacity: int) -> None:
+    """One-line errors for settings, or a head dim, that the MMA packing does not take."""
+    G = self.group_size
+    if 64 % G and G % 64:
+      raise ValueError(f"ott mma=true needs group_size={G} to divide 64 or be a multiple of it (a block event "
+                       "writes whole key groups into a tile)")
+    check_mma_packing(k_bits=self.bits, v_bits=self.bits, k_group=G, v_group=self.value_group_for(head_dim),
+                      head_dim=head_dim, tokens=self._store_capacity(capacity), meta_dtype=self.meta)
+
+  def _store_capacity(self, capacity: int) -> int:
+    """Slots of the store: whole key groups (``_compress`` writes the block after the last quantized one), and
+    whole tiles of 64 with the MMA packing."""
+    unit = math.lcm(self.group_size, TILE) if self.mma else self.group_size
+    return -(-capacity // unit) * unit
+
+  def for_impl(self, spec: CacheSpec, impl: str) -> "Ott":
+    """``mma`` left open (None) is on where the Hopper kernel would read the store: impl "pallas" on a Hopper GPU,
+    at most 16 query rows per KV head, and settings the packing takes."""
+    if self.mma is not None:
+      return self
+    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
+    if fits:
+      try:
+        self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
+      except ValueError:
+        fits = False
+    return dataclasses.replace(self, mma=fits)
 
   def capacity_multiple(self) -> int:
     return self.group_size
@@ -210,21 +271,24 @@ class Ott(CacheMethod):
   def abstract(self, spec: CacheSpec) -> OttState:
     L, B, H, D = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim
     G, Gv, per_word = self.group_size, self.value_group_for(D), 32 // self.bits
-    # Whole key groups, so the block after the last quantized one always fits (``_compress`` writes there).
-    C = -(-spec.capacity // G) * G
+    C = self._store_capacity(spec.capacity)
     N, P = self.pool_size, self.pool_slots
     lead = ("layers", "batch", "kv_heads")
     by_channel = lambda n, dtype: ArrayInfo((L, B, H, D, n), dtype, lead + ("head_dim", "token_groups"))
     by_token = lambda n, dtype: ArrayInfo((L, B, H, C, n), dtype, lead + ("tokens", "channel_groups"))
     rows = lambda n, axis: ArrayInfo((L, B, H, n, D), spec.dtype, lead + (axis, "head_dim"))
     per_head = lambda dtype: ArrayInfo((L, B, H), dtype, lead)
-    return OttState(
-        k_codes=by_channel(C // per_word, jnp.uint32),
-        k_scale=by_channel(C // G, self.meta),
-        k_zero=by_channel(C // G, self.meta),
-        v_codes=by_token(D // per_word, jnp.uint32),
-        v_scale=by_token(D // Gv, self.meta),
-        v_zero=by_token(D // Gv, self.meta),
+    if self.mma:
+      tiles = ArrayInfo((L, B, H, C // TILE, 2 * D * self.bits), jnp.uint32, lead + ("tiles", "tile_words"))
+      key_groups = ArrayInfo((L, B, H, C // G, D), jnp.uint32, lead + ("token_groups", "head_dim"))
+      store = dict(k_tiles=tiles, k_meta=key_groups, v_tiles=tiles, v_meta=ArrayInfo((L, B, H, C // TILE, D // Gv * TILE), jnp.uint32,
+                                                   lead + ("tiles", "meta_words")))
+    else:
+      store = dict(k_codes=by_channel(C // per_word, jnp.uint32), k_scale=by_channel(C // G, self.meta),
+                   k_zero=by_channel(C // G, self.meta), v_codes=by_token(D // per_word, jnp.uint32),
+                   v_scale=by_token(D // Gv, self.meta), v_zero=by_token(D // Gv, self.meta))
+    return (OttMmaState if self.mma else OttState)(
+        **store,
         valid=ArrayInfo((L, B, H, C if N else 0), jnp.bool_, lead + ("tokens",)),
         k_fp=rows(self.window, "ring"),
         v_fp=rows(self.window, "ring"),
@@ -333,11 +397,21 @@ class Ott(CacheMethod):
     vc, vs, vz = quant(vq, Gv, -1)  # [B, H, M, D/Pv], [B, H, M, D/Gv]
 
     put = lambda buf, new, offset, axis: write_at(buf, layer, new, offset, axis=axis)
-    per_word = 32 // self.bits
-    state = state.replace(
-        k_codes=put(state.k_codes, kc, start // per_word, 3), k_scale=put(state.k_scale, ks, start // G, 3),
-        k_zero=put(state.k_zero, kz, start // G, 3), v_codes=put(state.v_codes, vc, start, 2),
-        v_scale=put(state.v_scale, vs, start, 2), v_zero=put(state.v_zero, vz, start, 2))
+    if self.mma:  # the tiles that hold [start, start + M): one where G divides 64 (M = G) or start = 0
+      tile, span = start // TILE, -(-M // TILE)
+      tiles = lambda buf: read_at(buf, layer, tile, span, axis=2)
+      k_tiles, k_meta, v_tiles, v_meta = merge_into_tiles(
+          tiles(state.k_tiles), tiles(state.v_tiles), tiles(state.v_meta), (kc, ks, kz), (vc, vs, vz),
+          start % TILE, k_bits=self.bits, v_bits=self.bits)
+      state = state.replace(
+          k_tiles=put(state.k_tiles, k_tiles, tile, 2), k_meta=put(state.k_meta, k_meta, start // G, 2),
+          v_tiles=put(state.v_tiles, v_tiles, tile, 2), v_meta=put(state.v_meta, v_meta, tile, 2))
+    else:
+      per_word = 32 // self.bits
+      state = state.replace(
+          k_codes=put(state.k_codes, kc, start // per_word, 3), k_scale=put(state.k_scale, ks, start // G, 3),
+          k_zero=put(state.k_zero, kz, start // G, 3), v_codes=put(state.v_codes, vc, start, 2),
+          v_scale=put(state.v_scale, vs, start, 2), v_zero=put(state.v_zero, vz, start, 2))
     return state.replace(valid=put(state.valid, ~admitted, start, 2)) if N else state
 
   def _select(self, state, layer, k, v, pos, competing):
@@ -399,10 +473,15 @@ class Ott(CacheMethod):
     fp_pos = self._fp_positions(held)  # [B, W]
     fp_mask = ((fp_pos >= n_q[:, None]) & (fp_pos >= 0))[:, None, :] & (fp_pos[:, None, :] <= q_positions[:, :, None])
     D = q.shape[-1]
-    store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
-                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
-                           k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
-                           v_group=self.value_group_for(D), valid=state.valid if self.pool_size else None)
+    valid = state.valid if self.pool_size else None
+    if self.mma:
+      store = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, n_q, self.bits, self.bits,
+                       self.group_size, self.value_group_for(D), jnp.dtype(self.meta).name, valid=valid)
+    else:
+      store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
+                             v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
+                             k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
+                             v_group=self.value_group_for(D), valid=valid)
     segments = [(state.k_fp, state.v_fp, fp_mask)]
     if self.pool_slots:
       pool_pos = state.pool_pos[layer][:, :, None, :]  # [B, H, 1, N + A]
