@@ -297,6 +297,37 @@ def _joined_segments(layer, segments):
   return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
 
 
+def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows):
+  """``decode_attention`` on a Hopper GPU: the tensor-core kernel over each MMA-packed store, the first with the
+  first segment it reads in place (KIVI's window; OTT's buffer and pools joined); the rest through the Triton
+  kernel, one softmax merged exactly. Token mass: the stores' from the logits the kernel writes out, the
+  segments' from a second pass over them in XLA (they are a few rows), each against the merged lse."""
+  all_segments = segments
+  if not rows:  # joined segments would give one segment's mass for several
+    segments = _joined_segments(layer, segments)
+  fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
+  parts = [mgpu_decode_attention.mgpu_decode_partial(
+      q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None, store_logits=bool(rows))
+      for i, store in enumerate(mma_stores)]
+  logits = [part[3] for part in parts] if rows else []
+  parts = [part[:3] for part in parts]
+  segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
+  if stores or segments:
+    parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
+                                                                         return_lse=True)))
+  o, lse = merge_partials(parts)
+  out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
+  if rows:
+    lse_rows = lse[:, :, rows][..., None]  # [B, H, R, g, 1]
+    store_mass = tuple(
+        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :], jnp.exp(slots[:, :, rows] - lse_rows), 0.0),
+                axis=3) for store, slots in zip(mma_stores, logits))
+    segment_mass = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows)
+                         for k, v, mask in all_segments)
+    out += ((store_mass, segment_mass),)
+  return out if len(out) > 1 else out[0]
+
+
 def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=None, return_lse: bool = False,
                      token_mass_rows: tuple = ()):
   """Attention of q [B, H, T, g, D] over quantized stores and full-precision segments, one softmax.
@@ -326,22 +357,10 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   stores, segments, rows = tuple(stores), tuple(segments), tuple(token_mass_rows)
   mma_stores = tuple(store for store in stores if isinstance(store, MmaStore))
   stores = tuple(store for store in stores if not isinstance(store, MmaStore))
-  if mma_stores and rows:
-    raise ValueError("token mass (ZipCache's probes, SpeCache's top-k) is not read from MMA-packed stores")
+  if mma_stores and stores and rows:
+    raise ValueError("token mass is read from MMA-packed stores or from library-layout ones, not both at once")
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
-    segments = _joined_segments(layer, segments)
-    # The first segment the kernel can read in place (KIVI's window) joins the first store's softmax.
-    fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
-    parts = [mgpu_decode_attention.mgpu_decode_partial(
-        q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None)
-        for i, store in enumerate(mma_stores)]
-    segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
-    if stores or segments:  # the rest through the Triton kernel, one softmax merged exactly
-      parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
-                                                                           return_lse=True)))
-    o, lse = merge_partials(parts)
-    out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
-    return out if len(out) > 1 else out[0]
+    return _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows)
   if impl != "xla" and not mma_stores:
     return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
                                               token_mass_rows=rows, interpret=impl == "interpret")

@@ -263,11 +263,13 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 
 
 def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              operand_blocks):
+              operand_blocks, store_logits=False):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in the store's dtype (N = 8 or 16 rows,
   the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
-  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s."""
+  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s. ``store_logits``: also the
+  store's logits q . k [B, Hkv, S * tiles, 64, N] fp32 (unscaled, unmasked; tiles of steps the program skips,
+  past the length, are not written)."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
   if segment is not None:
@@ -328,8 +330,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, p_smem, o_smem, l_smem,
-             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None):
-    *refs, o_ref, l_ref, m_ref = refs
+             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None,
+             lg_smem=None):
+    lg_ref = refs[-1] if store_logits else None
+    *refs, o_ref, l_ref, m_ref = refs[:len(refs) - store_logits]
     n_holes, n_scale = int(holes is not None), int(channel_scale is not None)
     hole_refs, scale_refs = refs[:n_holes], refs[n_holes:n_holes + n_scale]
     segment_refs = refs[n_holes + n_scale:]  # q, k, v, allowed (with a segment)
@@ -367,6 +371,12 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
             plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
+      if store_logits:  # through shared memory, once the step before's copy out has read it
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for t in range(step_tiles):
+          lg_smem[t] = logits[t]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lg_smem, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
@@ -486,6 +496,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
+  if store_logits:
+    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, rows), jnp.float32),)
   scratch = dict(
       q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
       p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
@@ -498,6 +510,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   inputs += tuple(x for x in (holes, channel_scale) if x is not None)
   if channel_scale is not None:
     scratch.update(cs_smem=plgpu.SMEM((head_dim,), jnp.float32), cs_barrier=plgpu.Barrier())
+  if store_logits:
+    scratch.update(lg_smem=plgpu.SMEM((step_tiles, TILE, rows), jnp.float32))
   if segment is not None:
     segment_dtype = segment[0].dtype
     segment = (segment[0], *(x.reshape(-1, head_dim) for x in segment[1:3]), segment[3])
@@ -641,10 +655,11 @@ def _padded_rows(q, rows, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps",
-                                             "operand_blocks"])
+                                             "operand_blocks", "store_logits"])
 def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                         splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                        max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None):
+                        max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None,
+                        store_logits: bool = False):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment), unnormalized: the partial that merges exactly with other passes'
   (``jkv.attention.merge_partials``).
@@ -672,10 +687,15 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       for before the next block's operand is built, and run a segment's pipeline one slot deep: KIVI-2 with a
       segment then takes 140 registers and 74 KB instead of 177 and 98 KB (ptxas, H100), so three programs
       share an SM instead of two, but each step waits more often. None: ``default_operand_blocks``.
+    store_logits: also return the store's logits, which the kernel writes out through shared memory as it
+      computes them (for the token mass ZipCache's probes and SpeCache's top-k read; 4 bytes per slot and query
+      row more traffic; the shared-memory budget of the defaults does not count its buffer).
 
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
-    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key.
+    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``store_logits`` then the logits
+    [B, Hkv, T, g, C] float32, sm_scale * q . k of every slot, unspecified at the slots that are not keys (at and
+    past the length, and holes).
   """
   if not available():
     raise RuntimeError("mgpu_decode_attention needs jax's Mosaic GPU API (jax >= 0.11)")
@@ -712,9 +732,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   q_rows = _padded_rows(q, rows, store.dtype)
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
-  o, l, m = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
-                      step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
-                      operand_blocks=operand_blocks)
+  o, l, m, *logits = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
+                                step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
+                                operand_blocks=operand_blocks, store_logits=store_logits)
   if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
     m_all = jnp.max(m, axis=2)
     alpha = jnp.exp2(m - m_all[:, :, None])
@@ -722,7 +742,11 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   else:
     o, l, m = o[:, :, 0], l[:, :, 0], m[:, :, 0]
   per_row = lambda x: x[:, :, :n_rows].reshape(q.shape[:-1])
-  return jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l)
+  out = (jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l))
+  for slots in logits:  # [B, Hkv, tiles, 64, rows] -> [B, Hkv, T, g, C]
+    slots = slots.reshape(batch, kv_heads, -1, rows)[:, :, :store.capacity, :n_rows] * sm_scale
+    out += (jnp.moveaxis(slots, 2, 3).reshape(batch, kv_heads, t_rows, q_per_kv, store.capacity),)
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",

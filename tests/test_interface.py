@@ -344,8 +344,8 @@ def _store_and_segments_for_mma(rng, dtype, holes=False):
 @pytest.mark.parametrize("impl,holes", [("xla", False), ("interpret", False), ("xla", True)])
 def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl, holes):
   """An MmaStore beside a segment, through the XLA path (where every impl reads it off a Hopper GPU), against
-  the same store in the library's layout: the same keys and values, one softmax (holes and a value channel
-  scale too)."""
+  the same store in the library's layout: the same keys and values, one softmax, the same token mass (holes and
+  a value channel scale too)."""
   from jkv_kernels.mma_layout import pack_mma_store
   q, store, segment = _store_and_segments_for_mma(np.random.default_rng(21), jnp.float32, holes)
   o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
@@ -354,8 +354,14 @@ def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl, holes):
                                     return_lse=True)
   np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="MMA-packed"):
-    decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), impl="xla", token_mass_rows=(0,))
+  _, mass = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
+                            token_mass_rows=(0,))
+  _, mass_ref = decode_attention(q, jnp.int32(1), stores=(store,), segments=(segment,), impl="xla",
+                                 token_mass_rows=(0,))
+  for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref), strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="not both at once"):
+    decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store), store), impl="xla", token_mass_rows=(0,))
 
 
 def _hopper() -> bool:
@@ -369,18 +375,24 @@ def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments(holes):
   """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore and the first segment (2 * 2 * 24
   rows of D: it reads them in place), the Triton kernel over the second (2 * 2 * 5 rows: it does not), merged by
   log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding); with holes and
-  a value channel scale too."""
+  a value channel scale too. The token mass of the query row: the store's from the logits the kernel writes out,
+  the segments' from XLA, each against the merged lse."""
   from jkv_kernels.dequant_attention import decode_attention_reference
   from jkv_kernels.mma_layout import pack_mma_store
   rng = np.random.default_rng(22)
   q, store, segment = _store_and_segments_for_mma(rng, jnp.bfloat16, holes)
   short = (segment[0][:, :, :5] * 2, segment[1][:, :, 3:8], jnp.asarray(rng.random((2, 2, 1, 5)) < 0.5))
-  o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment, short),
-                            impl="pallas", return_lse=True)
-  o_ref, lse_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment, short), return_lse=True)
+  o, lse, mass = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment, short),
+                                  impl="pallas", return_lse=True, token_mass_rows=(0,))
+  o_ref, lse_ref, mass_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment, short),
+                                                        return_lse=True, token_mass_rows=(0,))
   o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
   assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
+  assert [len(m) for m in mass] == [1, 2]
+  for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref), strict=True):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-4
 
 
 def test_reference_store_holes_and_channel_scale_by_brute_force():
