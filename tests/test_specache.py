@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jkv import generate as gen
+from jkv.attention import hopper_kernel_available
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
@@ -383,6 +384,40 @@ def test_fused_kernel_path_equals_xla_path():
   kernel_outs, kernel_states = _run(FEW, real, spec_rows, lengths, 2, impl="interpret")
   np.testing.assert_allclose(kernel_outs, outs, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(kernel_states[-1].fetched_idx), np.asarray(states[-1].fetched_idx))
+
+
+MMA_PAIR = {mma: SpeCache(fetch_rows=8, residual=64, mma=mma) for mma in (False, True)}
+
+
+def test_mma_packing_equals_the_library_layout():
+  """The low-bit copy in the MMA packing (value tiles packed and key blocks flushed in ``end_step``, the fetched
+  rows as holes, the token mass of both rows from the packed store) against the library's layout, both on the
+  XLA path: every step's output and every chosen row are the same over 70 steps that cross value tiles and key
+  flushes at each sequence's own steps."""
+  rng = np.random.default_rng(9)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths = np.array([60, 127])
+  (outs, states), (mma_outs, mma_states) = (_run(MMA_PAIR[m], real, spec_rows, lengths, 70) for m in (False, True))
+  np.testing.assert_allclose(mma_outs, outs, rtol=2e-5, atol=2e-5)
+  for state, mma_state in zip(states, mma_states):  # (the rings differ between steps: a flush's timing)
+    np.testing.assert_array_equal(np.asarray(mma_state.fetched_idx), np.asarray(state.fetched_idx))
+
+
+@pytest.mark.skipif(not hopper_kernel_available(), reason="needs a Hopper GPU and Mosaic GPU")
+def test_mma_packing_on_the_hopper_kernel_equals_the_library_layout():
+  """With impl pallas on a Hopper GPU (the tensor-core kernel over the packed 1-bit copy with the fetched rows
+  as holes, its logits giving the speculative row's mass) against the library layout on the XLA path: every
+  step's output within the kernel's 16-bit rounding, and the chosen rows the same but for near ties."""
+  rng = np.random.default_rng(9)
+  real, spec_rows = _data(rng, 2, 256)
+  lengths = np.array([60, 127])
+  outs, states = _run(MMA_PAIR[False], real, spec_rows, lengths, 30)
+  mma_outs, mma_states = _run(MMA_PAIR[True], real, spec_rows, lengths, 30, impl="pallas")
+  for out, want in zip(mma_outs, outs):
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) <= 1e-2
+  same = [np.mean(np.sort(np.asarray(a.fetched_idx), -1) == np.sort(np.asarray(b.fetched_idx), -1))
+          for a, b in zip(mma_states, states)]
+  assert min(same) >= 0.75 and np.mean(same) >= 0.95
 
 
 def test_fetch_paths_agree_bit_for_bit():

@@ -288,18 +288,22 @@ class Kivi(CacheMethod):
     (nothing reads the ring in between). Two conditionals a step instead of two per layer (64 for Llama-3-8B,
     each a ``set_case_condition`` launch in the profile: benchmarks/results/profile_decode_step_kivi2_mma_b307_*):
     KIVI-2 at its largest batch on an H100 went from 29.63 to 29.43 ms/step (one run each, same call)."""
+    rows = ctx.positions.shape[1]
+    return self.settle(state, ctx.lengths + rows, self._packs_at_end_step(rows), ctx.impl)
+
+  def settle(self, state, end, pack_values: bool, impl):
+    """``end_step``'s work for a step that leaves end [B] tokens stored (SpeCache's low-bit copy calls it with its
+    one stored row): ``pack_values``, whether the step's rows left the value tile they completed to it."""
     if not self.mma:
       return state
-    rows = ctx.positions.shape[1]
-    end = ctx.lengths + rows
     every_layer = lambda work, due: lambda s: jax.lax.fori_loop(0, s.k_ring.shape[0], lambda i, s: work(s, i, due), s)
-    if self._packs_at_end_step(rows):
+    if pack_values:
       pack_due = end % TILE == 0  # the row completed its tile
-      pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, ctx.impl)
+      pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, impl)
       state = jax.lax.cond(jnp.any(pack_due), every_layer(pack, pack_due), lambda s: s, state)
     if self.lam == 1:
       flush_due = end % self.residual == 0
-      flush = lambda s, layer, due: self._flush_now(s, layer, end, due, ctx.impl)
+      flush = lambda s, layer, due: self._flush_now(s, layer, end, due, impl)
       state = jax.lax.cond(jnp.any(flush_due), every_layer(flush, flush_due), lambda s: s, state)
     return state
 
@@ -380,20 +384,24 @@ class Kivi(CacheMethod):
     win, in_window = self.window(lengths)
     mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])
     window = (state.k_ring, state.v_ring, mask)
-    b_v = self.value_boundary(lengths)
-    if not self.mma:
-      return decode_attention(q, layer, stores=(self.store(state, b_v),), segments=(window,), impl=impl)
-    G = self.group_size  # bV < 64⌊N/64⌋: the positions before bV are in packed tiles
-    store = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, b_v, self.kb, self.vb, G, G,
-                     jnp.dtype(self.meta).name)
+    store = self.store(state, self.value_boundary(lengths))
     return decode_attention(q, layer, stores=(store,), segments=(window,), impl=impl)
 
-  def store(self, state, b_v, valid=None) -> QuantizedStore:
-    """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache)."""
+  def store(self, state, b_v, valid=None):
+    """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache): an
+    ``MmaStore`` with the MMA packing (bV < 64⌊N/64⌋: the positions before bV are in packed tiles), else a
+    ``QuantizedStore``."""
     G = self.group_size
+    if self.mma:
+      return MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, b_v, self.kb, self.vb, G, G,
+                      jnp.dtype(self.meta).name, valid=valid)
     return QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
                           k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, valid=valid)
+
+  def capacity(self, state) -> int:
+    """Slots of the quantized store of ``state`` (either layout)."""
+    return state.k_tiles.shape[3] * TILE if self.mma else state.v_codes.shape[3]
 
   def ring_positions(self, lengths):
     """[B, W] int32: the position ring slot s holds with ``lengths`` [B] tokens stored (the newest ≡ s mod W;

@@ -65,6 +65,7 @@ heads, layers, sequences and steps.
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 from jax.experimental import pallas as pl
@@ -72,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import decode_attention
+from jkv.attention import decode_attention, hopper_kernel_takes
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_layer
 from jkv.config import DTYPES
@@ -211,7 +212,8 @@ def _named(check):
 
 @struct.dataclass
 class SpeCacheState:
-  low: KiviState  # the low-bit copy on the device (KIVI layout; its residual window in full precision)
+  low: KiviState  # the low-bit copy on the device (KIVI's state, KiviMmaState with mma; its residual window in
+                  # full precision)
   host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value (rows not
                       # stored yet are undefined after a sub-batched prefill on a GPU: ``cache.allocate``)
   staged_kv: jax.Array  # [L, B, H, 1, 2D] model dtype: this step's real row, written to host_kv at its end
@@ -254,6 +256,10 @@ class SpeCache(CacheMethod):
               "them from the low-bit copy and attends again with them (the paper's fetch-then-recompute "
               "baseline: no guess, two attention passes per layer; prefetch does not apply)"})
 
+  mma: Optional[bool] = dataclasses.field(default=None, metadata={
+      "help": "keep the low-bit copy in the packing the Hopper tensor-core kernel reads (KIVI's mma: residual a "
+              "multiple of 64); default: where that kernel runs (a Hopper GPU, attention impl pallas) and the "
+              "settings and model allow the packing"})
   repair: bool = dataclasses.field(default=False, metadata={
       "help": "check each step's guess (the real row's layer-0 key equals the previous speculative row's only when "
               "the guess was the real token) and, where it was wrong, give the real row the fetch-then-recompute "
@@ -285,13 +291,28 @@ class SpeCache(CacheMethod):
 
   @property
   def low_bit(self) -> Kivi:
-    """The low-bit copy: KIVI with the reference code's order (attend, then compress), in the library layout (the
-    speculative top-k reads token mass and the fetched rows leave holes, which the MMA packing does not hold)."""
+    """The low-bit copy: KIVI with the reference code's order (attend, then compress), in the MMA packing with
+    ``mma`` (the fetched rows are holes the Hopper kernel masks, and it writes out the logits the speculative
+    top-k reads), else in the library layout."""
     return Kivi(bits=self.bits, group_size=self.group_size, residual=self.residual, meta_dtype=self.meta_dtype,
-                mma=False)
+                mma=self.mma)
 
   def check(self, spec: CacheSpec) -> None:
     _named(lambda: self.low_bit.check(spec))
+
+  def for_impl(self, spec: CacheSpec, impl: str) -> "SpeCache":
+    """``mma`` left open (None) is on where the Hopper kernel would read the low-bit copy: impl "pallas" on a
+    Hopper GPU, the step's rows (the real one and the speculative one) times the query heads per KV head at most
+    16, and settings the packing takes (as ``Kivi.for_impl``)."""
+    if self.mma is not None:
+      return self
+    fits = impl == "pallas" and hopper_kernel_takes((1 + self.speculative_rows) * spec.q_per_kv)
+    if fits:
+      try:
+        dataclasses.replace(self, mma=True).low_bit.check(spec)
+      except ValueError:
+        fits = False
+    return dataclasses.replace(self, mma=fits)
 
   def capacity_multiple(self) -> int:
     return self.low_bit.capacity_multiple()
@@ -359,7 +380,10 @@ class SpeCache(CacheMethod):
       raise ValueError(f"specache steps carry the real row{' and one speculative row' if self.speculate else ''}, "
                        f"got {k.shape[2]} rows")
     n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
-    low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl)
+    # With the MMA packing the value tile the row completes is packed, and the key block ending at the new length
+    # flushed, in ``end_step`` (KIVI's for steps of one row; the block ending at n was flushed by the step before).
+    low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl,
+                                  flush_before=not self.mma, pack_values=not self.mma)
     staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
     if not self.speculate:
       out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, ctx.positions, n, k_rows, ctx.impl)
@@ -417,8 +441,10 @@ class SpeCache(CacheMethod):
   def end_step(self, state, ctx: StepContext):
     """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
     prefetch, the next step's rows of every layer from it in one call (spec §7.2's host append; the rows chosen
-    may include the one just written)."""
-    state = state.replace(host_kv=host_write_rows(state.host_kv, state.staged_kv, ctx.lengths))
+    may include the one just written); with the MMA packing, the low-bit copy's value tile and key flush that
+    the stored row completed (``Kivi.settle``)."""
+    state = state.replace(low=self.low_bit.settle(state.low, ctx.lengths + 1, True, ctx.impl),
+                          host_kv=host_write_rows(state.host_kv, state.staged_kv, ctx.lengths))
     if state.fetched_kv is not None and state.fetched_idx.shape[-1]:
       state = state.replace(fetched_kv=gather_host_rows(state.host_kv, 0, state.fetched_idx, ctx.impl))
     return state
@@ -436,7 +462,7 @@ class SpeCache(CacheMethod):
     kivi = self.low_bit
     win, in_window = kivi.window(lengths)
     B, H, T = q.shape[:3]
-    C, D = low.v_codes.shape[3], low.k_ring.shape[-1]
+    C, D = kivi.capacity(low), low.k_ring.shape[-1]
     win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])  # [B, T, W]
     valid = None
     segments = []
