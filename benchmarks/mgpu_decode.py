@@ -22,6 +22,10 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
                  MMA-packed with its holes (the buffer of G + R tokens read by the same kernel, the pool segment by
                  the Triton kernel, merged exactly), as a decode step of OTT with ``mma=True`` runs it
     triton_ott2  the same call on the store in the library's layout: the Triton kernel over all of it
+    mgpu_specache1   SpeCache's attention call (``kernel_decode.LAYOUTS["specache1"]``: a 1-bit store with 64
+    triton_specache1   holes per KV head, the 64 fetched rows, a 128-token window, two query rows and the token
+                 mass of the speculative one), on the MMA-packed store (the kernel writes its logits out for the
+                 mass) and on the library layout
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
@@ -58,8 +62,8 @@ from jkv_kernels.mgpu_decode_attention import (STAGES, default_splits, default_s
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from jkv.methods.ott import Ott
-from kernel_decode import (Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count, inputs_bytes,
-                           layout_inputs, ott_layout, record, store_arrays, time_calls)
+from kernel_decode import (LAYOUTS, Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count,
+                           inputs_bytes, layout_inputs, ott_layout, record, store_arrays, time_calls)
 from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -132,15 +136,15 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
 
 
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
-         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2")
-OTT_LAYOUT = ott_layout(Ott())  # OTT at its defaults
+         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1", "triton_specache1")
+METHOD_LAYOUTS = {"ott2": ott_layout(Ott()), "specache1": LAYOUTS["specache1"]}  # OTT at its defaults
 
 
-def ott_inputs(shape: Shape, seed: int, packed: bool):
-  """(q, store, segments) of OTT's attention call at its defaults (``kernel_decode.layout_inputs``: random codes,
-  holes at N + A slots per KV head, every slot below the length), the store MMA-packed or not."""
-  q, _, (ott_store,), segments = layout_inputs(shape, OTT_LAYOUT, seed)
-  return q, (jax.block_until_ready(pack_mma_store(ott_store)) if packed else ott_store), segments
+def method_inputs(shape: Shape, name: str, seed: int, packed: bool):
+  """(q, store, segments) of a method's attention call (``METHOD_LAYOUTS``, ``kernel_decode.layout_inputs``:
+  random codes and holes, every slot below the length), the store MMA-packed or not."""
+  q, _, (one_store,), segments = layout_inputs(shape, METHOD_LAYOUTS[name], seed)
+  return q, (jax.block_until_ready(pack_mma_store(one_store)) if packed else one_store), segments
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
 
 
@@ -182,8 +186,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   kivi_call = jax.jit(lambda q, s, w: jkv_attention.decode_attention(q, 0, stores=(s,), segments=(w,), impl="pallas"))
-  ott_call = jax.jit(lambda q, s, segments: jkv_attention.decode_attention(q, 0, stores=(s,), segments=segments,
-                                                                            impl="pallas"))
+  method_call = lambda name: jax.jit(lambda q, s, segments: jkv_attention.decode_attention(
+      q, 0, stores=(s,), segments=segments, impl="pallas", **dict(METHOD_LAYOUTS[name].call)))
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
@@ -219,10 +223,11 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
             nbytes + window_bytes(shape), shape, {"splits": _default_splits(shape, bits)})
       run("xla_kivi2", xla, lambda seed: inputs(shape, 2, seed, False), bytes_read(shape, 2), shape, {})
       run("cudnn_dense", cudnn, lambda seed: dense_inputs(shape, seed), dense_bytes(shape), shape, {})
-      ott_bytes = inputs_bytes(jax.eval_shape(lambda: ott_inputs(shape, 0, False)))
-      for impl, packed in (("mgpu_ott2", True), ("triton_ott2", False)):
-        run(impl, ott_call, functools.partial(lambda seed, p=packed: ott_inputs(shape, seed, p)), ott_bytes, shape,
-            {})
+      for name in METHOD_LAYOUTS:
+        nbytes = inputs_bytes(jax.eval_shape(lambda: method_inputs(shape, name, 0, False)))
+        for impl, packed in ((f"mgpu_{name}", True), (f"triton_{name}", False)):
+          make = functools.partial(lambda seed, n=name, p=packed: method_inputs(shape, n, seed, p))
+          run(impl, method_call(name), make, nbytes, shape, {})
       if (batch, seq_len) == (8, 32768):  # a cache filled to a quarter of its capacity: splits past it read nothing
         splits = _default_splits(shape, 2)
         run("mgpu_kivi2", mgpu(), lambda seed: timing_inputs(shape, 2, seed, fill=0.25), bytes_read(shape, 2) // 4,
@@ -314,7 +319,7 @@ def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
   impls = IMPLS
-  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2")
+  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2", "mgpu_specache1")
   lines = ["| B | L | " + " | ".join(impls) + "".join(f" | cuDNN / {i}" for i in ratios) + " |",
            "|---|---|" + "---|" * (len(impls) + len(ratios))]
   for batch, seq_len in keys:

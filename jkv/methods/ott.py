@@ -281,8 +281,8 @@ class Ott(CacheMethod):
     if self.mma:
       tiles = ArrayInfo((L, B, H, C // TILE, 2 * D * self.bits), jnp.uint32, lead + ("tiles", "tile_words"))
       key_groups = ArrayInfo((L, B, H, C // G, D), jnp.uint32, lead + ("token_groups", "head_dim"))
-      store = dict(k_tiles=tiles, k_meta=key_groups, v_tiles=tiles, v_meta=ArrayInfo((L, B, H, C // TILE, D // Gv * TILE), jnp.uint32,
-                                                   lead + ("tiles", "meta_words")))
+      tile_meta = ArrayInfo((L, B, H, C // TILE, D // Gv * TILE), jnp.uint32, lead + ("tiles", "meta_words"))
+      store = dict(k_tiles=tiles, k_meta=key_groups, v_tiles=tiles, v_meta=tile_meta)
     else:
       store = dict(k_codes=by_channel(C // per_word, jnp.uint32), k_scale=by_channel(C // G, self.meta),
                    k_zero=by_channel(C // G, self.meta), v_codes=by_token(D // per_word, jnp.uint32),
