@@ -26,6 +26,8 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
     triton_specache1   holes per KV head, the 64 fetched rows, a 128-token window, two query rows and the token
                  mass of the speculative one), on the MMA-packed store (the kernel writes its logits out for the
                  mass) and on the library layout
+    mgpu_zipcache    ZipCache's (``kernel_decode.LAYOUTS["zipcache_pools"]``: a 4-bit pool of 60% of the tokens
+    triton_zipcache    and a 2-bit pool of 40%, holes and a value channel scale, a 100-token window; no probe)
     cudnn_dense  jax.nn.dot_product_attention(implementation="cudnn") on a bf16 cache of length L
     device_copy  a large device-to-device copy (bytes read + written): the bandwidth ceiling
 
@@ -136,15 +138,17 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
 
 
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
-         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1", "triton_specache1")
-METHOD_LAYOUTS = {"ott2": ott_layout(Ott()), "specache1": LAYOUTS["specache1"]}  # OTT at its defaults
+         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1", "triton_specache1", "mgpu_zipcache",
+         "triton_zipcache")
+METHOD_LAYOUTS = {"ott2": ott_layout(Ott()), "specache1": LAYOUTS["specache1"],  # OTT at its defaults
+                  "zipcache": LAYOUTS["zipcache_pools"]}
 
 
 def method_inputs(shape: Shape, name: str, seed: int, packed: bool):
-  """(q, store, segments) of a method's attention call (``METHOD_LAYOUTS``, ``kernel_decode.layout_inputs``:
-  random codes and holes, every slot below the length), the store MMA-packed or not."""
-  q, _, (one_store,), segments = layout_inputs(shape, METHOD_LAYOUTS[name], seed)
-  return q, (jax.block_until_ready(pack_mma_store(one_store)) if packed else one_store), segments
+  """(q, stores, segments) of a method's attention call (``METHOD_LAYOUTS``, ``kernel_decode.layout_inputs``:
+  random codes and holes, every slot below the length), the stores MMA-packed or not."""
+  q, _, stores, segments = layout_inputs(shape, METHOD_LAYOUTS[name], seed)
+  return q, (jax.block_until_ready(tuple(map(pack_mma_store, stores))) if packed else stores), segments
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
 
 
@@ -186,8 +190,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   xla = jax.jit(lambda q, s: jkv_attention.decode_attention(q, 0, stores=(s,), impl="xla"))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   kivi_call = jax.jit(lambda q, s, w: jkv_attention.decode_attention(q, 0, stores=(s,), segments=(w,), impl="pallas"))
-  method_call = lambda name: jax.jit(lambda q, s, segments: jkv_attention.decode_attention(
-      q, 0, stores=(s,), segments=segments, impl="pallas", **dict(METHOD_LAYOUTS[name].call)))
+  method_call = lambda name: jax.jit(lambda q, stores, segments: jkv_attention.decode_attention(
+      q, 0, stores=stores, segments=segments, impl="pallas", **dict(METHOD_LAYOUTS[name].call)))
 
   inputs = lambda shape, bits, seed, packed: timing_inputs(shape, bits, seed, packed=packed)
 
@@ -319,7 +323,7 @@ def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
   impls = IMPLS
-  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2", "mgpu_specache1")
+  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2", "mgpu_specache1", "mgpu_zipcache")
   lines = ["| B | L | " + " | ".join(impls) + "".join(f" | cuDNN / {i}" for i in ratios) + " |",
            "|---|---|" + "---|" * (len(impls) + len(ratios))]
   for batch, seq_len in keys:

@@ -1,7 +1,11 @@
 """Per-sequence reads and writes of stacked cache arrays [L, B, ...] at one layer."""
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from jkv_kernels.mma_layout import TILE, merge_into_tiles
 
 
 def write_at(buf, layer, x, start, axis):
@@ -52,3 +56,28 @@ def read_at(buf, layer, start, size, axis):
 def write_layer(buf, layer, x):
   """Write a whole layer x [B, ...] (from index 0 on every axis) into buf [L, B, ...] in place."""
   return jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), (layer,) + (0,) * x.ndim)
+
+
+def write_mma_tokens(tiles, layer, keys, values, start, *, k_bits: int, v_bits: int, k_group: int, due=None):
+  """Quantized tokens into a store in the MMA packing at one layer: M tokens per sequence from start [B] (a
+  multiple of ``k_group``, which with M is a multiple of 16), merged into the tiles that hold them
+  (``mma_layout.merge_into_tiles``); with ``due`` [B], only those sequences change.
+
+  Args:
+    tiles: (k_tiles, k_meta, v_tiles, v_meta) stacked [L, B, H, ...] (``MmaStore``'s arrays).
+    keys, values: the M tokens in the library's layout (``quantize_pack``): keys (codes [B, H, D, M / Pk], scale,
+      zero [B, H, D, M / k_group]), values (codes [B, H, M, D / Pv], scale, zero [B, H, M, D / Gv]).
+  Returns:
+    the four arrays written. The tokens lie in ``span`` tiles read and written whole, from the tile of start
+    (or earlier, where that would run past the store: start + M never does), whatever start's place in its tile.
+  """
+  k_tiles, k_meta, v_tiles, v_meta = tiles
+  tokens, n_tiles = values[0].shape[2], k_tiles.shape[3]
+  span = min(n_tiles, -(-(tokens + TILE - math.gcd(k_group, TILE)) // TILE))
+  first = jnp.minimum(start // TILE, n_tiles - span)
+  read = lambda buf: read_at(buf, layer, first, span, axis=2)
+  k_words, k_new_meta, v_words, v_new_meta = merge_into_tiles(
+      read(k_tiles), read(v_tiles), read(v_meta), keys, values, start - TILE * first, k_bits=k_bits, v_bits=v_bits)
+  put = lambda buf, new, offset: write_at_where(buf, layer, new, offset, 2, due)
+  return (put(k_tiles, k_words, first), put(k_meta, k_new_meta, start // k_group), put(v_tiles, v_words, first),
+          put(v_meta, v_new_meta, first))

@@ -5,6 +5,7 @@ References here are written from the spec, independently of the method: explicit
 loops for scores, numpy top-k for selections, the one attention reference over dequantized rows for outputs.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jkv.attention import hopper_kernel_available
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.methods import make_method
 from jkv.methods import saliency as sal
@@ -432,6 +434,59 @@ def test_batch_rows_are_independent(decoded):
         np.testing.assert_array_equal(np.asarray(x[1, b, :, :fill])[:, real], np.asarray(y[1, 0, :, :fill])[:, real])
       np.testing.assert_array_equal(np.asarray(pool.k_scale[1, b, :, :, :fill // 16]),
                                     np.asarray(pool_alone.k_scale[1, 0, :, :, :fill // 16]))
+
+
+def _mma_and_library_outputs(impls, steps):
+  """Every step's output of ZipCache (SHARED's settings) with its pools in the library's layout (impl
+  ``impls[False]``) and in the MMA packing (``impls[True]``), over one ragged batch through two recompressions,
+  probe steps included."""
+  rng = np.random.default_rng(15)
+  lengths = np.array([50, 19, 33])
+  q, k, v = _qkv(rng, 3, CAP)
+  outs = {}
+  for mma in (False, True):
+    method = dataclasses.replace(SHARED, mma=mma)
+    state = _prefill(method, method.init(_spec(BATCH, CAP)), LAYER, q, k, v, lengths, impls[mma], pad_to=CAP)
+    step = _step_fn(method, LAYER, impls[mma])
+    outs[mma] = []
+    for t in range(steps):
+      pos = lengths + t
+      out, state = step(state, *(_rows_at(x, pos) for x in (q, k, v)), pos)
+      outs[mma].append(np.asarray(out, np.float64))
+  return np.stack(outs[False]), np.stack(outs[True])
+
+
+def test_mma_packing_equals_the_library_layout():
+  """Both pools in the MMA packing (each event's rows merged into their tiles, holes and the channel scale read
+  by the packed store) give the library layout's outputs on the XLA path, step by step."""
+  ref, out = _mma_and_library_outputs({False: "xla", True: "xla"}, 2 * SHARED.interval + 3)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not hopper_kernel_available(), reason="needs a Hopper GPU and Mosaic GPU")
+def test_mma_packing_on_the_hopper_kernel_equals_the_library_layout():
+  """With impl pallas on a Hopper GPU (the tensor-core kernel over both packed pools, a probe step's window mass
+  against the merged lse) against the library layout on the XLA path: within the kernel's 16-bit rounding."""
+  ref, out = _mma_and_library_outputs({False: "xla", True: "pallas"}, 2 * SHARED.interval + 3)
+  for got, want in zip(out, ref):
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-2
+
+
+def test_mma_left_open_follows_the_kernel_that_would_read_the_pools(monkeypatch):
+  """mma=None packs the pools exactly where the Hopper kernel would read them (impl pallas, the kernel takes the
+  query heads) and the settings allow it; mma=True with settings it does not take is a one-line error."""
+  import jkv.methods.zipcache as zipcache
+  spec = _spec(BATCH, CAP)
+  monkeypatch.setattr(zipcache, "hopper_kernel_takes", lambda rows: True)
+  assert SHARED.for_impl(spec, "pallas").mma and not SHARED.for_impl(spec, "xla").mma
+  assert not ZipCache(high_bits=8).for_impl(spec, "pallas").mma
+  assert not ZipCache(key_group=48).for_impl(spec, "pallas").mma
+  monkeypatch.setattr(zipcache, "hopper_kernel_takes", lambda rows: False)
+  assert not SHARED.for_impl(spec, "pallas").mma
+  with pytest.raises(ValueError, match="key_group=48 to divide 64"):
+    ZipCache(key_group=48, mma=True)
+  with pytest.raises(ValueError, match="k_bits=8"):
+    ZipCache(high_bits=8, mma=True)
 
 
 def test_probe_schedule_of_a_window():

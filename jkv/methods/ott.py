@@ -23,7 +23,8 @@ empty) and the full-precision buffer.
 
 With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
 tensor-core kernel reads, holes and all: a block event merges its G tokens into the tile that holds them
-(``merge_into_tiles``: G divides 64, or is a multiple of it), with the same codes, scales and placeholders.
+(``cache_arrays.write_mma_tokens``; G divides 64, or is a multiple of it), with the same codes, scales and
+placeholders.
 """
 
 import dataclasses
@@ -37,11 +38,11 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_layer
+from jkv.cache_arrays import write_at, write_layer, write_mma_tokens
 from jkv.config import DTYPES
 from jkv.methods.kivi import KIVI_BITS
 from jkv.methods.registry import register
-from jkv_kernels.mma_layout import TILE, check_mma_packing, merge_into_tiles
+from jkv_kernels.mma_layout import TILE, check_mma_packing
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
 PREFILL_SELECTIONS = ("oneshot", "sequential")
@@ -397,15 +398,11 @@ class Ott(CacheMethod):
     vc, vs, vz = quant(vq, Gv, -1)  # [B, H, M, D/Pv], [B, H, M, D/Gv]
 
     put = lambda buf, new, offset, axis: write_at(buf, layer, new, offset, axis=axis)
-    if self.mma:  # the tiles that hold [start, start + M): one where G divides 64 (M = G) or start = 0
-      tile, span = start // TILE, -(-M // TILE)
-      tiles = lambda buf: read_at(buf, layer, tile, span, axis=2)
-      k_tiles, k_meta, v_tiles, v_meta = merge_into_tiles(
-          tiles(state.k_tiles), tiles(state.v_tiles), tiles(state.v_meta), (kc, ks, kz), (vc, vs, vz),
-          start % TILE, k_bits=self.bits, v_bits=self.bits)
-      state = state.replace(
-          k_tiles=put(state.k_tiles, k_tiles, tile, 2), k_meta=put(state.k_meta, k_meta, start // G, 2),
-          v_tiles=put(state.v_tiles, v_tiles, tile, 2), v_meta=put(state.v_meta, v_meta, tile, 2))
+    if self.mma:
+      k_tiles, k_meta, v_tiles, v_meta = write_mma_tokens(
+          (state.k_tiles, state.k_meta, state.v_tiles, state.v_meta), layer, (kc, ks, kz), (vc, vs, vz), start,
+          k_bits=self.bits, v_bits=self.bits, k_group=G)
+      state = state.replace(k_tiles=k_tiles, k_meta=k_meta, v_tiles=v_tiles, v_meta=v_meta)
     else:
       per_word = 32 // self.bits
       state = state.replace(

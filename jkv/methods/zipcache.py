@@ -27,24 +27,29 @@ Layout, and why:
   (``token_mass_rows``) and accumulates until the window is full. Random probes come from
   ``fold_in(fold_in(key(probe_seed), layer), position)``, so generation stays a pure function of its inputs and a
   sequence draws the same probes in any batch.
+- With ``mma=True`` both pools are kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
+  tensor-core kernel reads, holes and channel scale included; each event's rows are merged into the tiles that
+  hold them (``cache_arrays.write_mma_tokens``), and a probe step's mass comes from the logits the kernel writes.
 """
 
 import dataclasses
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import QuantizedStore, decode_attention
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import write_at, write_at_where, write_layer
+from jkv.cache_arrays import write_at, write_at_where, write_layer, write_mma_tokens
 from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
                                   prefill_probes, probe_counts, probe_mass, saliency_scores, split_by_score)
+from jkv_kernels.mma_layout import TILE, check_mma_packing
 from jkv_kernels.quantization import as_stored
 from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
@@ -69,6 +74,17 @@ class Pool:
   v_zero: jax.Array  # [L, B, H, C, 1] meta dtype
   prompt_rows: jax.Array  # [L, B] int32 real rows the prefill wrote (holes follow up to a group boundary)
   fill: jax.Array  # [L, B] int32 rows written, holes included (a multiple of key_group)
+
+
+@struct.dataclass
+class MmaPool:
+  """A pool in the MMA-ready packing (``ZipCache(mma=True)``); the counters are Pool's."""
+  k_tiles: jax.Array  # [L, B, H, C/64, 2 D bits] uint32: key tiles
+  k_meta: jax.Array  # [L, B, H, C/key_group, D] uint32: per key group, (scale, zero) pairs
+  v_tiles: jax.Array  # [L, B, H, C/64, 2 D bits] uint32: value tiles (codes of V / c)
+  v_meta: jax.Array  # [L, B, H, C/64, 64] uint32: per value tile, (scale, zero) pairs (one group of D channels)
+  prompt_rows: jax.Array
+  fill: jax.Array
 
 
 @struct.dataclass
@@ -117,6 +133,10 @@ class ZipCache(CacheMethod):
   key_group: int = dataclasses.field(default=32, metadata={
       "help": "rows of one pool per key scale and zero-point, per channel"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
+  mma: Optional[bool] = dataclasses.field(default=None, metadata={
+      "help": "keep both pools in the packing the Hopper tensor-core kernel reads (2/4-bit, 16-bit scales, a key "
+              "group dividing 64 or a multiple of it); default: where that kernel runs (a Hopper GPU, attention "
+              "impl pallas) and the settings and model allow the packing"})
 
   def __post_init__(self):
     for label, b in (("high_bits", self.high_bits), ("low_bits", self.low_bits)):
@@ -141,6 +161,31 @@ class ZipCache(CacheMethod):
                        f"({self.low_bits}-bit codes pack {32 // self.low_bits} per word)")
     if self.meta_dtype not in DTYPES:
       raise ValueError(f"zipcache meta_dtype={self.meta_dtype!r}; choose one of {', '.join(DTYPES)}")
+    if self.mma:  # the head dim is checked with the spec
+      self._check_mma(head_dim=64)
+
+  def _check_mma(self, *, head_dim: int) -> None:
+    """One-line errors for settings, or a head dim, that the MMA packing does not take."""
+    G = self.key_group
+    if 64 % G and G % 64:
+      raise ValueError(f"zipcache mma=true needs key_group={G} to divide 64 or be a multiple of it")
+    for bits in (self.high_bits, self.low_bits):
+      check_mma_packing(k_bits=bits, v_bits=bits, k_group=G, v_group=head_dim, head_dim=head_dim,
+                        tokens=TILE, meta_dtype=self.meta)
+
+  def for_impl(self, spec: CacheSpec, impl: str) -> "ZipCache":
+    """``mma`` left open (None) is on where the Hopper kernel would read the pools: impl "pallas" on a Hopper GPU,
+    one query row at a time (``step`` attends row by row) at most 16 query heads per KV head, and settings the
+    packing takes."""
+    if self.mma is not None:
+      return self
+    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
+    if fits:
+      try:
+        self._check_mma(head_dim=spec.head_dim)
+      except ValueError:
+        fits = False
+    return dataclasses.replace(self, mma=fits)
 
   def check(self, spec: CacheSpec) -> None:
     if self.interval > spec.capacity:
@@ -150,6 +195,8 @@ class ZipCache(CacheMethod):
     if spec.head_dim % per_word:
       raise ValueError(f"zipcache needs a head dim that is a multiple of {per_word} ({self.low_bits}-bit value "
                        f"codes pack along channels), got {spec.head_dim}")
+    if self.mma:
+      self._check_mma(head_dim=spec.head_dim)
 
   @property
   def meta(self):
@@ -187,6 +234,12 @@ class ZipCache(CacheMethod):
     by_row = lambda n, dtype: ArrayInfo((L, B, H, rows, n), dtype, LEAD + ("tokens", "channel_groups"))
     counter = ArrayInfo((L, B), jnp.int32, ("layers", "batch"))
     groups = rows // self.key_group
+    if self.mma:
+      tiles = ArrayInfo((L, B, H, rows // TILE, 2 * D * bits), jnp.uint32, LEAD + ("tiles", "tile_words"))
+      key_groups = ArrayInfo((L, B, H, groups, D), jnp.uint32, LEAD + ("token_groups", "head_dim"))
+      tile_meta = ArrayInfo((L, B, H, rows // TILE, TILE), jnp.uint32, LEAD + ("tiles", "meta_words"))
+      return MmaPool(k_tiles=tiles, k_meta=key_groups, v_tiles=tiles, v_meta=tile_meta, prompt_rows=counter,
+                     fill=counter)
     return Pool(k_codes=by_channel(rows * bits // 32, jnp.uint32), k_scale=by_channel(groups, self.meta),
                 k_zero=by_channel(groups, self.meta), v_codes=by_row(D * bits // 32, jnp.uint32),
                 v_scale=by_row(1, self.meta), v_zero=by_row(1, self.meta), prompt_rows=counter, fill=counter)
@@ -223,6 +276,11 @@ class ZipCache(CacheMethod):
     values = take(v) / channel_scale.astype(jnp.float32)[:, :, None, :]
     vc, vs, vz = self._quantize_pack(values, bits, values.shape[-1], -1, impl)  # [B, H, R, D/Pv], [B, H, R, 1]
 
+    if self.mma:
+      k_tiles, k_meta, v_tiles, v_meta = write_mma_tokens(
+          (pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta), layer, (kc, ks, kz), (vc, vs, vz), start,
+          k_bits=bits, v_bits=bits, k_group=self.key_group, due=due)
+      return pool.replace(k_tiles=k_tiles, k_meta=k_meta, v_tiles=v_tiles, v_meta=v_meta)
     put = lambda buf, new, offset, axis: write_at_where(buf, layer, new, offset, axis, due)
 
     group = start // self.key_group
@@ -231,10 +289,12 @@ class ZipCache(CacheMethod):
         k_zero=put(pool.k_zero, kz, group, 3), v_codes=put(pool.v_codes, vc, start, 2),
         v_scale=put(pool.v_scale, vs, start, 2), v_zero=put(pool.v_zero, vz, start, 2))
 
-  def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale) -> QuantizedStore:
-    """The pool as the attention reads it: rows below ``fill``, holes masked. Real rows: the prefill's first
-    ``prompt_rows``, then ``window_real`` at the start of every window's block of rows."""
-    B, H, C = pool.v_codes.shape[1:4]
+  def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale):
+    """The pool as the attention reads it (a ``QuantizedStore``, or an ``MmaStore`` with the MMA packing): rows
+    below ``fill``, holes masked. Real rows: the prefill's first ``prompt_rows``, then ``window_real`` at the
+    start of every window's block of rows."""
+    B, H = pool.fill.shape[1], pool.k_meta.shape[2] if self.mma else pool.v_codes.shape[2]
+    C = pool.k_tiles.shape[3] * TILE if self.mma else pool.v_codes.shape[3]
     row = jnp.arange(C)[None]
     n0 = pool.prompt_rows[layer][:, None]
     f0 = self._rows(n0)
@@ -242,11 +302,16 @@ class ZipCache(CacheMethod):
     valid = row < n0
     if block:
       valid = jnp.where(row < f0, valid, (row - f0) % block < window_real)
+    valid = jnp.broadcast_to(valid[:, None], (B, H, C))
+    if self.mma:
+      return MmaStore(pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta, pool.fill[layer], bits, bits,
+                      self.key_group, pool.k_meta.shape[4], jnp.dtype(self.meta).name, valid=valid,
+                      v_channel_scale=channel_scale)
     return QuantizedStore(
         k_codes=pool.k_codes, k_scale=pool.k_scale, k_zero=pool.k_zero, v_codes=pool.v_codes,
         v_scale=pool.v_scale, v_zero=pool.v_zero, length=pool.fill[layer], k_bits=bits, v_bits=bits,
         k_group=self.key_group, v_group=pool.v_codes.shape[4] * (32 // bits),
-        valid=jnp.broadcast_to(valid[:, None], (B, H, C)), v_channel_scale=channel_scale)
+        valid=valid, v_channel_scale=channel_scale)
 
   def _stores(self, state: ZipCacheState, layer):
     return (self._store(state.high, layer, self.high_bits, self.window_high, state.v_channel_scale),
