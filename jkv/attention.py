@@ -337,9 +337,10 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     layer: int32 scalar: the layer read from stacked arrays (every cache array has a leading layer axis).
     stores: ``QuantizedStore``s (KIVI layout, stacked, each with its own widths, groupings, holes and value
       channel scale; ``jkv_kernels.dequant_attention``) and ``MmaStore``s (the MMA-ready packing of
-      ``jkv_kernels.mma_layout``: read by the Hopper tensor-core kernel with impl "pallas" on a Hopper GPU, with
-      the first segment it reads in place (``mgpu_decode_attention.reads_segment``) in the same softmax; by
-      the XLA path everywhere else).
+      ``jkv_kernels.mma_layout``, holes and channel scale too: read by the Hopper tensor-core kernel with impl
+      "pallas" on a Hopper GPU, with the first segment it reads in place (``mgpu_decode_attention.reads_segment``;
+      several such segments joined into one where no token mass is asked) in the same softmax; by the XLA path
+      everywhere else). Token mass takes one kind of store at a time.
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;
       mask [B, T, S] or [B, H, T, S] bool.
     impl: "pallas" or "interpret" (the fused kernel, which reads the stacked arrays in place) or "xla"

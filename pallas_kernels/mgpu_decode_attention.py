@@ -37,6 +37,9 @@ A store with holes (``MmaStore.valid``) brings a byte per slot through the same 
 its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
 multiplies the store's part of o once, after the store's pipeline and before a segment's values join it.
 
+With ``store_logits`` the kernel also writes the store's logits out (through shared memory, a TMA store per step),
+from which ``jkv.attention.decode_attention`` makes the token mass of ZipCache's probes and SpeCache's top-k.
+
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, at most one segment, D a multiple of 64,
 T * g <= 16.
 ``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
