@@ -43,6 +43,22 @@ def hopper_kernel_takes(query_rows: int) -> bool:
   return hopper_kernel_available() and query_rows <= mgpu_decode_attention.ROWS
 
 
+def mma_left_open(method, impl: str, query_rows: int, check: Callable[[], None]):
+  """``method`` (a dataclass with an ``mma`` field: keep its store in the MMA packing) with ``mma`` decided where
+  it is left open (None): on exactly where the Hopper kernel would read the store (impl "pallas" on a Hopper
+  GPU that takes ``query_rows`` query rows per KV head) and ``check()``, the method's one-line errors for what the
+  packing does not take, raises nothing."""
+  if method.mma is not None:
+    return method
+  fits = impl == "pallas" and hopper_kernel_takes(query_rows)
+  if fits:
+    try:
+      check()
+    except ValueError:
+      fits = False
+  return dataclasses.replace(method, mma=fits)
+
+
 def choose_impl(requested: str = "auto") -> str:
   """The attention implementation for this process: ``"pallas"`` on a GPU that runs the Pallas kernels,
   ``"xla"`` elsewhere; ``requested`` other than "auto" forces one (``"interpret"`` runs the kernels in Pallas

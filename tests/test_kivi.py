@@ -258,9 +258,9 @@ def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
 def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
   """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes the
   query rows, the settings pack); an explicit setting is kept; KVCache.create allocates the layout decided."""
-  import jkv.methods.kivi as kivi_module
+  import jkv.attention as attention
   spec = _spec(2, 256)
-  monkeypatch.setattr(kivi_module, "hopper_kernel_takes", lambda rows: rows <= 16)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: rows <= 16)
   assert Kivi().for_impl(spec, "pallas").mma is True
   assert Kivi().for_impl(spec, "xla").mma is False
   assert Kivi(mma=False).for_impl(spec, "pallas").mma is False
@@ -270,7 +270,7 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch)
   assert Kivi().for_impl(dataclasses.replace(spec, head_dim=32), "pallas").mma is False
   cache = jax.eval_shape(lambda: KVCache.create(Kivi(), spec, "pallas"))
   assert cache.method.mma is True and hasattr(cache.state, "k_tiles")
-  monkeypatch.setattr(kivi_module, "hopper_kernel_takes", lambda rows: False)  # not a Hopper GPU
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)  # not a Hopper GPU
   assert Kivi().for_impl(spec, "pallas").mma is False
 
 

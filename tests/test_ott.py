@@ -467,16 +467,17 @@ def test_mma_packing_equals_the_library_layout(G, selection):
 
 def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
   """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes
-  the query rows) and the settings allow it (G dividing 64 or a multiple of it, 1/2/4 bits); mma=True with
-  settings the packing does not take is a one-line error."""
-  import jkv.methods.ott as ott
+  the query rows) and the settings allow it (G dividing 64 or a multiple of it, 1/2/4 bits, a capacity of whole
+  tiles); mma=True with settings the packing does not take is a one-line error."""
+  import jkv.attention as attention
   spec = _spec(2, 256, head_dim=64)
-  monkeypatch.setattr(ott, "hopper_kernel_takes", lambda rows: True)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
   assert Ott().for_impl(spec, "pallas").mma and Ott(group_size=128).for_impl(spec, "pallas").mma
   assert not Ott().for_impl(spec, "xla").mma
   assert not Ott(group_size=48).for_impl(spec, "pallas").mma and not Ott(bits=8).for_impl(spec, "pallas").mma
   assert not Ott().for_impl(_spec(2, 256, head_dim=32), "pallas").mma  # D a multiple of 64
-  monkeypatch.setattr(ott, "hopper_kernel_takes", lambda rows: False)
+  assert not Ott().for_impl(_spec(2, 240, head_dim=64), "pallas").mma  # the packing would allocate more
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)
   assert not Ott().for_impl(spec, "pallas").mma
   with pytest.raises(ValueError, match="group_size=48 to divide 64"):
     Ott(group_size=48, mma=True)

@@ -406,15 +406,15 @@ def test_mma_packing_equals_the_library_layout():
 def test_mma_left_open_follows_the_kernel_that_would_read_the_copy(monkeypatch):
   """mma=None packs the low-bit copy exactly where the Hopper kernel would read it: impl pallas, the kernel takes
   both rows' query heads (2 * g), and the settings allow it (R a multiple of 64)."""
-  import jkv.methods.specache as specache
+  import jkv.attention as attention
   taken = []
-  monkeypatch.setattr(specache, "hopper_kernel_takes", lambda rows: taken.append(rows) or True)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: taken.append(rows) or True)
   spec = _spec(2, 256)
   assert SpeCache(residual=64).for_impl(spec, "pallas").mma and taken == [2 * G_Q]
   assert not SpeCache(residual=64).for_impl(spec, "xla").mma
   assert not FEW.for_impl(spec, "pallas").mma  # R = 32
   assert not SpeCache(residual=64, speculate=False).for_impl(spec, "xla").mma
-  monkeypatch.setattr(specache, "hopper_kernel_takes", lambda rows: False)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)
   assert not SpeCache(residual=64).for_impl(spec, "pallas").mma
   with pytest.raises(ValueError, match="specache mma=true needs residual=32"):
     SpeCache(residual=32, mma=True)

@@ -475,13 +475,13 @@ def test_mma_packing_on_the_hopper_kernel_equals_the_library_layout():
 def test_mma_left_open_follows_the_kernel_that_would_read_the_pools(monkeypatch):
   """mma=None packs the pools exactly where the Hopper kernel would read them (impl pallas, the kernel takes the
   query heads) and the settings allow it; mma=True with settings it does not take is a one-line error."""
-  import jkv.methods.zipcache as zipcache
+  import jkv.attention as attention
   spec = _spec(BATCH, CAP)
-  monkeypatch.setattr(zipcache, "hopper_kernel_takes", lambda rows: True)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
   assert SHARED.for_impl(spec, "pallas").mma and not SHARED.for_impl(spec, "xla").mma
   assert not ZipCache(high_bits=8).for_impl(spec, "pallas").mma
   assert not ZipCache(key_group=48).for_impl(spec, "pallas").mma
-  monkeypatch.setattr(zipcache, "hopper_kernel_takes", lambda rows: False)
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)
   assert not SHARED.for_impl(spec, "pallas").mma
   with pytest.raises(ValueError, match="key_group=48 to divide 64"):
     ZipCache(key_group=48, mma=True)

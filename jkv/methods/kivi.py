@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer
 from jkv.config import DTYPES
@@ -151,15 +151,8 @@ class Kivi(CacheMethod):
     """``mma`` left open (None) is on where the Hopper kernel would read the store: impl "pallas" on a Hopper GPU,
     at most 16 query rows per KV head, and settings the packing takes. There it decodes at 2.7x the library
     layout's tokens/s at KIVI-2's largest batch (benchmarks/README.md, generate_decode.py --part maxbatch)."""
-    if self.mma is not None:
-      return self
-    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
-    if fits:
-      try:
-        self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
-      except ValueError:
-        fits = False
-    return dataclasses.replace(self, mma=fits)
+    return mma_left_open(self, impl, spec.q_per_kv,
+                         lambda: self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity))
 
   # ---------------------------------------------------------------------------------------------- state
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_at, write_layer, write_mma_tokens
 from jkv.config import DTYPES
@@ -239,16 +239,13 @@ class Ott(CacheMethod):
 
   def for_impl(self, spec: CacheSpec, impl: str) -> "Ott":
     """``mma`` left open (None) is on where the Hopper kernel would read the store: impl "pallas" on a Hopper GPU,
-    at most 16 query rows per KV head, and settings the packing takes."""
-    if self.mma is not None:
-      return self
-    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
-    if fits:
-      try:
-        self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
-      except ValueError:
-        fits = False
-    return dataclasses.replace(self, mma=fits)
+    at most 16 query rows per KV head, settings the packing takes, and a capacity that is whole tiles already (so
+    the packing allocates the bytes memory planning counted, with ``mma`` still open)."""
+    def check():
+      self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
+      if dataclasses.replace(self, mma=True)._store_capacity(spec.capacity) != self._store_capacity(spec.capacity):
+        raise ValueError(f"ott mma=true rounds the capacity {spec.capacity} up to whole tiles of {TILE}")
+    return mma_left_open(self, impl, spec.q_per_kv, check)
 
   def capacity_multiple(self) -> int:
     return self.group_size

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import decode_attention, hopper_kernel_takes
+from jkv.attention import decode_attention, mma_left_open
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_layer
 from jkv.config import DTYPES
@@ -304,15 +304,8 @@ class SpeCache(CacheMethod):
     """``mma`` left open (None) is on where the Hopper kernel would read the low-bit copy: impl "pallas" on a
     Hopper GPU, the step's rows (the real one and the speculative one) times the query heads per KV head at most
     16, and settings the packing takes (as ``Kivi.for_impl``)."""
-    if self.mma is not None:
-      return self
-    fits = impl == "pallas" and hopper_kernel_takes((1 + self.speculative_rows) * spec.q_per_kv)
-    if fits:
-      try:
-        dataclasses.replace(self, mma=True).low_bit.check(spec)
-      except ValueError:
-        fits = False
-    return dataclasses.replace(self, mma=fits)
+    return mma_left_open(self, impl, (1 + self.speculative_rows) * spec.q_per_kv,
+                         lambda: dataclasses.replace(self, mma=True).low_bit.check(spec))
 
   def capacity_multiple(self) -> int:
     return self.low_bit.capacity_multiple()

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, hopper_kernel_takes
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_at, write_at_where, write_layer, write_mma_tokens
 from jkv.config import DTYPES
@@ -177,15 +177,7 @@ class ZipCache(CacheMethod):
     """``mma`` left open (None) is on where the Hopper kernel would read the pools: impl "pallas" on a Hopper GPU,
     one query row at a time (``step`` attends row by row) at most 16 query heads per KV head, and settings the
     packing takes."""
-    if self.mma is not None:
-      return self
-    fits = impl == "pallas" and hopper_kernel_takes(spec.q_per_kv)
-    if fits:
-      try:
-        self._check_mma(head_dim=spec.head_dim)
-      except ValueError:
-        fits = False
-    return dataclasses.replace(self, mma=fits)
+    return mma_left_open(self, impl, spec.q_per_kv, lambda: self._check_mma(head_dim=spec.head_dim))
 
   def check(self, spec: CacheSpec) -> None:
     if self.interval > spec.capacity:
