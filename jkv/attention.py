@@ -319,7 +319,7 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   kernel, one softmax merged exactly. Token mass: the stores' from the logits the kernel writes out, the
   segments' from a second pass over them in XLA (they are a few rows), each against the merged lse."""
   all_segments = segments
-  if not rows:  # joined segments would give one segment's mass for several
+  if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)
   fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
   parts = [mgpu_decode_attention.mgpu_decode_partial(

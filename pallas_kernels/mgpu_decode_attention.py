@@ -710,6 +710,14 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point (the store's type)")
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
+  if store.valid is not None and (store.valid.ndim not in (3, 4)
+                                  or store.valid.shape[-3:] != (batch, kv_heads, store.capacity)):
+    raise ValueError(f"store holes {store.valid.shape} do not fit [L, B, Hkv, C] or [B, Hkv, C] with "
+                     f"[B, Hkv, C] = {[batch, kv_heads, store.capacity]}")
+  if store.v_channel_scale is not None and (store.v_channel_scale.ndim != 4
+                                            or store.v_channel_scale.shape[1:] != (batch, kv_heads, head_dim)):
+    raise ValueError(f"value channel scale {store.v_channel_scale.shape} does not fit [L, B, Hkv, D] with "
+                     f"[B, Hkv, D] = {[batch, kv_heads, head_dim]}")
   tiles = store.k_codes.shape[3]
   if max_concurrent_steps < 1:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must be at least 1")

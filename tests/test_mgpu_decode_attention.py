@@ -327,6 +327,10 @@ def test_bad_arguments_raise():
         jnp.ones((2, 1, 128), bool),))
   with pytest.raises(ValueError, match="segment mask"):
     mgpu_decode_attention(q, 0, store, segment=(window[:, :, :128], window[:, :, :128], jnp.ones((2, 1, 129), bool)))
+  with pytest.raises(ValueError, match="store holes"):  # 500 slots, the store has 512
+    mgpu_decode_attention(q, 0, dataclasses.replace(store, valid=jnp.ones((2, 2, 500), bool)))
+  with pytest.raises(ValueError, match="value channel scale"):  # D = 64, the store's is 128
+    mgpu_decode_attention(q, 0, dataclasses.replace(store, v_channel_scale=jnp.ones((1, 2, 2, 64))))
   for splits, step_tiles, most in ((0, 1, 8), (9, 1, 8), (3, 4, 2)):  # 512 tokens: 8 tiles
     with pytest.raises(ValueError, match=f"splits={splits} must be from 1 to {most}"):
       mgpu_decode_attention(q, 0, store, splits=splits, step_tiles=step_tiles)
