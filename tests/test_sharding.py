@@ -97,8 +97,8 @@ def test_per_shard_forwards_every_cache_call():
 
 def test_per_shard_decides_the_inner_methods_open_settings(monkeypatch):
   """KIVI's mma left open is decided for the inner method on a mesh as on one device, and recorded as it ran."""
-  import jkv.methods.kivi as kivi_module
-  monkeypatch.setattr(kivi_module, "hopper_kernel_takes", lambda rows: True)
+  import jkv.attention as attention
+  monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
   spec = CacheSpec(num_layers=2, batch=4, capacity=256, kv_heads=2, head_dim=64, q_per_kv=3, dtype=jax.numpy.float32)
   on_mesh = sharding.PerShard(make_method("kivi"), abstract_mesh(2, 2), spec).for_impl(spec, "pallas")
   assert on_mesh.inner.mma is True and on_mesh.settings()["mma"] is True
