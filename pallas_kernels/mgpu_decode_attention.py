@@ -283,12 +283,13 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
-  # Holes travel as one byte per slot, [L, B, Hkv, C / 64, 64] (a layer axis of 1 where they are not stacked),
-  # through the same pipeline as the codes: each thread reads the bytes of its two tokens of a tile.
-  holes = None if store.valid is None else (
-      store.valid if store.valid.ndim == 4 else store.valid[None]).astype(jnp.int8).reshape(
-          -1, *store.k_codes.shape[1:4], TILE)
-  channel_scale = None if store.v_channel_scale is None else store.v_channel_scale.astype(jnp.float32)
+  # Holes travel as one byte per slot, [1, B, Hkv, C / 64, 64], through the same pipeline as the codes: each
+  # thread reads the bytes of its two tokens of a tile. Holes and the channel scale are cut to this call's layer
+  # before they are converted (converting every layer's, in every layer's call, is L times the work).
+  this_layer = lambda x: lax.dynamic_index_in_dim(x, layer[0], keepdims=True) if x.ndim == 4 else x[None]
+  holes = None if store.valid is None else this_layer(store.valid).astype(jnp.int8).reshape(
+      1, *store.k_codes.shape[1:4], TILE)
+  channel_scale = None if store.v_channel_scale is None else this_layer(store.v_channel_scale).astype(jnp.float32)
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
   blocks = tuple(range(head_dim // 64))  # the tile's channel blocks of 64: one value product each
@@ -449,10 +450,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
     for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
-      plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
-    hole_layer = jnp.minimum(at, 0 if holes is None else holes.shape[0] - 1)
+      plgpu.copy_gmem_to_smem(cs_ref.at[0, b, h], cs_smem, cs_barrier)
     carry = lax.cond(has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                                  vm_ref.at[at, b, h], *(r.at[hole_layer, b, h] for r in hole_refs)),
+                                                  vm_ref.at[at, b, h], *(r.at[0, b, h] for r in hole_refs)),
                      lambda: init)
     if scale_refs:  # the value channel scale, on the store's o (rows are channels), before a segment's values join
       plgpu.barrier_wait(cs_barrier)
