@@ -33,7 +33,10 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
 
 at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 (``--variants-at``) the new kernel's step and
 pipeline depth (``--variants``, every one ``--repeats`` times in turn, each repeat kept: ``variants_table``).
-Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). Results go to
+Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). With
+``--in-program N`` each row is also timed as N calls inside one compiled program (``lax.scan``, each call's q
+nudged by the previous call's output so none is folded or hoisted), as a decode step calls attention once per
+layer: no dispatch of its own and no gap between executables (``in_program_table``). Results go to
 benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machine); ``--table`` prints the table.
 
     python benchmarks/mgpu_decode.py              # on an H100
@@ -42,6 +45,7 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
         --out benchmarks/results/mgpu_rounds/<n>_before_<change>.json     # a round's A/B (then _after_)
     python benchmarks/mgpu_decode.py --rounds                         # the rounds' table
     python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants --trace   # kernel against glue
+    python benchmarks/mgpu_decode.py --batches 8 64 --seq-lens 32768 4096 --no-variants --in-program 20
 
 A round's A/B is better taken with benchmarks/mgpu_ab.py, which alternates the two builds process by process.
 """
@@ -57,6 +61,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jkv import attention as jkv_attention
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention, decode_attention_reference
@@ -64,7 +69,7 @@ from jkv_kernels.mgpu_decode_attention import (STAGES, default_splits, default_s
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from jkv.methods.ott import Ott
-from kernel_decode import (LAYOUTS, Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count,
+from kernel_decode import (L2_BYTES, LAYOUTS, Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count,
                            inputs_bytes, layout_inputs, ott_layout, record, store_arrays, time_calls)
 from records import kernel_record_key, save
 
@@ -176,9 +181,21 @@ def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
                calls_per_call=round(row["calls_per_step"], 2)) for row in summarize(events, calls, top=12)]
 
 
+def in_program(fn, calls: int):
+  """``fn`` (q first) called ``calls`` times in one jitted ``lax.scan``: each call's q plus 1e-30 times an element
+  of the previous call's first output, so XLA can neither fold the calls into one nor hoist them out of the loop,
+  and each waits for the one before, as a decode step's layers do."""
+  def program(q, *rest):
+    def call(carry, _):
+      first = jax.tree.leaves(fn(q + (carry * 1e-30).astype(q.dtype), *rest))[0]
+      return first.reshape(-1)[0].astype(jnp.float32), None
+    return lax.scan(call, jnp.float32(0), None, length=calls)[0]
+  return jax.jit(program)
+
+
 def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
            repeats: int = 1, variants_at: tuple = (8, 32768), trace: bool = False,
-           splits_sweep: tuple = ()) -> list[dict]:
+           splits_sweep: tuple = (), program_calls: int = 0) -> list[dict]:
   """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
   depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
   run by more than neighbouring variants differ); with ``trace`` each default row also records its device
@@ -209,6 +226,11 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
                           compile_s=compile_s))
     print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} {config} {median_us:9.1f} µs "
           f"{records[-1]['gbps']:7.1f} GB/s")
+    if program_calls and not config.keys() - {"splits"} and nbytes >= 2 * L2_BYTES:
+      program_us, _ = time_calls(in_program(fn, program_calls), input_sets[:1], settings)
+      records.append(record(impl, shape.batch, shape.seq_len, program_us / program_calls, nbytes, device,
+                            config={**config, "in_program": program_calls}))
+      print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} in one program {program_us / program_calls:9.1f} µs")
     if trace and set(config) <= {"splits", "sweep", "repeat"}:
       records[-1]["kernels"] = traced_kernels(fn, input_sets)
       for row in records[-1]["kernels"]:
@@ -256,7 +278,26 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 def at_defaults(record) -> bool:
   """A record of the kernel at its defaults on a full cache (not a variant or a partial fill; issue_blocks and
   pallas_barriers name options timed on 2026-11-26 and since removed, whose records the results keep)."""
-  return not {"stages", "fill", "sweep", "issue_blocks", "pallas_barriers"} & set(record["config"])
+  return not {"stages", "fill", "sweep", "issue_blocks", "pallas_barriers", "in_program"} & set(record["config"])
+
+
+def in_program_table(records: list[dict]) -> str:
+  """Each row timed both ways (``--in-program``): per dispatched call and per call inside one program, with the
+  ratio of cuDNN's to it each way."""
+  dispatched = {(r["impl"], r["batch"], r["seq_len"]): r["median_us"] for r in records if r["batch"] and at_defaults(r)}
+  inside = {(r["impl"], r["batch"], r["seq_len"]): (r["median_us"], r["config"]["in_program"]) for r in records
+            if "in_program" in r["config"]}
+  lines = ["| B | L | impl | dispatched call | in one program (calls) | cuDNN / it, dispatched | cuDNN / it, in one "
+           "program |", "|---|---|---|---|---|---|---|"]
+  for impl, batch, seq_len in sorted(inside, key=lambda k: (k[1], k[2], IMPLS.index(k[0]))):
+    us, calls = inside[impl, batch, seq_len]
+    call, dense_call = (dispatched.get((i, batch, seq_len)) for i in (impl, "cudnn_dense"))
+    dense_inside = inside.get(("cudnn_dense", batch, seq_len), (None,))[0]
+    shown = lambda x: "–" if x is None else f"{x:.1f} µs"
+    over = lambda a, b: "–" if None in (a, b) else f"{a / b:.2f}x"
+    lines.append(f"| {batch} | {seq_len} | {impl} | {shown(call)} | {shown(us)} ({calls}) | "
+                 f"{over(dense_call, call)} | {over(dense_inside, us)} |")
+  return "\n".join(lines)
 
 
 def splits_table(records: list[dict]) -> str:
@@ -385,6 +426,8 @@ def main():
                       help="check the kernel against the reference first (a failed check fails the run)")
   parser.add_argument("--trace", action="store_true",
                       help="also record each default row's device kernels under the profiler (kernel against XLA's)")
+  parser.add_argument("--in-program", type=int, default=0, metavar="N",
+                      help="also time each default row as N calls inside one compiled program (lax.scan)")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
   parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_rounds and exit")
@@ -397,7 +440,7 @@ def main():
     return
   if args.table:
     records = json.loads(out.read_text())
-    print(table(records) + "\n\n" + variants_table(records) + "\n\n" + splits_table(records))
+    print("\n\n".join((table(records), variants_table(records), splits_table(records), in_program_table(records))))
     return
   checks = check() if args.check or args.check_only else []
   records = [{"impl": "check", "batch": None, "seq_len": None, "config": {}, "device": device.device_kind,
@@ -406,9 +449,10 @@ def main():
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
     records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats,
-                      args.variants_at, args.trace, tuple(args.splits))
+                      args.variants_at, args.trace, tuple(args.splits), args.in_program)
   records = save(out, records, RECORD_KEY)
-  print("\n" + table(records) + "\n\n" + variants_table(records) + "\n\n" + splits_table(records))
+  print("\n" + "\n\n".join((table(records), variants_table(records), splits_table(records),
+                              in_program_table(records))))
   if not all(c["ok"] for c in checks):
     raise SystemExit("mgpu_decode_attention disagrees with the reference (see the check lines)")
 
