@@ -182,13 +182,15 @@ def traced_kernels(fn, input_sets, calls: int = 20) -> list[dict]:
 
 
 def in_program(fn, calls: int):
-  """``fn`` (q first) called ``calls`` times in one jitted ``lax.scan``: each call's q plus 1e-30 times an element
-  of the previous call's first output, so XLA can neither fold the calls into one nor hoist them out of the loop,
-  and each waits for the one before, as a decode step's layers do."""
+  """``fn`` (q first) called ``calls`` times in one jitted ``lax.scan``: each call's q plus 1e-30 times the sum of
+  every output of the call before, so XLA can neither fold the calls into one, nor hoist them out of the loop, nor
+  drop an output no later call would read (SpeCache's token mass), and each waits for the one before, as a decode
+  step's layers do. (The sums read each output once, as its consumer would.)"""
   def program(q, *rest):
     def call(carry, _):
-      first = jax.tree.leaves(fn(q + (carry * 1e-30).astype(q.dtype), *rest))[0]
-      return first.reshape(-1)[0].astype(jnp.float32), None
+      outputs = jax.tree.leaves(fn(q + (carry * 1e-30).astype(q.dtype), *rest))
+      total = sum(jnp.sum(x, dtype=jnp.float32) for x in outputs)
+      return jnp.where(jnp.isfinite(total), total, 0.0), None  # unwritten logits may be anything
     return lax.scan(call, jnp.float32(0), None, length=calls)[0]
   return jax.jit(program)
 

@@ -313,19 +313,20 @@ def _joined_segments(layer, segments):
   return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
 
 
-def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows):
+def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
   """``decode_attention`` on a Hopper GPU: the tensor-core kernel over each MMA-packed store, the first with the
   first segment it reads in place (KIVI's window; OTT's buffer and pools joined); the rest through the Triton
-  kernel, one softmax merged exactly. Token mass: the stores' from the logits the kernel writes out, the
-  segments' from a second pass over them in XLA (they are a few rows), each against the merged lse."""
+  kernel, one softmax merged exactly. Token mass: the stores' from the logits the kernel writes out (of the mass
+  rows alone, where the kernel can: ``mgpu_decode_attention.logit_columns``), the segments' from a second pass
+  over them in XLA (they are a few rows), each against the merged lse."""
   all_segments = segments
   if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)
   fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
   parts = [mgpu_decode_attention.mgpu_decode_partial(
-      q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None, store_logits=bool(rows))
-      for i, store in enumerate(mma_stores)]
-  logits = [part[3] for part in parts] if rows else []
+      q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None,
+      logit_rows=rows if store_mass else ()) for i, store in enumerate(mma_stores)]
+  logits = [part[3] for part in parts] if rows and store_mass else []
   parts = [part[:3] for part in parts]
   segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
   if stores or segments:
@@ -335,17 +336,17 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
     lse_rows = lse[:, :, rows][..., None]  # [B, H, R, g, 1]
-    store_mass = tuple(
-        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :], jnp.exp(slots[:, :, rows] - lse_rows), 0.0),
+    of_stores = tuple(
+        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :], jnp.exp(slots - lse_rows), 0.0),
                 axis=3) for store, slots in zip(mma_stores, logits))
-    segment_mass = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows)
-                         for k, v, mask in all_segments)
-    out += ((store_mass, segment_mass),)
+    of_segments = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows)
+                        for k, v, mask in all_segments)
+    out += ((of_stores, of_segments),)
   return out if len(out) > 1 else out[0]
 
 
 def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=None, return_lse: bool = False,
-                     token_mass_rows: tuple = ()):
+                     token_mass_rows: tuple = (), store_mass: bool = True):
   """Attention of q [B, H, T, g, D] over quantized stores and full-precision segments, one softmax.
 
   Args:
@@ -366,10 +367,13 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     return_lse: also return the log-sum-exp [B, H, T, g] f32 of every row (MASK_VALUE for a row with no key).
     token_mass_rows: static query rows t: also return the probability each key receives from row t, summed over
       the g query heads of its KV head (ZipCache's probes, SpeCache's speculative top-k).
+    store_mass: with ``token_mass_rows``, the stores' mass too; False: the segments' alone (ZipCache's probes
+      score the window), and the Hopper kernel writes no logits out.
 
   Returns:
     o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), then lse with ``return_lse``, then with
-    ``token_mass_rows`` mass = ((per store [B, H, R, C]), (per segment [B, H, R, S])), R = len(token_mass_rows).
+    ``token_mass_rows`` mass = ((per store [B, H, R, C]), (per segment [B, H, R, S])), R = len(token_mass_rows),
+    the first () without ``store_mass``.
   """
   stores, segments, rows = tuple(stores), tuple(segments), tuple(token_mass_rows)
   mma_stores = tuple(store for store in stores if isinstance(store, MmaStore))
@@ -377,10 +381,11 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and stores and rows:
     raise ValueError("token mass is read from MMA-packed stores or from library-layout ones, not both at once")
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
-    return _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows)
+    return _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass)
   if impl != "xla" and not mma_stores:
-    return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
-                                              token_mass_rows=rows, interpret=impl == "interpret")
+    out = dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
+                                             token_mass_rows=rows, interpret=impl == "interpret")
+    return out[:-1] + (((), out[-1][1]),) if rows and not store_mass else out
   store_sources = [_mma_store_source(layer, store) for store in mma_stores]
   store_sources += [_store_source(layer, store) for store in stores]
   segment_sources = [_segment_source(layer, k, v, mask, num_keys if i == 0 else None)
@@ -388,6 +393,6 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   o, lse = merge_partials([_partials(q, source) for source in store_sources + segment_sources])
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
-    out += ((tuple(_token_mass(q, s, lse, rows) for s in store_sources),
+    out += ((tuple(_token_mass(q, s, lse, rows) for s in store_sources if store_mass),
              tuple(_token_mass(q, s, lse, rows) for s in segment_sources)),)
   return out if len(out) > 1 else out[0]

@@ -37,8 +37,9 @@ A store with holes (``MmaStore.valid``) brings a byte per slot through the same 
 its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
 multiplies the store's part of o once, after the store's pipeline and before a segment's values join it.
 
-With ``store_logits`` the kernel also writes the store's logits out (through shared memory, a TMA store per step),
-from which ``jkv.attention.decode_attention`` makes the token mass of ZipCache's probes and SpeCache's top-k.
+With ``logit_rows`` the kernel also writes the store's logits of those query rows out (through two steps' slots of
+shared memory, a TMA store per step), from which ``jkv.attention.decode_attention`` makes the token mass of
+SpeCache's top-k.
 
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, at most one segment, D a multiple of 64,
 T * g <= 16.
@@ -208,6 +209,37 @@ def _pad_columns(p, rows):
   return mgpu.FragmentedArray(_registers=padded, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
+def _store_columns(ref, x, first, count):
+  """Columns [first, first + count) of x [64, N] fp32 (WGMMA layout) into ``ref`` [64, count]: each thread stores
+  the pairs it holds there (columns 8 j + 2 (l % 4), +1 of rows 16 w + l // 4, +8); ``first`` and ``count`` even."""
+  warp, lane, _ = _thread()
+  c = lambda value: mgpu.utils.c(value, _i32())
+  pair_column = arith.muli(arith.remui(lane, c(4)), c(2))
+  top_row = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+  registers = x.registers
+  for j in range(registers.shape[1]):
+    column = arith.addi(pair_column, c(8 * j - first))
+    inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, column, c(0)),
+                        arith.cmpi(arith.CmpIPredicate.slt, column, c(count)))
+    with mgpu.utils.when(inside):
+      for h in range(2):
+        vector.store(registers[0, j, 0, 0, h, 0, 0, 0, 0], ref,
+                     [_index(arith.addi(top_row, c(8 * h))), _index(column)])
+
+
+def logit_columns(t_rows: int, q_per_kv: int, logit_rows, rows: int) -> Optional[tuple[int, int]]:
+  """(first, count): the kernel's logit columns that hold query rows ``logit_rows`` (row t's heads are columns
+  t g .. t g + g - 1), where they are one run that starts on an even column and fills whole 16-byte TMA rows;
+  else all ``rows`` columns (None without ``logit_rows``)."""
+  if not logit_rows:
+    return None
+  if any(not 0 <= t < t_rows for t in logit_rows):
+    raise ValueError(f"logit_rows {logit_rows} must be query rows in [0, {t_rows})")
+  first, count = min(logit_rows) * q_per_kv, len(set(logit_rows)) * q_per_kv
+  contiguous = sorted(set(logit_rows)) == list(range(min(logit_rows), max(logit_rows) + 1))
+  return (first, count) if contiguous and first % 2 == 0 and count % 4 == 0 else (0, rows)
+
+
 def _wgmma_array(pairs, rows_by_cols):
   """A [64, cols] FragmentedArray in the WGMMA layout from its registers ``pairs[(j, h)]``."""
   registers = mgpu.WGMMA_LAYOUT.registers_shape(rows_by_cols)
@@ -266,13 +298,13 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 
 
 def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              operand_blocks, store_logits=False):
+              operand_blocks, columns=None):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in the store's dtype (N = 8 or 16 rows,
   the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
-  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s. ``store_logits``: also the
-  store's logits q . k [B, Hkv, S * tiles, 64, N] fp32 (unscaled, unmasked; tiles of steps the program skips,
-  past the length, are not written)."""
+  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
+  count) (``logit_columns``): also the store's logits q . k of those columns, [B, Hkv, S * tiles, 64, count] fp32
+  (unscaled, unmasked; tiles of steps the program skips, past the length, are not written)."""
   batch, kv_heads, rows, head_dim = q.shape
   dtype = jnp.dtype(store.dtype)
   if segment is not None:
@@ -316,6 +348,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       return_type=plgpu.ShapeDtypeStruct((TILE, ROWS), element, layout=plgpu.Layout.WGMMA))(
           lambda ctx, x: _pad_columns(x, rows))
   widen = (lambda x: pad_columns(x.dtype)(x)) if rows < ROWS else (lambda x: x)  # [64, rows] -> [64, ROWS]
+  store_columns = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))(
+      lambda ctx, ref, x: _store_columns(ref, x, *columns))
   scale_log2 = sm_scale * LOG2E
   along_tokens = lambda x, width=rows: lax.broadcast_in_dim(x, (TILE, width), [1])
 
@@ -336,6 +370,7 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, p_smem, o_smem, l_smem,
              m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None,
              lg_smem=None):
+    store_logits = columns is not None
     lg_ref = refs[-1] if store_logits else None
     *refs, o_ref, l_ref, m_ref = refs[:len(refs) - store_logits]
     n_holes, n_scale = int(holes is not None), int(channel_scale is not None)
@@ -375,12 +410,14 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
             plgpu.wgmma_wait(1)
         return [acc_ref[...] for acc_ref in acc_refs]
       logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
-      if store_logits:  # through shared memory, once the step before's copy out has read it
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if store_logits:  # into one of two slots, once the copy out of the step before last has read it
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        lg_slot = lg_smem.at[index[0] % 2]
         for t in range(step_tiles):
-          lg_smem[t] = logits[t]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lg_smem, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
+          if columns == (0, rows):
+            lg_slot[t] = logits[t]
+          else:
+            store_columns(lg_slot.at[t], logits[t])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
@@ -392,7 +429,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
           [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)], m_run, l_run)
       for t in range(step_tiles):
         p_smem[t] = widen(p[t].astype(dtype))
-      plgpu.commit_smem()
+      plgpu.commit_smem()  # p's stores and the logits' (one fence and barrier for both)
+      if store_logits:
+        plgpu.copy_smem_to_gmem(lg_slot, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
 
       def pv(acc_refs):
         for t in range(step_tiles):
@@ -499,8 +538,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
-  if store_logits:
-    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, rows), jnp.float32),)
+  if columns is not None:
+    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, columns[1]), jnp.float32),)
   scratch = dict(
       q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
       p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
@@ -513,8 +552,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   inputs += tuple(x for x in (holes, channel_scale) if x is not None)
   if channel_scale is not None:
     scratch.update(cs_smem=plgpu.SMEM((head_dim,), jnp.float32), cs_barrier=plgpu.Barrier())
-  if store_logits:
-    scratch.update(lg_smem=plgpu.SMEM((step_tiles, TILE, rows), jnp.float32))
+  if columns is not None:
+    scratch.update(lg_smem=plgpu.SMEM((2, step_tiles, TILE, columns[1]), jnp.float32))
   if segment is not None:
     segment_dtype = segment[0].dtype
     segment = (segment[0], *(x.reshape(-1, head_dim) for x in segment[1:3]), segment[3])
@@ -658,11 +697,11 @@ def _padded_rows(q, rows, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps",
-                                             "operand_blocks", "store_logits"])
+                                             "operand_blocks", "logit_rows"])
 def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                         splits: Optional[int] = None, step_tiles: Optional[int] = None,
                         max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None,
-                        store_logits: bool = False):
+                        logit_rows: tuple[int, ...] = ()):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment), unnormalized: the partial that merges exactly with other passes'
   (``jkv.attention.merge_partials``).
@@ -690,15 +729,16 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       for before the next block's operand is built, and run a segment's pipeline one slot deep: KIVI-2 with a
       segment then takes 140 registers and 74 KB instead of 177 and 98 KB (ptxas, H100), so three programs
       share an SM instead of two, but each step waits more often. None: ``default_operand_blocks``.
-    store_logits: also return the store's logits, which the kernel writes out through shared memory as it
-      computes them (for the token mass ZipCache's probes and SpeCache's top-k read; 4 bytes per slot and query
-      row more traffic; the shared-memory budget of the defaults does not count its buffer).
+    logit_rows: query rows t whose store logits it also returns, which the kernel writes out through shared
+      memory as it computes them (for the token mass SpeCache's top-k reads; 4 bytes per slot, query head and row
+      more traffic: only those rows' heads where they are one run of whole 16-byte rows, ``logit_columns``, else
+      every row's; the shared-memory budget of the defaults does not count its two steps' buffer).
 
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
-    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``store_logits`` then the logits
-    [B, Hkv, T, g, C] float32, sm_scale * q . k of every slot, unspecified at the slots that are not keys (at and
-    past the length, and holes).
+    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``logit_rows`` then the logits
+    [B, Hkv, R, g, C] float32 of those R rows, sm_scale * q . k of every slot, unspecified at the slots that are
+    not keys (at and past the length, and holes).
   """
   if not available():
     raise RuntimeError("mgpu_decode_attention needs jax's Mosaic GPU API (jax >= 0.11)")
@@ -743,9 +783,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   q_rows = _padded_rows(q, rows, store.dtype)
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
+  columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)
   o, l, m, *logits = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
                                 step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
-                                operand_blocks=operand_blocks, store_logits=store_logits)
+                                operand_blocks=operand_blocks, columns=columns)
   if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
     m_all = jnp.max(m, axis=2)
     alpha = jnp.exp2(m - m_all[:, :, None])
@@ -754,9 +795,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     o, l, m = o[:, :, 0], l[:, :, 0], m[:, :, 0]
   per_row = lambda x: x[:, :, :n_rows].reshape(q.shape[:-1])
   out = (jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l))
-  for slots in logits:  # [B, Hkv, tiles, 64, rows] -> [B, Hkv, T, g, C]
-    slots = slots.reshape(batch, kv_heads, -1, rows)[:, :, :store.capacity, :n_rows] * sm_scale
-    out += (jnp.moveaxis(slots, 2, 3).reshape(batch, kv_heads, t_rows, q_per_kv, store.capacity),)
+  for slots in logits:  # [B, Hkv, tiles, 64, count] -> [B, Hkv, R, g, C]
+    heads = np.array([t * q_per_kv + j for t in logit_rows for j in range(q_per_kv)]) - columns[0]
+    if (np.diff(heads) == 1).all():  # a slice, not a gather
+      heads = slice(int(heads[0]), int(heads[-1]) + 1)
+    slots = slots.reshape(batch, kv_heads, -1, columns[1])[:, :, :store.capacity, heads] * sm_scale
+    out += (jnp.moveaxis(slots, 2, 3).reshape(batch, kv_heads, len(logit_rows), q_per_kv, store.capacity),)
   return out
 
 

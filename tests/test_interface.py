@@ -3,6 +3,7 @@ step reads the stacked cache in place; sub-batched prefill equals one call; the 
 allocation and byte counts."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -364,6 +365,20 @@ def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl, holes):
     decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store), store), impl="xla", token_mass_rows=(0,))
 
 
+@pytest.mark.parametrize("impl,packed", [("xla", False), ("xla", True), ("interpret", False)])
+def test_without_the_stores_mass_the_segments_mass_and_o_are_unchanged(impl, packed):
+  """``store_mass=False`` (ZipCache's probes): no store mass, and the same o and segment mass as with it."""
+  from jkv_kernels.mma_layout import pack_mma_store
+  q, store, segment = _store_and_segments_for_mma(np.random.default_rng(23), jnp.float32, holes=True)
+  call = functools.partial(decode_attention, q, jnp.int32(1), stores=(pack_mma_store(store) if packed else store,),
+                           segments=(segment,), impl=impl, token_mass_rows=(0,))
+  o, (of_stores, of_segments) = call()
+  o_alone, (none, of_segments_alone) = call(store_mass=False)
+  assert none == () and len(of_stores) == 1 and np.asarray(of_stores[0]).sum() > 0
+  np.testing.assert_allclose(np.asarray(o_alone), np.asarray(o), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(of_segments_alone[0]), np.asarray(of_segments[0]), rtol=1e-6, atol=1e-7)
+
+
 def _hopper() -> bool:
   from jkv.attention import hopper_kernel_available
   return hopper_kernel_available()
@@ -393,6 +408,13 @@ def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments(holes):
   for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref), strict=True):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-4
+  o_alone, (none, of_segments) = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),),
+                                                  segments=(segment, short), impl="pallas", token_mass_rows=(0,),
+                                                  store_mass=False)  # the kernel writes no logits
+  assert none == ()
+  np.testing.assert_allclose(np.asarray(o_alone, np.float64), o, rtol=1e-6, atol=1e-6)
+  for got, want in zip(of_segments, mass[1], strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_reference_store_holes_and_channel_scale_by_brute_force():

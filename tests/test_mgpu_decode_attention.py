@@ -18,7 +18,8 @@ from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (available, default_operand_blocks, default_splits, default_step_tiles,
-                                               field_plan, magic_half, mgpu_decode_attention, mgpu_decode_partial,
+                                               field_plan, logit_columns, magic_half, mgpu_decode_attention,
+                                               mgpu_decode_partial,
                                                shared_memory_bytes, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, key_register_map, pack_mma_store, quad_word_position, read_mma_store,
                                     read_mma_tiles, value_register_map)
@@ -226,7 +227,31 @@ def test_any_tile_count_lowers(capacity, k_group):
   (also with the store's logits written out)."""
   store = _abstract_store(2, 2, k_group, 32, 128, jnp.bfloat16, capacity=capacity)
   q = jax.ShapeDtypeStruct((2, 2, 1, 4, 128), jnp.bfloat16)
-  fn = jax.jit(lambda q, layer, store: mgpu_decode_partial(q, layer, store, store_logits=k_group == 128))
+  fn = jax.jit(lambda q, layer, store: mgpu_decode_partial(q, layer, store, logit_rows=(0,) * (k_group == 128)))
+  text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("t_rows,q_per_kv,logit_rows,rows,want", [
+    (2, 4, (1,), 8, (4, 4)), (1, 4, (0,), 8, (0, 4)), (4, 4, (2, 3), 16, (8, 8)), (2, 4, (0, 1), 8, (0, 8)),
+    (3, 5, (2, 0), 16, (0, 16)), (3, 5, (1,), 16, (0, 16)), (1, 2, (0,), 8, (0, 8)), (2, 4, (), 8, None)])
+def test_logit_columns_are_the_rows_heads_where_tma_can_write_them_alone(t_rows, q_per_kv, logit_rows, rows, want):
+  """A row's heads alone where they are one run from an even column of whole 16-byte rows (4 fp32); else every
+  column (rows out of order, an odd first column, 2 columns)."""
+  assert logit_columns(t_rows, q_per_kv, logit_rows, rows) == want
+
+
+def test_logit_rows_outside_the_query_rows_are_refused():
+  with pytest.raises(ValueError, match="logit_rows"):
+    logit_columns(2, 4, (2,), 8)
+
+
+@pytest.mark.parametrize("t_rows,q_per_kv,logit_rows", [(2, 4, (1,)), (4, 4, (2, 3)), (3, 5, (1,))])
+def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows):
+  """The kernel that writes some rows' logits (a run of columns, or all of them) lowers to one Mosaic GPU call."""
+  store = _abstract_store(1, 1, 32, 32, 128, jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((2, 2, t_rows, q_per_kv, 128), jnp.bfloat16)
+  fn = jax.jit(lambda q, layer, store: mgpu_decode_partial(q, layer, store, logit_rows=logit_rows))
   text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -470,26 +495,31 @@ class TestMgpuDecodeAttentionGpu:
       assert np.linalg.norm(no_holes - o_ref) / np.linalg.norm(o_ref) > 10 * tolerance
       np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
-  @pytest.mark.parametrize("k_bits,dtype,step_tiles,t_rows,q_per_kv,splits", [
-      (1, jnp.bfloat16, None, 2, 4, None), (2, jnp.float16, 1, 1, 4, 3), (4, jnp.bfloat16, 2, 3, 5, None)])
-  def test_the_store_logits_it_writes_out(self, k_bits, dtype, step_tiles, t_rows, q_per_kv, splits):
-    """``store_logits``: the logits the kernel writes out (what the token mass is made of), at every slot that
+  @pytest.mark.parametrize("k_bits,dtype,step_tiles,t_rows,q_per_kv,splits,logit_rows", [
+      (1, jnp.bfloat16, None, 2, 4, None, (1,)), (2, jnp.float16, 1, 1, 4, 3, (0,)),
+      (4, jnp.bfloat16, 2, 3, 5, None, (2, 0)), (2, jnp.bfloat16, None, 2, 4, 2, (0, 1)),
+      (2, jnp.float16, 2, 4, 4, None, (2, 3))])
+  def test_the_store_logits_it_writes_out(self, k_bits, dtype, step_tiles, t_rows, q_per_kv, splits, logit_rows):
+    """``logit_rows``: the logits the kernel writes out (what the token mass is made of), at every slot that
     is a key, against q . k over the library-layout store's keys (sm_scale times, in float64): within the
-    16-bit rounding of q and of each dequantized key; the partials are unchanged by asking."""
+    16-bit rounding of q and of each dequantized key; the partials are unchanged by asking. The rows' columns
+    alone (the second of two rows; the first of one; the last two of four, in 16 columns) or every row's (rows
+    in another order; both of two)."""
     store = make_store(32, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=dtype, capacity=1024,
                        lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(33), (3, 2, t_rows, q_per_kv, 128), dtype)
     packed = pack_mma_store(store)
-    o, m, l, logits = mgpu_decode_partial(q, 1, packed, store_logits=True, step_tiles=step_tiles, splits=splits)
+    o, m, l, logits = mgpu_decode_partial(q, 1, packed, logit_rows=logit_rows, step_tiles=step_tiles, splits=splits)
     o_plain, m_plain, l_plain = mgpu_decode_partial(q, 1, packed, step_tiles=step_tiles, splits=splits)
     for got, want in ((o, o_plain), (m, m_plain), (l, l_plain)):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     k_ref, _, mask = store.read_layer(1)
-    want = np.einsum("bhtgd,bhsd->bhtgs", np.asarray(q, np.float64), np.asarray(k_ref, np.float64)) * 128**-0.5
+    rows = np.asarray(q, np.float64)[:, :, list(logit_rows)]
+    want = np.einsum("bhtgd,bhsd->bhtgs", rows, np.asarray(k_ref, np.float64)) * 128**-0.5
     u = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
-    bound = 128**-0.5 * np.einsum("bhtgd,bhsd->bhtgs", np.abs(np.asarray(q, np.float64)),
-                                  np.abs(np.asarray(k_ref, np.float64))) * u + 1e-5
+    bound = 128**-0.5 * np.einsum("bhtgd,bhsd->bhtgs", np.abs(rows), np.abs(np.asarray(k_ref, np.float64))) * u + 1e-5
     keys = np.broadcast_to(np.asarray(mask)[:, :, None, None, :], want.shape)
+    assert logits.shape == want.shape
     assert np.all(np.abs(np.asarray(logits, np.float64) - want)[keys] <= bound[keys])
 
   def test_splits_past_the_length_and_an_empty_sequence(self):

@@ -29,7 +29,7 @@ Layout, and why:
   sequence draws the same probes in any batch.
 - With ``mma=True`` both pools are kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
   tensor-core kernel reads, holes and channel scale included; each event's rows are merged into the tiles that
-  hold them (``cache_arrays.write_mma_tokens``), and a probe step's mass comes from the logits the kernel writes.
+  hold them (``cache_arrays.write_mma_tokens``).
 """
 
 import dataclasses
@@ -372,10 +372,10 @@ class ZipCache(CacheMethod):
                                segments=((state.k_window, state.v_window, seen_now[:, None, :]),), impl=impl)
 
     def with_mass():
-      out, (_, (mass,)) = attend(token_mass_rows=(0,))
+      out, (_, (mass,)) = attend(token_mass_rows=(0,), store_mass=False)
       return out, mass[:, :, 0]
 
-    # Only probe steps pay for the token mass (the kernel writes the logits of the chosen rows).
+    # Only probe steps pay for the token mass, and only the window's (a probe scores the window's tokens).
     out, mass = jax.lax.cond(jnp.any(probe), with_mass, lambda: (attend(), jnp.zeros((B, H, N), jnp.float32)))
     counted = probe[:, None] & seen_now
     state = state.replace(
