@@ -34,9 +34,9 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
 at B in {1, 8, 64} and L in {4096, 32768}, and at B = 8, L = 32768 (``--variants-at``) the new kernel's step and
 pipeline depth (``--variants``, every one ``--repeats`` times in turn, each repeat kept: ``variants_table``).
 Timing is kernel_decode.py's (median of back-to-back calls rotating input sets past the L2). With
-``--in-program N`` each row is also timed as N calls inside one compiled program (``lax.scan``, each call's q
-nudged by the previous call's output so none is folded or hoisted), as a decode step calls attention once per
-layer: no dispatch of its own and no gap between executables (``in_program_table``). Results go to
+``--in-program N`` each row is also timed as N calls inside one compiled program (``in_program``: none folded,
+hoisted or dropped), as a decode step calls attention once per layer: no dispatch of its own and no gap between
+executables (``in_program_table``). Results go to
 benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machine); ``--table`` prints the table.
 
     python benchmarks/mgpu_decode.py              # on an H100
@@ -69,8 +69,8 @@ from jkv_kernels.mgpu_decode_attention import (STAGES, default_splits, default_s
                                                shared_memory_bytes)
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store
 from jkv.methods.ott import Ott
-from kernel_decode import (L2_BYTES, LAYOUTS, Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs, input_set_count,
-                           inputs_bytes, layout_inputs, ott_layout, record, store_arrays, time_calls)
+from kernel_decode import (L2_BYTES, LAYOUTS, Settings, Shape, copy_bandwidth, dense_bytes, dense_inputs,
+                           input_set_count, inputs_bytes, layout_inputs, ott_layout, record, store_arrays, time_calls)
 from records import kernel_record_key, save
 
 HERE = pathlib.Path(__file__).resolve().parent
