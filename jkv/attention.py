@@ -368,7 +368,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     token_mass_rows: static query rows t: also return the probability each key receives from row t, summed over
       the g query heads of its KV head (ZipCache's probes, SpeCache's speculative top-k).
     store_mass: with ``token_mass_rows``, the stores' mass too; False: the segments' alone (ZipCache's probes
-      score the window), and the Hopper kernel writes no logits out.
+      score the window), and neither kernel writes the stores' logits out.
 
   Returns:
     o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), then lse with ``return_lse``, then with
@@ -383,9 +383,9 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
     return _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass)
   if impl != "xla" and not mma_stores:
-    out = dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
-                                             token_mass_rows=rows, interpret=impl == "interpret")
-    return out[:-1] + (((), out[-1][1]),) if rows and not store_mass else out
+    return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
+                                              token_mass_rows=rows, store_mass=store_mass,
+                                              interpret=impl == "interpret")
   store_sources = [_mma_store_source(layer, store) for store in mma_stores]
   store_sources += [_store_source(layer, store) for store in stores]
   segment_sources = [_segment_source(layer, k, v, mask, num_keys if i == 0 else None)

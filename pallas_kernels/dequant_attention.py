@@ -218,13 +218,14 @@ def _decode_attention_kernel(
                  #   holes) and v_channel_scale [L, D] (if it has one); a segment's k [L', S_blk, D],
                  #   v [L', S_blk, D], mask [T, S_blk] int8. Then the outputs o [M, D] (unnormalized), l [M],
                  #   m [M], of which only the first n_rows exist; then, with token mass, the scaled logits
-                 #   [M, C or S] of each source
+                 #   [M, C or S] of each source in mass_sources
     n_rows: int,
     q_per_kv: int,
     t_rows: int,
     sm_scale: float,
     sources: tuple[_Source, ...],
     mass_rows: tuple[int, ...],
+    mass_sources: tuple[int, ...],
     tokens_major: bool,
 ):
   source_refs = []
@@ -262,12 +263,13 @@ def _decode_attention_kernel(
 
   def write_logits(index, start, block, logits, valid, in_range):
     """Scaled logits of the chosen rows for the token-mass statistic (invalid keys, holes included: MASK_VALUE)."""
-    if not mass_rows:
+    if not mass_rows or index not in mass_sources:
       return
     mask = mass_row[:, None] & (in_range[None, :] if in_range is not None else True)
     logits = jnp.where(valid, logits, MASK_VALUE)
     logits = logits.T if tokens_major else logits
-    plgpu.store(logit_refs[index].at[:, pl.ds(start, block)], logits, mask=jnp.broadcast_to(mask, logits.shape))
+    plgpu.store(logit_refs[mass_sources.index(index)].at[:, pl.ds(start, block)], logits,
+                mask=jnp.broadcast_to(mask, logits.shape))
 
   def run(index, source):
     """Programs [first, first + splits) walk this source's blocks, stopping at the last block that can be valid."""
@@ -363,12 +365,14 @@ def _decode_attention_partials(
     t_rows: int,
     sm_scale: float,
     mass_rows: tuple[int, ...],
+    mass_sources: tuple[int, ...],
     tokens_major: bool,
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ):
-  """One pallas_call over grid (B, Hkv, P); returns the fp32 partials o, l, m (and the chosen rows' logits)."""
+  """One pallas_call over grid (B, Hkv, P); returns the fp32 partials o, l, m (and the chosen rows' logits of the
+  sources ``mass_sources``)."""
   batch, kv_heads, n_rows, head_dim = q.shape
   rows = max(16, _next_power_of_2(n_rows))  # M: the tile's rows (dots need >= 16)
   partials = sum(source.splits for source in sources)
@@ -416,14 +420,14 @@ def _decode_attention_partials(
       jax.ShapeDtypeStruct((batch, kv_heads, partials, n_rows), jnp.float32),            # m
   ]
   if mass_rows:
-    for source in sources:  # scaled logits of the chosen rows, every program of (b, h) writing its own keys
+    for source in (sources[i] for i in mass_sources):  # the chosen rows' logits, each program writing its keys
       s_blk = source.splits * source.blocks_per_split * source.block
       out_specs.append(pl.BlockSpec((None, None, rows, s_blk), lambda b, h, s: (b, h, 0, 0)))
       out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, n_rows, source.length), jnp.float32))
 
   kernel = functools.partial(_decode_attention_kernel, n_rows=n_rows, q_per_kv=q_per_kv, t_rows=t_rows,
                              sm_scale=sm_scale, sources=tuple(sources), mass_rows=mass_rows,
-                             tokens_major=tokens_major)
+                             mass_sources=mass_sources, tokens_major=tokens_major)
   return pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, partials),
@@ -570,7 +574,7 @@ def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
 
 @functools.partial(
     jax.jit,
-    static_argnames=["sm_scale", "return_lse", "token_mass_rows", "block_k", "k_splits", "block_s", "s_splits",
+    static_argnames=["sm_scale", "return_lse", "token_mass_rows", "store_mass", "block_k", "k_splits", "block_s", "s_splits",
                      "tokens_major", "num_warps", "num_stages", "interpret"])
 def decode_attention(
     q,              # [B, Hkv, T, g, D]
@@ -581,6 +585,7 @@ def decode_attention(
     sm_scale: Optional[float] = None,
     return_lse: bool = False,
     token_mass_rows: tuple[int, ...] = (),
+    store_mass: bool = True,
     block_k: int = 64,
     k_splits: Optional[int] = None,
     block_s: int = 64,
@@ -601,6 +606,8 @@ def decode_attention(
     positions t) also the token mass ``((store_mass [B, Hkv, R, C], ...), (segment_mass [B, Hkv, R, S], ...))``,
     R = len(token_mass_rows): the probability each key receives from row t, summed over the g query heads
     (0 for keys no row may see). In that order: ``o``, ``(o, lse)``, ``(o, mass)`` or ``(o, lse, mass)``.
+    With ``store_mass`` False the stores' mass is () and the kernel writes only the segments' logits (ZipCache's
+    probes score the window alone).
 
   Tunables (static; store defaults: the best of benchmarks/kernel_decode.py's autotune on an H100 at B=8,
   L=32768, KIVI-2):
@@ -674,7 +681,8 @@ def decode_attention(
   q_rows = q.reshape(batch, kv_heads, n_rows, head_dim)
   o, l, m, *logits = _decode_attention_partials(
       layer, jnp.stack(bounds, axis=-1).astype(jnp.int32), q_rows, tuple(inputs), sources=tuple(sources),
-      q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows, tokens_major=tokens_major,
+      q_per_kv=q_per_kv, t_rows=t_rows, sm_scale=sm_scale, mass_rows=mass_rows,
+      mass_sources=tuple(range(0 if store_mass else len(stores), len(sources))), tokens_major=tokens_major,
       num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
   # Exact softmax merge of the partials; a row with no valid key has l_all = 0.
@@ -692,12 +700,13 @@ def decode_attention(
     # MASK_VALUE from the kernel, so the stacked holes mask is never sliced here.
     below_length = lambda s: jnp.broadcast_to(
         (jnp.arange(s.capacity)[None, :] < s.length[:, None])[:, None, None, :], (batch, 1, t_rows, s.capacity))
-    store_mass = tuple(_token_mass(store_logits, lse, below_length(s), q_per_kv, mass_rows, from_logits=True)
-                       for store_logits, s in zip(logits, stores))
-    segment_mass = tuple(
+    n_stores = len(stores) if store_mass else 0
+    of_stores = tuple(_token_mass(store_logits, lse, below_length(s), q_per_kv, mass_rows, from_logits=True)
+                      for store_logits, s in zip(logits[:n_stores], stores))
+    of_segments = tuple(
         _token_mass(seg_logits, lse, mask if mask.ndim == 4 else mask[:, None], q_per_kv, mass_rows, True)
-        for seg_logits, (_, _, mask) in zip(logits[len(stores):], segments))
-    mass = (store_mass, segment_mass)
+        for seg_logits, (_, _, mask) in zip(logits[n_stores:], segments))
+    mass = (of_stores, of_segments)
   return _results(o, lse, mass, return_lse=return_lse, mass_rows=mass_rows)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -465,6 +466,14 @@ def test_reference_matches_brute_force():
           np.testing.assert_allclose(lse[b, h, t, i], logits.max() + np.log(p.sum()), rtol=1e-6)
 
 
+def _all_eqns(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (jit, cond, ...) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _all_eqns(sub)
+
+
 def test_reference_token_mass_and_one_bit():
   """The reference's token mass is the softmax column sums of the chosen rows over the g heads; at 1 bit
   (SpeCache's width) the kernel gives the reference's output, lse and token mass."""
@@ -484,6 +493,16 @@ def test_reference_token_mass_and_one_bit():
   np.testing.assert_allclose(got_lse, lse, rtol=0, atol=TOLERANCE[jnp.float32][2])
   for got, want in zip(jax.tree.leaves(got_mass), jax.tree.leaves(mass)):
     _assert_close(got, want, jnp.float32, "token mass at 1 bit")
+  # Without the stores' mass (ZipCache's probes) the kernel writes the segment's logits alone: one logits output.
+  call = lambda **kw: decode_attention(q, 0, stores, segments, **stats, block_k=32, interpret=True, **kw)
+  (store_none, (seg_alone,)) = call(store_mass=False)[2]
+  assert store_none == ()
+  _assert_close(seg_alone, mass[1][0], jnp.float32, "segment mass without the store's")
+  def kernel_outputs(**kw):  # o, l, m and a logits array per source whose mass is asked
+    jaxpr = jax.make_jaxpr(lambda: call(**kw))()
+    calls = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    return [len(e.outvars) for e in calls]
+  assert (kernel_outputs(), kernel_outputs(store_mass=False)) == ([5], [4])
 
 
 def test_bad_arguments_raise():
