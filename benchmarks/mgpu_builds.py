@@ -4,7 +4,8 @@
 into one process as a package of its own (a copy of its ``pallas_kernels`` whose ``jkv_kernels`` imports are
 renamed ``jkv_kernels_<name>``), checked against the first build's output, and timed at each shape in turn,
 ``--rounds`` times (the order reversed every other round), on the same inputs (``mgpu_decode.window_inputs``:
-KIVI-2, G = 32, bf16, every slot valid, a window of 129 bf16 tokens). A build may carry keyword arguments of
+KIVI-2, G = 32, bf16, every slot valid, a window of 129 bf16 tokens), the store packed by each build's own
+``mma_layout`` (builds may differ in the packing). A build may carry keyword arguments of
 ``mgpu_decode_attention`` (``name=path:operand_blocks=true``), so one tree's settings compare in the same run.
 Each round's time is a record (config: build, arguments, round); the table gives each build's median.
 
@@ -48,12 +49,14 @@ def build_arg(text: str) -> tuple[str, pathlib.Path, dict]:
 
 
 def import_build(name: str, kernels: pathlib.Path, root: pathlib.Path):
-  """The build's ``mgpu_decode_attention`` module, imported as package ``jkv_kernels_<name>``."""
+  """The build's ``mgpu_decode_attention`` and ``mma_layout`` modules, imported from package
+  ``jkv_kernels_<name>``."""
   package = root / f"jkv_kernels_{name}"
   shutil.copytree(kernels, package, ignore=shutil.ignore_patterns("__pycache__"))
   for module in package.glob("*.py"):
     module.write_text(module.read_text().replace("jkv_kernels.", f"jkv_kernels_{name}."))
-  return importlib.import_module(f"jkv_kernels_{name}.mgpu_decode_attention")
+  return tuple(importlib.import_module(f"jkv_kernels_{name}.{module}")
+               for module in ("mgpu_decode_attention", "mma_layout"))
 
 
 def run(builds, shapes, rounds: int, settings: Settings) -> list[dict]:
@@ -64,16 +67,18 @@ def run(builds, shapes, rounds: int, settings: Settings) -> list[dict]:
     modules = {name: import_build(name, path, pathlib.Path(root)) for name, path, _ in builds}
     for batch, seq_len in shapes:
       shape = Shape(batch, seq_len)
-      sets = [window_inputs(shape, 2, seed) for seed in range(3 if batch <= 8 else 2)]
+      unpacked = [window_inputs(shape, 2, seed, packed=False) for seed in range(3 if batch <= 8 else 2)]
+      sets = {name: [(q, jax.block_until_ready(modules[name][1].pack_mma_store(s)), w) for q, s, w in unpacked]
+              for name, _, _ in builds}
       calls = {}
       for name, _, kwargs in builds:
-        attend = modules[name].mgpu_decode_attention
+        attend = modules[name][0].mgpu_decode_attention
         for impl, window in KINDS.items():
           calls[name, impl] = jax.jit(lambda q, s, w, attend=attend, window=window, kwargs=kwargs: attend(
               q, 0, s, segment=w if window else None, **kwargs))
-      first = {impl: np.asarray(calls[builds[0][0], impl](*sets[0]), np.float32) for impl in KINDS}
+      first = {impl: np.asarray(calls[builds[0][0], impl](*sets[builds[0][0]][0]), np.float32) for impl in KINDS}
       for (name, impl), fn in calls.items():
-        diff = float(np.max(np.abs(np.asarray(fn(*sets[0]), np.float32) - first[impl])))
+        diff = float(np.max(np.abs(np.asarray(fn(*sets[name][0]), np.float32) - first[impl])))
         print(f"check B={batch} L={seq_len} {impl} {name}: max |o - {builds[0][0]}'s| = {diff:.2e}")
         if diff > 2e-2:
           raise SystemExit(f"build {name} disagrees with {builds[0][0]} on {impl} at B={batch} L={seq_len}")
@@ -82,7 +87,7 @@ def run(builds, shapes, rounds: int, settings: Settings) -> list[dict]:
       for r in range(rounds):
         order = list(calls) if r % 2 == 0 else list(calls)[::-1]
         for name, impl in order:
-          median_us, compile_s = time_calls(calls[name, impl], sets, settings)
+          median_us, compile_s = time_calls(calls[name, impl], sets[name], settings)
           records.append(record(impl, batch, seq_len, median_us, nbytes[impl], device, compile_s=compile_s,
                                 config={"build": name, "arguments": arguments[name], "round": r}))
           print(f"{impl:>18} B={batch:<3} L={seq_len:<6} {name:>12} round {r} {median_us:8.1f} µs", flush=True)

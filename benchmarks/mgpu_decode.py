@@ -157,10 +157,10 @@ def method_inputs(shape: Shape, name: str, seed: int, packed: bool):
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
 
 
-def window_inputs(shape: Shape, bits: int, seed: int):
-  """(q, store, window) for timing KIVI's attention call: ``timing_inputs``'s packed store and a window of WINDOW
-  random bf16 keys and values per (sequence, KV head), every token valid, stacked over one layer."""
-  q, packed = timing_inputs(shape, bits, seed)
+def window_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True):
+  """(q, store, window) for timing KIVI's attention call: ``timing_inputs``'s store (packed or not) and a window
+  of WINDOW random bf16 keys and values per (sequence, KV head), every token valid, stacked over one layer."""
+  q, packed = timing_inputs(shape, bits, seed, packed=packed)
   kk, kv = jax.random.split(jax.random.key(seed + 1000))
   ring = (1, shape.batch, shape.kv_heads, WINDOW, shape.head_dim)
   return (q, packed, (jax.random.normal(kk, ring, shape.dtype), jax.random.normal(kv, ring, shape.dtype),

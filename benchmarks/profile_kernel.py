@@ -36,6 +36,7 @@ def main():
                       help="with --mgpu: KIVI's whole call, the store and a window of 129 exact tokens in one kernel")
   parser.add_argument("--step-tiles", type=int, help="with --mgpu: tiles of 64 tokens per step (default: the kernel's)")
   parser.add_argument("--stages", type=int, default=STAGES, help="with --mgpu: pipeline depth (default: the kernel's)")
+  parser.add_argument("--splits", type=int, help="with --mgpu: programs per (sequence, KV head) (default: the kernel's)")
   parser.add_argument("--calls", type=int, default=4)
   args = parser.parse_args()
   shape = Shape(args.batch, args.seq_len)
@@ -43,7 +44,7 @@ def main():
     inputs = (window_inputs if args.window else mgpu_inputs)(shape, args.bits, seed=0)
     fn = jax.jit(lambda q, s, *window: mgpu_decode_attention(
         q, 0, s, segment=window[0] if window else None, step_tiles=args.step_tiles,
-        max_concurrent_steps=args.stages))
+        max_concurrent_steps=args.stages, splits=args.splits))
   elif args.layout:
     inputs, fn = layout_inputs(shape, args.layout, seed=0), fused(layout_config({}, args.layout), interpret=False)
   else:

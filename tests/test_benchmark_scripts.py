@@ -146,7 +146,8 @@ def test_a_saved_record_comes_back_from_the_device_with_the_runs_before_it(tmp_p
 
 def test_mgpu_builds_imports_each_build_as_its_own_package(tmp_path, monkeypatch):
   """benchmarks/mgpu_builds.py (the timing needs a Hopper GPU): a build is a renamed copy of its kernels, so two
-  builds' modules are separate (each one's imports resolve inside its own package); a build's arguments parse;
+  builds' modules are separate (each one's imports resolve inside its own package, and each packs its own
+  inputs with its own ``mma_layout``); a build's arguments parse;
   the table gives each build's median over rounds."""
   monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
   import mgpu_builds
@@ -156,9 +157,10 @@ def test_mgpu_builds_imports_each_build_as_its_own_package(tmp_path, monkeypatch
   with pytest.raises(Exception, match="name=path"):
     mgpu_builds.build_arg("no path")
   monkeypatch.syspath_prepend(str(tmp_path))
-  a, b = (mgpu_builds.import_build(name, kernels, tmp_path) for name in ("a", "b"))
+  (a, a_layout), (b, b_layout) = (mgpu_builds.import_build(name, kernels, tmp_path) for name in ("a", "b"))
   assert a is not b and a.mgpu_decode_attention is not b.mgpu_decode_attention
   assert a.MmaStore.__module__ == "jkv_kernels_a.mma_layout" and b.MmaStore.__module__ == "jkv_kernels_b.mma_layout"
+  assert a_layout.__name__ == "jkv_kernels_a.mma_layout" and a_layout.MmaStore is a.MmaStore  # packs for its build
   records = [{"batch": 8, "seq_len": 32768, "impl": "mgpu_kivi2", "median_us": t,
               "config": {"build": build, "arguments": {}, "round": r}}
              for r, (ta, tb) in enumerate([(100.0, 90.0), (130.0, 80.0), (110.0, 95.0)])
