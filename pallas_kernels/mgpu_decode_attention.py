@@ -1,20 +1,21 @@
 """Decode attention over a low-bit KIVI store on Hopper tensor cores (Pallas, Mosaic GPU lowering).
 
-The first cut of the fast kernel of KERNEL.md, for one store in the MMA-ready packing (``mma_layout.py``): codes
-become 16-bit operands in registers with a shift, one three-input logic op, an exact subtraction and one fused
-multiply-add per two codes, and both products run on ``wgmma``:
+The fast kernel of KERNEL.md, for one store in the MMA-ready packing (``mma_layout.py``): codes become fp16
+operands in registers with one three-input logic op and one fused multiply-add per two codes (and a shift per few
+words), and both products run on ``wgmma``:
 
     logits^T [64 tokens, N]  = K_hat [64, D] (registers)           @ q^T [D, N] (shared memory)
     o^T      [64 channels, 16] += V_hat^T [64, 64 tokens] (registers) @ p^T [64 tokens, 16] (shared memory)
 
 with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
 head (p is widened to 16 columns for the value product: an MN-major operand takes no narrower swizzle).
-A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of ``magic`` at a bit
-worth exactly 1 (``magic_half``: 1024.0 in fp16, 128.0 in bf16 for a field at bit 0; smaller powers of two for
-fields higher up, so one shift serves several fields, ``field_plan``), so ``pair - magic`` is c exactly, and
-``c * scale + zero`` is one ``fma.rn.f16x2`` (``.bf16x2``) with the scale and zero pair the thread reads once per
-tile. The key group is per channel (the pair's two channels), the value group per token (the pair's two tokens),
-so one pair of scale words serves a pair of codes either way.
+A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of the fp16 number
+M = ``magic`` at a bit worth exactly 1 (``mma_layout.field_plan``, ``magic_half``: M at most 16), so the
+pair reads as M + c, and ``(M + c) * scale + (zero - M * scale)`` is one ``fma.rn.f16x2`` with the scale and
+folded zero pair (the packing stores z - M s) the thread reads once per tile: c s + z, rounded once. The key group
+is per channel (the pair's two channels), the value group per token (the pair's two tokens), so one pair of scale
+words serves a pair of codes either way. The store's products run in fp16 whatever the model's type (the packing
+holds fp16 scales; q is rounded to fp16, p is fp16).
 
 Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (sequence, KV head) through a TMA
 pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
@@ -58,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv_kernels.attention_reference import MASK_VALUE
-from jkv_kernels.mma_layout import TILE, THREADS, MmaStore, load_vector, words_per_thread
+from jkv_kernels.mma_layout import (META_DTYPE, TILE, THREADS, MmaStore, field_plan, load_vector, magic_half,
+                                   register_slots, words_per_thread)
 
 try:  # Mosaic GPU's Python API (jax >= 0.11 is where this kernel is built and measured)
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -80,7 +82,6 @@ ROWS = 16       # the most query rows of a KV head; the N of the value product (
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
 M_FLOOR = MASK_VALUE / 2
 LOG2E = 1.4426950408889634
-_MANTISSA = {"float16": 10, "bfloat16": 7}
 
 
 # jax 0.10's plgpu.load takes the index as an argument; 0.11 deprecates it for ``ref.at[...]``.
@@ -134,49 +135,29 @@ def _quad_words(ref, base, quad, count, lead=()):
   return words
 
 
-def field_plan(bits: int, dtype: str) -> list[tuple[int, int]]:
-  """(shift, offset) of each field f of a 16-bit half: ``word >> shift`` holds field f at bit ``offset`` of both
-  halves, with ``offset + bits`` within the mantissa (10 bits in fp16, 7 in bf16). Fields are taken where they
-  lie while they fit, so one shift serves several fields (2-bit fp16: fields 0-4 in place, 5-7 after one shift
-  by 10), instead of one shift per field."""
-  plan, shift = [], 0
-  for field in range(16 // bits):
-    if bits * field - shift + bits > _MANTISSA[dtype]:
-      shift = bits * field
-    plan.append((shift, bits * field - shift))
-  return plan
-
-
-def magic_half(offset: int, dtype: str) -> int:
-  """The 16-bit float 2^(mantissa - offset): its mantissa bit ``offset`` is worth exactly 1, so OR-ing a code c
-  in at that bit gives 2^(mantissa - offset) + c, and subtracting the constant leaves c exactly."""
-  bias = 15 if dtype == "float16" else 127
-  return (bias + _MANTISSA[dtype] - offset) << _MANTISSA[dtype]
-
-
-def _dequantized_pair(word, offset, bits, scale, zero, dtype):
-  """Two 16-bit lanes ``code * scale + zero`` from the field at bit ``offset`` of both halves of ``word``: one
-  three-input logic op, one exact subtraction, one fused multiply-add (one PTX block)."""
-  ptx_type = "f16" if dtype == "float16" else "bf16"
-  magic = magic_half(offset, dtype) * 0x00010001
+def _dequantized_pair(word, offset, bits, scale, zero):
+  """Two fp16 lanes ``code * scale + zero`` from the field at bit ``offset`` of both halves of ``word``: one
+  three-input logic op gives M + c in each lane (``mma_layout.magic_half``), one fused multiply-add with the
+  packing's z' = z - M s gives (M + c) s + z - M s (one PTX block)."""
+  magic = magic_half(offset) * 0x00010001
   mask = (((1 << bits) - 1) << offset) * 0x00010001
   asm = (f"{{ .reg .b32 t, m; mov.b32 m, {magic:#x}; lop3.b32 t, $1, {mask:#x}, m, 0xea;"
-         f" sub.{ptx_type}x2 t, t, m; fma.rn.{ptx_type}x2 $0, t, $2, $3; }}")
+         f" fma.rn.f16x2 $0, t, $2, $3; }}")
   pair = llvm.inline_asm(_i32(), [word, scale, zero], asm, "=r,r,r,r")
-  element = ir.F16Type.get() if dtype == "float16" else ir.BF16Type.get()
-  return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), element))
+  return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), ir.F16Type.get()))
 
 
-def _register_source(words, bits, dtype):
-  """rho -> (the word holding register rho, shifted as ``field_plan`` says, and the field's offset), each shift
-  computed once per word."""
-  plan, fields, shifted = field_plan(bits, dtype), 16 // bits, {}
+def _register_source(words, bits, registers):
+  """rho -> (the word holding register rho, shifted as ``field_plan`` says, and the field's offset), for a thread
+  of ``registers`` registers in ``register_slots``' places; each shift computed once per word."""
+  plan, fields, shifted = field_plan(bits), 16 // bits, {}
+  slots = register_slots(bits, registers)
 
   def source(rho):
-    index, (shift, offset) = rho // fields, plan[rho % fields]
+    index, (shift, offset) = slots[rho] // fields, plan[slots[rho] % fields]
     if (index, shift) not in shifted:
-      shifted[index, shift] = (arith.shrui(words[index], mgpu.utils.c(shift, _i32())) if shift
-                               else words[index])
+      word, amount = words[index], mgpu.utils.c(abs(shift), _i32())
+      shifted[index, shift] = word if not shift else (arith.shrui if shift > 0 else arith.shli)(word, amount)
     return shifted[index, shift], offset
   return source
 
@@ -249,13 +230,13 @@ def _wgmma_array(pairs, rows_by_cols):
   return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_dim, group, dtype):
+def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_dim, group):
   """K_hat [64 tokens, 64 len(blocks)] of the channel blocks ``blocks`` (consecutive blocks of 64) of tile ``tile``
   of a step of ``step_tiles``, dequantized in registers (WGMMA layout).
 
   The step's key scale block holds its groups (G <= 64 * step_tiles) or the one group it lies in."""
   warp, lane, tau = _thread()
-  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
+  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, head_dim // 4)
   # The thread's tokens 64 tile + 16 w + l // 4 (+ 8) lie in one key group; its channel pairs (2 (l % 4) + 8 j, +1),
   # whose scale and zero are its meta words 2 j, 2 j + 1 (quad_word_position: 16 words per block of 64 channels).
   first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
@@ -267,15 +248,15 @@ def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_di
   for j in range(8 * len(blocks)):
     for h in range(2):
       rho = 16 * blocks[0] + 2 * j + h
-      pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
+      pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1])
   return _wgmma_array(pairs, (TILE, 64 * len(blocks)))
 
 
-def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group, dtype):
+def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group):
   """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels in ``blocks``, dequantized in
   registers (WGMMA layout)."""
   warp, lane, tau = _thread()
-  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, dtype)
+  source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, head_dim // 4)
   quad = arith.remui(lane, mgpu.utils.c(4, _i32()))
   operands = []
   for m in blocks:
@@ -288,7 +269,7 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
     for j in range(8):
       for h in range(2):
         rho = 16 * m + 2 * j + h
-        pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1], dtype)
+        pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1])
     operands.append(_wgmma_array(pairs, (64, TILE)))
   return tuple(operands)
 
@@ -299,14 +280,14 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group,
 
 def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
               operand_blocks, columns=None):
-  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in the store's dtype (N = 8 or 16 rows,
+  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in fp16 (N = 8 or 16 rows,
   the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
   join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
   count) (``logit_columns``): also the store's logits q . k of those columns, [B, Hkv, S * tiles, 64, count] fp32
   (unscaled, unmasked; tiles of steps the program skips, past the length, are not written)."""
   batch, kv_heads, rows, head_dim = q.shape
-  dtype = jnp.dtype(store.dtype)
+  dtype = META_DTYPE
   if segment is not None:
     segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
   # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
@@ -332,12 +313,12 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       arg_types=(plgpu.RefType(), plgpu.RefType()),
       return_type=plgpu.ShapeDtypeStruct((TILE, 64 * len(blocks)), dtype, layout=plgpu.Layout.WGMMA))(
           lambda ctx, c, m: _key_operand(c, m, tile=tile, blocks=blocks, step_tiles=step_tiles, bits=store.k_bits,
-                                         head_dim=head_dim, group=store.k_group, dtype=store.dtype))
+                                         head_dim=head_dim, group=store.k_group))
   value_operands = lambda tile, blocks: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType()),
       return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA) for _ in blocks))(
           lambda ctx, c, m: _value_operands(c, m, tile=tile, blocks=blocks, bits=store.v_bits, head_dim=head_dim,
-                                            group=store.v_group, dtype=store.dtype))
+                                            group=store.v_group))
   # Swizzles of 16-bit operands in shared memory: q [N, D] and a segment's keys [64, D] by rows of D, p [64, 16]
   # and a segment's values [64, D] by 16 (a product's two shared-memory operands take one swizzle).
   swizzled = lambda width, name: (lambda sw: (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))(
@@ -635,7 +616,7 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
                        + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
-  head_dim, half = store.k_meta.shape[-1], jnp.dtype(store.dtype).itemsize
+  head_dim, half = store.k_meta.shape[-1], jnp.dtype(META_DTYPE).itemsize
   fixed = ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
   fixed += head_dim * 4 if store.v_channel_scale is not None else 0
   if not segment:
@@ -707,8 +688,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   (``jkv.attention.merge_partials``).
 
   Args:
-    q: [B, Hkv, T, g, D] with T * g <= 16, floating point: the store's products take it rounded to the store's
-      scale dtype, the segment's to the segment's (bf16 to fp16 is exact for magnitudes in [6.1e-5, 65504]).
+    q: [B, Hkv, T, g, D] with T * g <= 16, floating point: the store's products take it rounded to fp16, the
+      segment's to the segment's type (bf16 to fp16 is exact for magnitudes in [6.1e-5, 65504]).
     layer: int32 scalar (clamped to [0, L)).
     store: ``MmaStore`` (``mma_layout.pack_mma_store``).
     segment: None, or full-precision keys and values with a mask, attended in the same softmax (KIVI's window):
@@ -747,7 +728,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   if n_rows > ROWS:
     raise ValueError(f"mgpu_decode_attention takes T * g <= {ROWS} query rows per KV head, got {n_rows}")
   if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point (the store's type)")
+    raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point")
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
   if store.valid is not None and (store.valid.ndim not in (3, 4)
@@ -780,7 +761,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
   length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
-  q_rows = _padded_rows(q, rows, store.dtype)
+  q_rows = _padded_rows(q, rows, META_DTYPE)
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)

@@ -5,20 +5,34 @@
 (channels x tokens). In the A operand's register layout (``WGMMA_LAYOUT`` in Mosaic GPU; PTX "wgmma 64xNx16 A"),
 thread tau = 32 w + l of the warpgroup holds rows r0 = 16 w + l // 4 and r0 + 8 and, in every 8-column tile j,
 the column pair (c0 + 8 j, c0 + 8 j + 1), c0 = 2 (l % 4): one 32-bit register per (tile j, row half h), two
-16-bit lanes. This module lays the codes out so that each thread's registers come from its own consecutive
-words, a pair of lanes from one word:
+16-bit lanes. Registers are numbered as Mosaic GPU numbers them (tile j major, row half h minor): keys
+rho = 2 j + h (j < D / 8); values rho = 16 m + 2 j + h over the D / 64 row blocks m of 64 channels (j < 8); so
+rho = 2 u + h with u = j for keys and u = 8 m + j for values. This module lays the codes out so that each thread's
+registers come from its own consecutive words, a pair of lanes from one word:
 
-    register rho of a thread is word rho // F, field rho % F (F = 16 // bits fields per 16-bit half); the low
-    half's field holds the pair's first code, the high half's field its second.
+    register rho sits at slot sigma = 2 W (u // W) + W h + u % W (W = min(F, D / 8), F = 16 // bits fields per
+    16-bit half): word sigma // F, field sigma % F; the low half's field holds the pair's first code, the high
+    half's field its second.
 
-so ``((word >> bits * f) & mask) | magic`` is both lanes of a register at once, already in the order ``wgmma``
-wants (KERNEL.md section 2). Registers are numbered as Mosaic GPU numbers them (tile j major, row half h minor):
-keys rho = 2 j + h (j < D / 8); values rho = 16 m + 2 j + h over the D / 64 row blocks m of 64 channels (j < 8).
-A thread's 2 * bits words sit at ``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the
-order in which a ``WG_STRIDED`` load of ``vec`` words per thread hands them out, so every load is 16 bytes wide
-and a warp's loads are contiguous.
+so both row halves of a column pair (the two registers that share a scale and zero word) sit in the same field of
+two words, and ``((word >> shift) & mask) | magic`` is both lanes of a register at once, already in the order
+``wgmma`` wants (KERNEL.md section 2). A thread's 2 * bits words sit at
+``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the order in which a ``WG_STRIDED`` load
+of ``vec`` words per thread hands them out, so every load is 16 bytes wide and a warp's loads are contiguous.
 
-Scales and zero-points travel as uint32 words of two 16-bit values, a pair's two lanes. A thread of quad
+Codes become fp16 without a conversion (``field_plan``): the field, shifted to mantissa bit ``offset`` (6 to 9),
+OR-ed into the fp16 constant M = 2^(10 - offset) (``magic_half``) reads as M + c exactly. The kernel then computes
+(M + c) * s + z' with z' = z - M s in one fused multiply-add, so the packing stores z' in place of the zero-point:
+one subtraction per two codes fewer. M <= 16 (M <= 4 for 1-bit codes, whose scale is half the range) keeps z''s
+rounding within 2^-11 (|z| + 16 s), at most s / 128 past what rounding z itself costs: about what bf16's rounding
+of a dequantized value costs (M <= 64 measured as fast on an H100 at B = 256, L = 4608, with four times the
+bound). So the packing reads as the library layout's store up to that rounding, not bit for bit: where keys have
+an outlier channel (a scale near 19) attention over it moves by up to 2%; the default model's perplexity through
+the kernel does not move (benchmarks/README.md, round 18).
+Scales and zero-points are therefore held in fp16 whatever the store's type (bf16 values in fp16's normal range,
+6.1e-5 to 65504, convert exactly; smaller ones lose relative precision below an absolute 6e-8).
+
+Scales and zero-points travel as uint32 words of two fp16 values, a pair's two lanes. A thread of quad
 q = l % 4 reads K words of a block (k = 2 j + 0 for the scale pair, 2 j + 1 for the zero pair), the 8 lanes of a
 warp that share q reading the same words; its word k sits at ``(k // 4) * 16 + 4 q + k % 4``, so each 16-byte
 load of a warp touches four consecutive 16-byte pieces, one per quad, in different banks (quads K words apart
@@ -45,7 +59,12 @@ from jkv_kernels.quantization import dequantize, pack, unpack
 
 TILE = 64          # tokens per tile: the M of one wgmma for keys, its K for values
 THREADS = 128      # one warpgroup
-MMA_BITS = (1, 2, 4)  # 8-bit codes do not fit the bf16 magic number's 7 mantissa bits
+MMA_BITS = (1, 2, 4)  # an 8-bit field does not fit below the magic number (bits 6-9 of fp16's 10-bit mantissa)
+META_DTYPE = jnp.float16  # the scales' and zero-points' type in the packing, whatever the store's (docstring)
+_MANTISSA = 10
+# The lowest mantissa bit a field sits at, by width: magic numbers <= 4 for 1-bit codes, <= 16 otherwise (module
+# docstring); each leaves room for two fields (one 4-bit field) per shift.
+_LOWEST_OFFSET = {1: 8, 2: 6, 4: 6}
 
 
 def words_per_thread(bits: int, head_dim: int) -> int:
@@ -55,6 +74,46 @@ def words_per_thread(bits: int, head_dim: int) -> int:
 
 def load_vector(bits: int, head_dim: int) -> int:
   return min(4, words_per_thread(bits, head_dim))
+
+
+def field_plan(bits: int) -> list[tuple[int, int]]:
+  """(shift, offset) of each field f of a 16-bit half: ``word >> shift`` (``<<`` where negative) holds field f at
+  bit ``offset`` of both halves, offset in [lowest, 10 - bits] (lowest: 8 for 1-bit codes, 6 otherwise). One
+  shift serves P fields (P = 2, 2, 1 for 1-, 2-, 4-bit codes), field f at offset lowest + bits (f % P): so a
+  field's offset depends on f % P only, and P divides 8, the fields apart that one value scale word's registers
+  of neighbouring channel blocks lie (``register_slots``)."""
+  lowest = _LOWEST_OFFSET[bits]
+  per_shift = (_MANTISSA - lowest) // bits
+  offsets = [lowest + bits * (f % per_shift) for f in range(16 // bits)]
+  return [(bits * f - offset, offset) for f, offset in enumerate(offsets)]
+
+
+def magic_half(offset: int) -> int:
+  """The fp16 bits of M = 2^(10 - offset): its mantissa bit ``offset`` is worth exactly 1, so OR-ing a code c in
+  at that bit (below ``offset`` the mantissa is zero) gives M + c."""
+  return (15 + _MANTISSA - offset) << _MANTISSA
+
+
+def register_slots(bits: int, registers: int) -> np.ndarray:
+  """[registers] the slot sigma of each register rho (module docstring): word sigma // F, field sigma % F."""
+  fields = 16 // bits
+  u, h = np.divmod(np.arange(registers), 2)
+  width = min(fields, registers // 2)
+  return 2 * width * (u // width) + width * h + u % width
+
+
+def pair_magic(bits: int, pairs: int) -> np.ndarray:
+  """[pairs] the magic number M of column pair u: a key tile's channel pair j (u = j), a value tile's token pair j
+  (u = j < 8). Register 2 u + h sits in field u % F of its word for h = 0 and at the same offset for h = 1, and a
+  value register of block m (u = 8 m + j) at the offset of field j (``field_plan``)."""
+  plan = field_plan(bits)
+  return np.array([2.0 ** (_MANTISSA - plan[u % (16 // bits)][1]) for u in range(pairs)], np.float32)
+
+
+def _folded_meta(scale, zero, magic):
+  """(scale, z' = z - M s) in fp16, computed in fp32 (module docstring); ``magic`` broadcasts against them."""
+  s = scale.astype(jnp.float32)
+  return s.astype(META_DTYPE), (zero.astype(jnp.float32) - magic * s).astype(META_DTYPE)
 
 
 def _thread_coordinates():
@@ -94,6 +153,7 @@ def _pack_registers(codes, bits):
   """codes [..., THREADS, R, 2] (R registers, two lanes) -> tile words [..., THREADS * R * bits / 16] uint32."""
   fields = 16 // bits
   *lead, threads, registers, _ = codes.shape
+  codes = codes[..., np.argsort(register_slots(bits, registers)), :]  # in slot order
   # A word holds F registers: their low lanes in bits [0, 16), their high lanes in [16, 32), which is the
   # library's packing of the 2F codes (low lanes first).
   by_word = codes.reshape(*lead, threads, registers // fields, fields, 2)
@@ -109,7 +169,8 @@ def _unpack_registers(words, bits, registers):
   per_thread = words[..., word_positions(bits, 4 * registers)]  # [..., THREADS, words]
   codes = unpack(per_thread[..., None], bits=bits, axis=-1)  # [..., THREADS, words, 2F]
   codes = jnp.stack([codes[..., :fields], codes[..., fields:]], -1)  # [..., THREADS, words, F, 2]
-  return codes.reshape(*codes.shape[:-4], THREADS, registers, 2).astype(jnp.int32)
+  codes = codes.reshape(*codes.shape[:-4], THREADS, registers, 2)  # in slot order
+  return codes[..., register_slots(bits, registers), :].astype(jnp.int32)
 
 
 def quad_word_position(q, k):
@@ -138,7 +199,7 @@ def _pair_words(a, b):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["k_codes", "k_meta", "v_codes", "v_meta", "length", "valid", "v_channel_scale"],
-    meta_fields=["k_bits", "v_bits", "k_group", "v_group", "dtype"])
+    meta_fields=["k_bits", "v_bits", "k_group", "v_group"])
 @dataclasses.dataclass(frozen=True)
 class MmaStore:
   """A KIVI store in the MMA-ready packing (module docstring), every array stacked over layers.
@@ -147,7 +208,7 @@ class MmaStore:
   valid[..., b, h, c] (holes: OTT's placeholders, ZipCache's group tails), and every dequantized value channel d
   is multiplied by v_channel_scale[..., b, h, d] (ZipCache's channel-separable values)."""
   k_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * k_bits / 32] uint32
-  k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 4] uint32: (scale pair, zero pair) words, quads interleaved
+  k_meta: jax.Array   # [L, B, Hkv, C / G, 4 * D / 4] uint32: (scale pair, z' pair) fp16 words, quads interleaved
   v_codes: jax.Array  # [L, B, Hkv, C / 64, 64 * D * v_bits / 32] uint32
   v_meta: jax.Array   # [L, B, Hkv, C / 64, D / Gv * 4 * 16] uint32: quads interleaved per channel group
   length: jax.Array   # [B] int32
@@ -155,7 +216,6 @@ class MmaStore:
   v_bits: int
   k_group: int
   v_group: int
-  dtype: str          # of the scales and zero-points: "float16" or "bfloat16"
   valid: Optional[jax.Array] = None            # [L, B, Hkv, C] (stacked) or [B, Hkv, C] bool; None: no holes
   v_channel_scale: Optional[jax.Array] = None  # [L, B, Hkv, D] float; None: 1
 
@@ -198,12 +258,14 @@ def _key_words(k, bits):
   return _pack_registers(k.reshape(*lead, tokens // TILE, TILE, head_dim)[..., kt, kc], bits)
 
 
-def key_meta_words(scale, zero):
-  """Key scales and zero-points [..., D, groups] (16-bit) -> meta words [..., groups, D] uint32: per group,
-  (scale pair, zero pair) words of the channel pairs (2 q + 8 j, + 1), quads interleaved."""
+def key_meta_words(scale, zero, *, bits: int):
+  """Key scales and zero-points [..., D, groups] -> meta words [..., groups, D] uint32: per group, (scale pair,
+  z' pair) words of the channel pairs (2 q + 8 j, + 1) in fp16, quads interleaved; z' = z - M s with the magic
+  number of the channel pair's field."""
   *lead, head_dim, groups = scale.shape
   ch = _channel_pairs(head_dim)  # [4, D/8]
-  ks, kz = jnp.swapaxes(scale, -1, -2), jnp.swapaxes(zero, -1, -2)  # [..., groups, D]
+  magic = np.repeat(pair_magic(bits, head_dim // 8), 8)  # [D]: channel d is in pair d // 8
+  ks, kz = _folded_meta(jnp.swapaxes(scale, -1, -2), jnp.swapaxes(zero, -1, -2), magic)  # [..., groups, D]
   meta = jnp.stack([_pair_words(ks[..., ch], ks[..., ch + 1]), _pair_words(kz[..., ch], kz[..., ch + 1])], -1)
   return _interleave_quads(meta.reshape(*lead, groups, 4, -1))
 
@@ -217,7 +279,8 @@ def pack_key_tiles(codes, scale, zero, *, bits: int):
   Returns:
     (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / G, D] uint32).
   """
-  return _key_words(jnp.swapaxes(unpack(codes, bits=bits, axis=-1), -1, -2), bits), key_meta_words(scale, zero)
+  return (_key_words(jnp.swapaxes(unpack(codes, bits=bits, axis=-1), -1, -2), bits),
+          key_meta_words(scale, zero, bits=bits))
 
 
 def _value_words(v, bits):
@@ -227,14 +290,15 @@ def _value_words(v, bits):
   return _pack_registers(v.reshape(*lead, tokens // TILE, TILE, head_dim)[..., vt, vc], bits)
 
 
-def _value_meta_words(scale, zero):
-  """Value scales and zero-points [..., n, D / Gv] (16-bit, n a multiple of 64) -> meta words
-  [..., n / 64, D / Gv * 64] uint32: per tile and channel group, (scale pair, zero pair) words of the token pairs
-  (2 q + 8 j, + 1), quads interleaved."""
+def _value_meta_words(scale, zero, bits):
+  """Value scales and zero-points [..., n, D / Gv] (n a multiple of 64) -> meta words [..., n / 64, D / Gv * 64]
+  uint32: per tile and channel group, (scale pair, z' pair) words of the token pairs (2 q + 8 j, + 1) in fp16,
+  quads interleaved; z' = z - M s with the magic number of the token pair's field."""
   *lead, tokens, channel_groups = scale.shape
   tok = _channel_pairs(64)  # [4, 8]
   per_tile = lambda a: jnp.swapaxes(a.reshape(*lead, tokens // TILE, TILE, channel_groups), -1, -2)
-  vs, vz = per_tile(scale), per_tile(zero)  # [..., tile, D/Gv, 64]
+  magic = np.repeat(pair_magic(bits, 8), 8)  # [64]: token t of a tile is in pair t // 8
+  vs, vz = _folded_meta(per_tile(scale), per_tile(zero), magic)  # [..., tile, D/Gv, 64]
   meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])], -1)
   return _interleave_quads(meta.reshape(*meta.shape[:-3], 4, 16)).reshape(*lead, tokens // TILE, -1)
 
@@ -247,7 +311,7 @@ def pack_value_tiles(codes, scale, zero, *, bits: int):
   Returns:
     (tile words [..., n / 64, 64 D bits / 32] uint32, meta [..., n / 64, D / Gv * 64] uint32).
   """
-  return _value_words(unpack(codes, bits=bits, axis=-1), bits), _value_meta_words(scale, zero)
+  return _value_words(unpack(codes, bits=bits, axis=-1), bits), _value_meta_words(scale, zero, bits)
 
 
 def merge_into_tiles(k_words, v_words, v_meta, keys, values, offset, *, k_bits: int, v_bits: int):
@@ -281,10 +345,10 @@ def merge_into_tiles(k_words, v_words, v_meta, keys, values, offset, *, k_bits: 
   v_mask = _value_words(jnp.broadcast_to(ones(v_bits), in_range.shape[:3] + (head_dim,)), v_bits)
   k_new = _key_words(place(jnp.swapaxes(unpack(k_codes, bits=k_bits, axis=-1), -1, -2)), k_bits)
   v_new = _value_words(place(unpack(v_codes, bits=v_bits, axis=-1)), v_bits)
-  meta_new = _value_meta_words(place(v_scale), place(v_zero))
+  meta_new = _value_meta_words(place(v_scale), place(v_zero), v_bits)
   marked = place(jnp.ones(v_scale.shape, v_scale.dtype))
-  meta_mask = _value_meta_words(marked, marked) != 0
-  return ((k_words & ~k_mask) | k_new, key_meta_words(k_scale, k_zero), (v_words & ~v_mask) | v_new,
+  meta_mask = _value_meta_words(marked, marked, v_bits) != 0  # the new tokens' words (a scale of 1 is not 0)
+  return ((k_words & ~k_mask) | k_new, key_meta_words(k_scale, k_zero, bits=k_bits), (v_words & ~v_mask) | v_new,
           jnp.where(meta_mask, meta_new, v_meta))
 
 
@@ -293,12 +357,10 @@ def pack_mma_store(store) -> MmaStore:
   capacity, head_dim = store.v_codes.shape[3], store.k_codes.shape[3]
   check_mma_packing(k_bits=store.k_bits, v_bits=store.v_bits, k_group=store.k_group, v_group=store.v_group,
                     head_dim=head_dim, tokens=capacity, meta_dtype=store.k_scale.dtype)
-  if jnp.dtype(store.v_scale.dtype) != jnp.dtype(store.k_scale.dtype):
-    raise ValueError("the MMA packing takes one 16-bit type for the key and value scales")
   k_codes, k_meta = pack_key_tiles(store.k_codes, store.k_scale, store.k_zero, bits=store.k_bits)
   v_codes, v_meta = pack_value_tiles(store.v_codes, store.v_scale, store.v_zero, bits=store.v_bits)
   return MmaStore(k_codes, k_meta, v_codes, v_meta, store.length, store.k_bits, store.v_bits, store.k_group,
-                  store.v_group, jnp.dtype(store.k_scale.dtype).name, store.valid, store.v_channel_scale)
+                  store.v_group, store.valid, store.v_channel_scale)
 
 
 def _tile_order(tokens, channels) -> np.ndarray:
@@ -311,31 +373,33 @@ def _tile_order(tokens, channels) -> np.ndarray:
   return order
 
 
-def _halves(words, dtype):
-  """uint32 words -> (low, high) 16-bit floats of ``dtype`` as float32."""
-  as_float = lambda h: jax.lax.bitcast_convert_type(h.astype(jnp.uint16), dtype).astype(jnp.float32)
+def _halves(words):
+  """uint32 words -> (low, high) fp16 halves as float32."""
+  as_float = lambda h: jax.lax.bitcast_convert_type(h.astype(jnp.uint16), META_DTYPE).astype(jnp.float32)
   return as_float(words & 0xFFFF), as_float(words >> 16)
 
 
-def read_key_tiles(words, meta, *, bits: int, group: int, dtype):
+def read_key_tiles(words, meta, *, bits: int, group: int):
   """Inverse of ``pack_key_tiles``: tile words [..., n, W] and the meta words of their key groups [..., groups,
-  D] (one group for tiles inside a group longer than n tiles) -> keys [..., 64 n, D] float32."""
+  D] (one group for tiles inside a group longer than n tiles) -> keys [..., 64 n, D] float32: c s + (z' + M s),
+  what the kernel's fused multiply-add computes before it rounds to fp16."""
   *lead, count, _ = words.shape
   head_dim, tokens = meta.shape[-1], count * TILE
   kt, kc = key_register_map(head_dim)
   registers = _unpack_registers(words, bits, kt.shape[1]).reshape(*lead, count, -1)
   k = registers[..., _tile_order(kt, kc)].reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta).reshape(*meta.shape[:-1], 4, head_dim // 8, 2)
-  (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., groups, 4, D/8]
+  (s0, s1), (z0, z1) = _halves(pairs[..., 0]), _halves(pairs[..., 1])  # [..., groups, 4, D/8]
   # channel 2q + 8j (+1) -> index [.., j, q, pair]
   per_channel = lambda a, b: jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(*lead, -1, head_dim)
-  return dequantize(k, per_channel(s0, s1), per_channel(z0, z1), axis=-2, group_size=min(group, tokens),
-                    dtype=jnp.float32)
+  scale = per_channel(s0, s1)
+  zero = per_channel(z0, z1) + np.repeat(pair_magic(bits, head_dim // 8), 8) * scale
+  return dequantize(k, scale, zero, axis=-2, group_size=min(group, tokens), dtype=jnp.float32)
 
 
-def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
+def read_value_tiles(words, meta, *, bits: int, group: int):
   """Inverse of ``pack_value_tiles``: tile words [..., n, W] and meta [..., n, D / Gv * 64] -> values
-  [..., 64 n, D] float32."""
+  [..., 64 n, D] float32, as ``read_key_tiles`` computes them."""
   *lead, count, _ = words.shape
   channel_groups = meta.shape[-1] // 64
   head_dim, tokens = channel_groups * group, count * TILE
@@ -344,10 +408,12 @@ def read_value_tiles(words, meta, *, bits: int, group: int, dtype):
   v = registers[..., _tile_order(vt, vc)].reshape(*lead, tokens, head_dim)
   pairs = _deinterleave_quads(meta.reshape(*lead, count, channel_groups, 64))
   pairs = pairs.reshape(*lead, count, channel_groups, 4, 8, 2)
-  (s0, s1), (z0, z1) = _halves(pairs[..., 0], dtype), _halves(pairs[..., 1], dtype)  # [..., n, D/Gv, 4, 8]
+  (s0, s1), (z0, z1) = _halves(pairs[..., 0]), _halves(pairs[..., 1])  # [..., n, D/Gv, 4, 8]
   per_token = lambda a, b: jnp.swapaxes(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
       *lead, count, channel_groups, TILE), -1, -2).reshape(*lead, tokens, channel_groups)
-  return dequantize(v, per_token(s0, s1), per_token(z0, z1), axis=-1, group_size=group, dtype=jnp.float32)
+  scale = per_token(s0, s1)
+  zero = per_token(z0, z1) + np.tile(np.repeat(pair_magic(bits, 8), 8), count)[:, None] * scale
+  return dequantize(v, scale, zero, axis=-1, group_size=group, dtype=jnp.float32)
 
 
 def read_mma_tiles(mma: MmaStore, layer, start, count: int):
@@ -358,12 +424,11 @@ def read_mma_tiles(mma: MmaStore, layer, start, count: int):
   def take(x, first, n):  # one dynamic slice of the stacked array: [B, H, n, W] at ``layer``
     return jax.lax.dynamic_slice(x, (layer, 0, 0, first, 0), (1, *x.shape[1:3], n, x.shape[4]))[0]
 
-  dtype = jnp.dtype(mma.dtype)
   groups = max(1, count * TILE // mma.k_group)
   keys = read_key_tiles(take(mma.k_codes, start, count), take(mma.k_meta, start * TILE // mma.k_group, groups),
-                        bits=mma.k_bits, group=mma.k_group, dtype=dtype)
+                        bits=mma.k_bits, group=mma.k_group)
   values = read_value_tiles(take(mma.v_codes, start, count), take(mma.v_meta, start, count), bits=mma.v_bits,
-                            group=mma.v_group, dtype=dtype)
+                            group=mma.v_group)
   if mma.v_channel_scale is not None:
     values = values * mma.v_channel_scale[layer].astype(jnp.float32)[:, :, None, :]
   return keys, values

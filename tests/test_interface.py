@@ -345,22 +345,23 @@ def _store_and_segments_for_mma(rng, dtype, holes=False):
 @pytest.mark.parametrize("impl,holes", [("xla", False), ("interpret", False), ("xla", True)])
 def test_an_mma_store_reads_as_the_store_it_was_packed_from(impl, holes):
   """An MmaStore beside a segment, through the XLA path (where every impl reads it off a Hopper GPU), against
-  the same store in the library's layout: the same keys and values, one softmax, the same token mass (holes and
-  a value channel scale too)."""
+  the same store in the library's layout: the same keys and values but for the packing's fp16 rounding of its
+  folded zero-points (z - M s: within 1% here), one softmax, the same token mass (holes and a value channel scale
+  too)."""
   from jkv_kernels.mma_layout import pack_mma_store
   q, store, segment = _store_and_segments_for_mma(np.random.default_rng(21), jnp.float32, holes)
   o, lse = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
                             return_lse=True)
   o_ref, lse_ref = decode_attention(q, jnp.int32(1), stores=(store,), segments=(segment,), impl="xla",
                                     return_lse=True)
-  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+  assert np.linalg.norm(np.asarray(o) - np.asarray(o_ref)) / np.linalg.norm(np.asarray(o_ref)) <= 1e-2
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-2)
   _, mass = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment,), impl=impl,
                             token_mass_rows=(0,))
   _, mass_ref = decode_attention(q, jnp.int32(1), stores=(store,), segments=(segment,), impl="xla",
                                  token_mass_rows=(0,))
   for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref), strict=True):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-4)
   with pytest.raises(ValueError, match="not both at once"):
     decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store), store), impl="xla", token_mass_rows=(0,))
 

