@@ -36,7 +36,8 @@ def main():
                       help="with --mgpu: KIVI's whole call, the store and a window of 129 exact tokens in one kernel")
   parser.add_argument("--step-tiles", type=int, help="with --mgpu: tiles of 64 tokens per step (default: the kernel's)")
   parser.add_argument("--stages", type=int, default=STAGES, help="with --mgpu: pipeline depth (default: the kernel's)")
-  parser.add_argument("--splits", type=int, help="with --mgpu: programs per (sequence, KV head) (default: the kernel's)")
+  parser.add_argument("--splits", type=int,
+                      help="with --mgpu: programs per (sequence, KV head) (default: the kernel's)")
   parser.add_argument("--calls", type=int, default=4)
   args = parser.parse_args()
   shape = Shape(args.batch, args.seq_len)

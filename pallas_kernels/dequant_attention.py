@@ -574,8 +574,8 @@ def _token_mass(probs_or_logits, lse, valid, q_per_kv, mass_rows, from_logits):
 
 @functools.partial(
     jax.jit,
-    static_argnames=["sm_scale", "return_lse", "token_mass_rows", "store_mass", "block_k", "k_splits", "block_s", "s_splits",
-                     "tokens_major", "num_warps", "num_stages", "interpret"])
+    static_argnames=["sm_scale", "return_lse", "token_mass_rows", "store_mass", "block_k", "k_splits", "block_s",
+                     "s_splits", "tokens_major", "num_warps", "num_stages", "interpret"])
 def decode_attention(
     q,              # [B, Hkv, T, g, D]
     layer,          # int32 scalar (traced); None when nothing is stacked

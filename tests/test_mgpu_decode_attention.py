@@ -1,9 +1,10 @@
 """The MMA-ready packing (jkv_kernels.mma_layout) and the Mosaic GPU decode kernel (jkv_kernels.mgpu_decode_attention).
 
 On the CPU: the packing keeps every code, scale and zero-point (dequantized back, it equals the store's own
-dequantization up to the rounding of its folded zero-points); a thread's registers hold the codes the WGMMA layout assigns to it (checked against the
-PTX ISA's description, independently of the packing code); the kernel lowers to one Mosaic GPU custom call for
-each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the compiled kernel is held to
+dequantization up to the rounding of its folded zero-points); a thread's registers hold the codes the WGMMA
+layout assigns to it (checked against the PTX ISA's description, independently of the packing code), and the
+kernel's unpack emulated in numpy gives each register its keys and values; the kernel lowers to one Mosaic GPU
+custom call for each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the compiled kernel is held to
 ``decode_attention_reference`` on the store the packing came from, on real quantized data with ragged lengths.
 """
 
