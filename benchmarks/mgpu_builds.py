@@ -6,12 +6,12 @@ renamed ``jkv_kernels_<name>``), checked against the first build's output, and t
 ``--rounds`` times (the order reversed every other round), on the same inputs (``mgpu_decode.window_inputs``:
 KIVI-2, G = 32, bf16, every slot valid, a window of 129 bf16 tokens), the store packed by each build's own
 ``mma_layout`` (builds may differ in the packing). A build may carry keyword arguments of
-``mgpu_decode_attention`` (``name=path:operand_blocks=true``), so one tree's settings compare in the same run.
+``mgpu_decode_attention`` (``name=path:segment_depth=1``), so one tree's settings compare in the same run.
 Each round's time is a record (config: build, arguments, round); the table gives each build's median.
 
     git archive 97ffc34 pallas_kernels | tar -x -C /tmp/round11         # a build from history
     python benchmarks/mgpu_builds.py --builds round11=/tmp/round11/pallas_kernels tree=pallas_kernels \\
-        blocks=pallas_kernels:operand_blocks=true --shapes 8x32768 256x4608 --rounds 3 \\
+        shallow=pallas_kernels:segment_depth=1 --shapes 8x32768 256x4608 --rounds 3 \\
         --out benchmarks/results/mgpu_builds_<name>.json                  # on an H100
     python benchmarks/mgpu_builds.py --table --out benchmarks/results/mgpu_builds_<name>.json
 """

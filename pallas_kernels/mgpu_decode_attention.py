@@ -66,7 +66,7 @@ try:  # Mosaic GPU's Python API (jax >= 0.11 is where this kernel is built and m
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.mosaic import gpu as mgpu
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 except ImportError:  # pragma: no cover - an older jax: the kernel is unavailable, the module still imports
   plgpu = mgpu = None
 
@@ -76,7 +76,7 @@ STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concur
 # on an H100: KIVI-2 168, KIVI-4 181). Splits count on 2: at B = 8, L = 32768, KIVI-2 in 6 splits (3 per SM) took
 # 117-120 µs against 125-157 in 4 in one sweep, but 4 took 114-115 in another run: no clear gain; KIVI-4 in 6 took
 # 182-191 against 139-143.
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 3
 ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
@@ -230,9 +230,89 @@ def _wgmma_array(pairs, rows_by_cols):
   return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_dim, group):
-  """K_hat [64 tokens, 64 len(blocks)] of the channel blocks ``blocks`` (consecutive blocks of 64) of tile ``tile``
-  of a step of ``step_tiles``, dequantized in registers (WGMMA layout).
+def _mma(a, b, c):
+  """``mma.sync`` m16n8k16 of fp16 operands with fp32 accumulation: a, b, c lists of 4 i32, 2 i32, 4 f32 values
+  (the PTX ISA's fragments) -> the 4 f32 values of c + a @ b."""
+  f32 = ir.F32Type.get()
+  asm = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+         "{$10,$11,$12,$13};")
+  out = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), [*a, *b, *c], asm,
+                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+  return [llvm.extractvalue(f32, out, [k]) for k in range(4)]
+
+
+def _transposed(pair):
+  """``movmatrix`` m8n8 .trans: the warp's 8x8 16-bit matrix held one register a lane (lane l: row l // 4,
+  columns 2 (l % 4), + 1) -> its transpose, held the same way."""
+  return llvm.inline_asm(_i32(), [pair], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+
+
+def _f32_pair(register):
+  """A vector<2xf32> register -> its two f32 values."""
+  return [vector.extract(register, dynamic_position=[], static_position=[e]) for e in range(2)]
+
+
+def _f32_register(values):
+  f32 = ir.F32Type.get()
+  register = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+  for e, value in enumerate(values):
+    register = vector.insert(value, register, dynamic_position=[], static_position=[e])
+  return register
+
+
+def _register(x, j, h):
+  """Register (column block j, row half h) of a WGMMA-layout array: rows 16 w + l // 4 + 8 h, columns
+  8 j + 2 (l % 4), + 1 of warp w's lane l."""
+  return x.registers[0, j, 0, 0, h, 0, 0, 0, 0]
+
+
+def q_word_count(rows: int, head_dim: int) -> int:
+  """The words of q a thread holds as ``mma.sync`` B fragments: two per block of 16 channels and of 8 rows."""
+  return rows // 8 * head_dim // 16 * 2
+
+
+def q_fragment_words(q):
+  """q [B, Hkv, N, D] fp16 (N = 8 or 16) -> [B, Hkv, words / 4, 128] uint32: lane l's B-fragment words of q^T
+  (word 2 (jn D / 16 + kappa) + half: rows 8 jn + l // 4, channels 16 kappa + 8 half + 2 (l % 4), + 1) in
+  16-byte chunks, chunk c of every lane side by side (a warp's 16-byte load of chunk c reads 512 contiguous
+  bytes)."""
+  batch, kv_heads, rows, head_dim = q.shape
+  words = jax.lax.bitcast_convert_type(q.reshape(batch, kv_heads, rows // 8, 8, head_dim // 16, 2, 4, 2),
+                                       jnp.uint32)  # [B, H, jn, g, kappa, half, t]
+  words = jnp.transpose(words, (0, 1, 2, 4, 5, 3, 6)).reshape(batch, kv_heads, -1, 4, 32)  # [B, H, chunk, k, lane]
+  return jnp.swapaxes(words, -1, -2).reshape(batch, kv_heads, -1, 128)
+
+
+def _q_fragments(q_ref, rows, head_dim):
+  """The thread's B-fragment words of q^T (``q_fragment_words``' layout in shared memory) as a [64, 2 words]
+  float32 WGMMA-layout array (word 2 (2 j + h) + e in register (j, h), lane e), bit for bit."""
+  _, lane, _ = _thread()
+  count = q_word_count(rows, head_dim)
+  words = []
+  for chunk in range(count // 4):
+    loaded = vector.load(ir.VectorType.get((4,), _i32()), q_ref,
+                         [_index(mgpu.utils.c(chunk, _i32())), _index(arith.muli(lane, mgpu.utils.c(4, _i32())))])
+    words += [vector.extract(loaded, dynamic_position=[], static_position=[k]) for k in range(4)]
+  f32 = ir.F32Type.get()
+  pairs = {(w // 4, w // 2 % 2): _f32_register([arith.bitcast(f32, words[w]), arith.bitcast(f32, words[w + 1])])
+           for w in range(0, count, 2)}
+  return _wgmma_array(pairs, (TILE, 2 * count))
+
+
+def _fragment_words(q_frags):
+  """Inverse of ``_q_fragments``' packing: the i32 words."""
+  words = []
+  for j in range(q_frags.registers.shape[1]):
+    for h in range(2):
+      words += [arith.bitcast(_i32(), x) for x in _f32_pair(_register(q_frags, j, h))]
+  return words
+
+
+def _key_logits(codes_ref, meta_ref, q_frags, *, tile, step_tiles, bits, head_dim, group, rows):
+  """Logits^T [64 tokens, rows] of tile ``tile`` of a step (WGMMA layout, which is ``mma.sync``'s C layout per
+  warp): each warp's 16 tokens against q^T, its dequantized keys the A operands (the registers of 16 channels),
+  q's fragments the B operands, over two accumulators (even and odd blocks of channels) so that half as many
+  products wait on each other.
 
   The step's key scale block holds its groups (G <= 64 * step_tiles) or the one group it lies in."""
   warp, lane, tau = _thread()
@@ -242,36 +322,92 @@ def _key_operand(codes_ref, meta_ref, *, tile, blocks, step_tiles, bits, head_di
   first_token = arith.addi(mgpu.utils.c(TILE * tile, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
   group_in_tile = (arith.divui(first_token, mgpu.utils.c(group, _i32()))
                    if group <= TILE * step_tiles else mgpu.utils.c(0, _i32()))
-  meta = _quad_words(meta_ref, mgpu.utils.c(64 * blocks[0], _i32()), arith.remui(lane, mgpu.utils.c(4, _i32())),
-                     16 * len(blocks), lead=(group_in_tile,))
+  meta = _quad_words(meta_ref, mgpu.utils.c(0, _i32()), arith.remui(lane, mgpu.utils.c(4, _i32())),
+                     head_dim // 4, lead=(group_in_tile,))
+  b = _fragment_words(q_frags)
+  zero = arith.constant(ir.F32Type.get(), 0.0)
   pairs = {}
-  for j in range(8 * len(blocks)):
-    for h in range(2):
-      rho = 16 * blocks[0] + 2 * j + h
-      pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1])
-  return _wgmma_array(pairs, (TILE, 64 * len(blocks)))
+  for n in range(rows // 8):
+    chains = [[zero] * 4, [zero] * 4]
+    for kappa in range(head_dim // 16):  # register rho = 4 kappa + (0, 1, 2, 3) is A's a0..a3 of the block
+      a = [mgpu.utils.bitcast(_dequantized_pair(*source(4 * kappa + r), bits, meta[2 * (2 * kappa + r // 2)],
+                                                meta[2 * (2 * kappa + r // 2) + 1]), _i32()) for r in range(4)]
+      word = 2 * (n * head_dim // 16 + kappa)
+      chains[kappa % 2] = _mma(a, b[word:word + 2], chains[kappa % 2])
+    c = [arith.addf(x, y) for x, y in zip(*chains)]
+    pairs[n, 0], pairs[n, 1] = _f32_register(c[:2]), _f32_register(c[2:])
+  return _wgmma_array(pairs, (TILE, rows))
 
 
-def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group):
-  """V_hat^T [64 channels, 64 tokens] of tile ``tile`` for each block of 64 channels in ``blocks``, dequantized in
-  registers (WGMMA layout)."""
+def _value_accumulate(codes_ref, meta_ref, p, o, *, tile, bits, head_dim, group, rows):
+  """o + V_hat^T p^T over the 16 tokens of each warp in tile ``tile``: o is the warp's own [D, rows] fp32
+  accumulator, (block of 16 channels i, block of 8 rows n) in register (i rows / 8 + n, h) of a [64, 8 D / 16
+  rows / 8] WGMMA-layout array (rows 16 i + l // 4 + 8 h); the A operands are the warp's dequantized values, the
+  B operands p [64 tokens, rows] fp16 (its WGMMA layout) transposed in registers."""
   warp, lane, tau = _thread()
   source = _register_source(_this_threads_code_words(codes_ref, tile, bits, head_dim, tau), bits, head_dim // 4)
-  quad = arith.remui(lane, mgpu.utils.c(4, _i32()))
-  operands = []
-  for m in blocks:
-    # The thread's channels 64 m + 16 w + l // 4 (+ 8) lie in one value group; its token pairs (2 (l % 4) + 8 j, +1).
-    channel = arith.addi(mgpu.utils.c(64 * m, _i32()), arith.muli(warp, mgpu.utils.c(16, _i32())))
-    value_group = arith.divui(channel, mgpu.utils.c(group, _i32()))
-    meta = _quad_words(meta_ref, arith.muli(value_group, mgpu.utils.c(4 * 8 * 2, _i32())), quad, 8 * 2,
-                       lead=(mgpu.utils.c(tile, _i32()),))
-    pairs = {}
-    for j in range(8):
-      for h in range(2):
-        rho = 16 * m + 2 * j + h
-        pairs[j, h] = _dequantized_pair(*source(rho), bits, meta[2 * j], meta[2 * j + 1])
-    operands.append(_wgmma_array(pairs, (64, TILE)))
-  return tuple(operands)
+  per_thread = 4 * head_dim // group  # the thread's meta words: k = 4 g + 2 a (scale), + 1 (z')
+  meta = _quad_words(meta_ref, arith.muli(warp, mgpu.utils.c(4 * per_thread, _i32())),
+                     arith.remui(lane, mgpu.utils.c(4, _i32())), per_thread, lead=(mgpu.utils.c(tile, _i32()),))
+  b = {(n, h): _transposed(mgpu.utils.bitcast(_register(p, n, h), _i32())) for n in range(rows // 8) for h in range(2)}
+  pairs = {}
+  for i in range(head_dim // 16):
+    k = 4 * (16 * i // group)
+    # register rho = 2 u + h, u = 2 i + a: A's a0..a3 of the block are (u, h) = (2 i, 0), (2 i, 1), (2 i + 1, 0), ...
+    a = [mgpu.utils.bitcast(_dequantized_pair(*source(4 * i + r), bits, meta[k + 2 * (r // 2)],
+                                              meta[k + 2 * (r // 2) + 1]), _i32()) for r in range(4)]
+    for n in range(rows // 8):
+      j = i * rows // 8 + n
+      c = _mma(a, [b[n, 0], b[n, 1]], _f32_pair(_register(o, j, 0)) + _f32_pair(_register(o, j, 1)))
+      pairs[j, 0], pairs[j, 1] = _f32_register(c[:2]), _f32_register(c[2:])
+  return _wgmma_array(pairs, o.shape)
+
+
+def _warp_column_max(x):
+  """[64, N] fp32 (WGMMA layout) -> the largest value of each column among the rows of each warp (rows 16 w ..
+  16 w + 15), in every one of those rows: the lanes that share l % 4 hold a column's 16 rows."""
+  pairs = {}
+  for j in range(x.registers.shape[1]):
+    m = arith.maximumf(_register(x, j, 0), _register(x, j, 1))
+    for distance in (4, 8, 16):
+      m = arith.maximumf(m, mgpu.utils.shfl_bfly(m, distance))
+    pairs[j, 0] = pairs[j, 1] = m
+  return _wgmma_array(pairs, x.shape)
+
+
+def _tile_columns(x, width):
+  """[64, N] (WGMMA layout) -> [64, width], column c holding x's column c % N (registers reused)."""
+  n = x.registers.shape[1]
+  return _wgmma_array({(j, h): _register(x, j % n, h) for j in range(width // 8) for h in range(2)}, (TILE, width))
+
+
+def _sum_into(ref, o, channel_scale=None, *, rows):
+  """The four warps' o (``_value_accumulate``'s layout) summed into ``ref`` [D, rows] fp32 in shared memory, warp
+  0's stored and warps 1, 2, 3 added in turn (a fixed order: the same sum every run), times ``channel_scale`` [D]
+  fp32 in shared memory (None: 1)."""
+  warp, lane, _ = _thread()
+  c = lambda value: mgpu.utils.c(value, _i32())
+  row, column = arith.divui(lane, c(4)), arith.muli(arith.remui(lane, c(4)), c(2))
+  at = {}
+  for j in range(o.registers.shape[1]):
+    i, n = divmod(j, rows // 8)
+    for h in range(2):
+      at[j, h] = [_index(arith.addi(row, c(16 * i + 8 * h))), _index(arith.addi(column, c(8 * n)))]
+  registers = {}
+  for (j, h), index in at.items():
+    register = _register(o, j, h)
+    if channel_scale is not None:
+      scale = memref.load(channel_scale, index[:1])
+      register = arith.mulf(register, vector.broadcast(register.type, scale))
+    registers[j, h] = register
+  for turn in range(4):
+    with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, warp, c(turn))):
+      for (j, h), index in at.items():
+        value = registers[j, h]
+        if turn:
+          value = arith.addf(vector.load(value.type, ref, index), value)
+        vector.store(value, ref, index)
+    mgpu.utils.warpgroup_barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,15 +415,14 @@ def _value_operands(codes_ref, meta_ref, *, tile, blocks, bits, head_dim, group)
 
 
 def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              operand_blocks, columns=None):
+              segment_depth, columns=None):
   """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in fp16 (N = 8 or 16 rows,
   the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
-  join the last split's softmax. ``operand_blocks``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
+  join the last split's softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
   count) (``logit_columns``): also the store's logits q . k of those columns, [B, Hkv, S * tiles, 64, count] fp32
   (unscaled, unmasked; tiles of steps the program skips, past the length, are not written)."""
   batch, kv_heads, rows, head_dim = q.shape
-  dtype = META_DTYPE
   if segment is not None:
     segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
   # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
@@ -305,22 +440,31 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   channel_scale = None if store.v_channel_scale is None else this_layer(store.v_channel_scale).astype(jnp.float32)
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
-  blocks = tuple(range(head_dim // 64))  # the tile's channel blocks of 64: one value product each
-  # The channel blocks whose operands are built and issued together: all of a tile's, or one block at a time,
-  # each product waited for before the next block's operand is built (at most two blocks' operands live).
-  issued_parts = tuple((m,) for m in blocks) if operand_blocks else (blocks,)
-  key_operand = lambda tile, blocks: plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(), plgpu.RefType()),
-      return_type=plgpu.ShapeDtypeStruct((TILE, 64 * len(blocks)), dtype, layout=plgpu.Layout.WGMMA))(
-          lambda ctx, c, m: _key_operand(c, m, tile=tile, blocks=blocks, step_tiles=step_tiles, bits=store.k_bits,
-                                         head_dim=head_dim, group=store.k_group))
-  value_operands = lambda tile, blocks: plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(), plgpu.RefType()),
-      return_type=tuple(plgpu.ShapeDtypeStruct((64, TILE), dtype, layout=plgpu.Layout.WGMMA) for _ in blocks))(
-          lambda ctx, c, m: _value_operands(c, m, tile=tile, blocks=blocks, bits=store.v_bits, head_dim=head_dim,
-                                            group=store.v_group))
-  # Swizzles of 16-bit operands in shared memory: q [N, D] and a segment's keys [64, D] by rows of D, p [64, 16]
-  # and a segment's values [64, D] by 16 (a product's two shared-memory operands take one swizzle).
+  blocks = tuple(range(head_dim // 64))  # a segment's channel blocks of 64: one value product each
+  f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+  array = lambda width: plgpu.ShapeDtypeStruct((TILE, width), f32, layout=wgmma_layout)
+  o_width = 8 * head_dim // 16 * rows // 8  # a warp's o [D, rows] in the columns of a [64, o_width] array
+  q_words = q_word_count(rows, head_dim)
+  q_fragments = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=array(2 * q_words))(
+      lambda ctx, ref: _q_fragments(ref, rows, head_dim))
+  key_logits = lambda tile: plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType(), wgmma_layout), return_type=array(rows))(
+          lambda ctx, c, m, qf: _key_logits(c, m, qf, tile=tile, step_tiles=step_tiles, bits=store.k_bits,
+                                            head_dim=head_dim, group=store.k_group, rows=rows))
+  value_accumulate = lambda tile: plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(), plgpu.RefType(), wgmma_layout, wgmma_layout), return_type=array(o_width))(
+          lambda ctx, c, m, p, o: _value_accumulate(c, m, p, o, tile=tile, bits=store.v_bits, head_dim=head_dim,
+                                                    group=store.v_group, rows=rows))
+  warp_column_max = plgpu.inline_mgpu(arg_types=(wgmma_layout,), return_type=array(rows))(
+      lambda ctx, x: _warp_column_max(x))
+  along_o = plgpu.inline_mgpu(arg_types=(wgmma_layout,), return_type=array(o_width))(
+      lambda ctx, x: _tile_columns(x, o_width))  # [64, rows] per warp and row -> o's columns
+  sum_into = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), wgmma_layout))(
+      lambda ctx, ref, o: _sum_into(ref, o, rows=rows))
+  sum_scaled_into = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), wgmma_layout, plgpu.RefType()))(
+      lambda ctx, ref, o, scale: _sum_into(ref, o, scale, rows=rows))
+  # Swizzles of a segment's 16-bit operands in shared memory: q [N, D] and keys [64, D] by rows of D, p [64, 16]
+  # and values [64, D] by 16 (a product's two shared-memory operands take one swizzle).
   swizzled = lambda width, name: (lambda sw: (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))(
       plgpu.find_swizzle(width * 16, name))
   q_transforms, p_transforms = swizzled(head_dim, "q"), swizzled(ROWS, "p")
@@ -348,9 +492,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
-  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, p_smem, o_smem, l_smem,
-             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None,
-             lg_smem=None):
+  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, o_smem, l_smem, m_smem,
+             q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None, lg_smem=None):
     store_logits = columns is not None
     lg_ref = refs[-1] if store_logits else None
     *refs, o_ref, l_ref, m_ref = refs[:len(refs) - store_logits]
@@ -373,24 +516,16 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       return lax.cond(index[0] <= last, functools.partial(attend, index, *step_refs), lambda c: c, carry)
 
     def attend(index, kc, km, vc, vm, *hole_and_carry):
-      *hole_tiles, carry = hole_and_carry
-      # A step is ``step_tiles`` tiles and one softmax update over all their tokens. Each tile's product is
-      # issued as soon as its A operand is in registers, and the tile before it waited for, so at most two tiles'
-      # A operands are live at once while the tensor cores work.
-      *o_blocks, m_run, l_run = carry
+      # A step is ``step_tiles`` tiles and one softmax update over all their tokens, each warp over its own 16
+      # tokens of each tile: its own running max and sum per row and its own o, so no step waits on another warp.
+      *hole_tiles, (o, m_run, l_run) = hole_and_carry
 
       @pl.when(index[0] == 0)
       def _():  # q was issued before the pipeline's first loads; its latency overlaps theirs
         plgpu.barrier_wait(q_barrier)
 
-      def qk(*acc_refs):
-        for t, acc_ref in enumerate(acc_refs):
-          for part in issued_parts:
-            plgpu.wgmma(acc_ref, key_operand(t, part)(kc, km),
-                        q_smem.at[:, pl.ds(64 * part[0], 64 * len(part))].transpose((1, 0)))
-            plgpu.wgmma_wait(1)
-        return [acc_ref[...] for acc_ref in acc_refs]
-      logits = pl.run_scoped(qk, *[plgpu.ACC((TILE, rows), jnp.float32) for _ in range(step_tiles)])
+      q_frags = q_fragments(q_smem)
+      logits = [key_logits(t)(kc, km, q_frags) for t in range(step_tiles)]
       if store_logits:  # into one of two slots, once the copy out of the step before last has read it
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         lg_slot = lg_smem.at[index[0] % 2]
@@ -399,28 +534,24 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
             lg_slot[t] = logits[t]
           else:
             store_columns(lg_slot.at[t], logits[t])
-      row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lg_slot, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
+      row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=wgmma_layout)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
       for hole_tile in hole_tiles:  # the slot bytes of the thread's tokens, along its logits' columns
-        valid = [v & (lax.broadcast_in_dim(_load(hole_tile.at[t], layout=plgpu.Layout.WGMMA.reduce(1),
+        valid = [v & (lax.broadcast_in_dim(_load(hole_tile.at[t], layout=wgmma_layout.reduce(1),
                                                  optimized=False), (TILE, rows), [0]) != 0)
                  for t, v in enumerate(valid)]
-      p, m_next, l_run, alpha = softmax_update(
-          [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)], m_run, l_run)
+      s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
+      m_next = jnp.maximum(m_run, warp_column_max(functools.reduce(jnp.maximum, s)))
+      alpha = jnp.exp2(m_run - m_next)
+      p = [jnp.exp2(x - m_next) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
+      l_run = l_run * alpha + functools.reduce(jnp.add, p)  # summed over the warp's tokens after the loop
+      o = o * along_o(alpha)
       for t in range(step_tiles):
-        p_smem[t] = widen(p[t].astype(dtype))
-      plgpu.commit_smem()  # p's stores and the logits' (one fence and barrier for both)
-      if store_logits:
-        plgpu.copy_smem_to_gmem(lg_slot, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
-
-      def pv(acc_refs):
-        for t in range(step_tiles):
-          for part in issued_parts:
-            for m, a_v in zip(part, value_operands(t, part)(vc, vm)):
-              plgpu.wgmma(acc_refs[m], a_v, p_smem.at[t])
-            plgpu.wgmma_wait(len(part))
-      return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
+        o = value_accumulate(t)(vc, vm, p[t].astype(META_DTYPE), o)
+      return o, m_next, l_run
 
     def attend_segment(index, k_tile, v_tile, allowed, carry):
       # A tile of the segment's 64 tokens: both products read their A operand from shared memory (the values
@@ -447,10 +578,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
         plgpu.wgmma_wait(0)
       return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
 
-    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    along_rows = lambda value: plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-    init = (*[zeros((64, ROWS)) for _ in range(head_dim // 64)],
-            along_rows(M_FLOOR), zeros((TILE, rows)))
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    init = (zeros((TILE, o_width)), plgpu.layout_cast(jnp.full((TILE, rows), M_FLOOR, f32), wgmma_layout),
+            zeros((TILE, rows)))
     block = lambda i: first // step_tiles + jnp.minimum(i, last)  # a split starts on a step boundary
     tile_block = lambda i: (block(i), 0, 0)
     pipeline = plgpu.emit_pipeline(
@@ -471,16 +601,21 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
     for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
       plgpu.copy_gmem_to_smem(cs_ref.at[0, b, h], cs_smem, cs_barrier)
-    carry = lax.cond(has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                                  vm_ref.at[at, b, h], *(r.at[0, b, h] for r in hole_refs)),
-                     lambda: init)
-    if scale_refs:  # the value channel scale, on the store's o (rows are channels), before a segment's values join
+    o, m_run, l_run = lax.cond(
+        has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
+                                    vm_ref.at[at, b, h], *(r.at[0, b, h] for r in hole_refs)),
+        lambda: init)
+    # The warps' partials merged: each weighted by exp2(its max - the program's), a split with no valid key
+    # giving (m, l, o) = (M_FLOOR, 0, 0), the empty partial; a value channel's scale multiplies the store's o.
+    m_all = m_run.max(axis=0)
+    weight = jnp.exp2(m_run - along_tokens(m_all))
+    if scale_refs:
       plgpu.barrier_wait(cs_barrier)
-      *o_blocks, m_run, l_run = carry
-      by_channel = lambda i: lax.broadcast_in_dim(
-          _load(cs_smem.at[pl.ds(64 * i, 64)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False), (64, ROWS), [0])
-      carry = (*[o * by_channel(i) for i, o in enumerate(o_blocks)], m_run, l_run)
-    if segment is not None:
+      sum_scaled_into(o_smem, o * along_o(weight), cs_smem)
+    else:
+      sum_into(o_smem, o * along_o(weight))
+    l_all = (l_run * weight).sum(axis=0)
+    if segment is not None:  # the last split's program continues the softmax over the segment's tokens
       sq_ref, sk_ref, sv_ref, sa_ref = segment_refs
       segment_tiles = (sa_ref.shape[2] - 8) // TILE
       # The segment's keys and values travel as [L B Hkv W, D] rows, and a swizzled operand's tiling takes them in
@@ -491,25 +626,29 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       first_row = ((segment_layer * batch + b) * kv_heads + h) * segment_width
       shift = first_row % 8
       rows_at = lambda i: (pl.multiple_of(first_row - shift + TILE * i, 8), 0)
-      segment_pipeline = lambda c: plgpu.emit_pipeline(
+      segment_pipeline = lambda carry: plgpu.emit_pipeline(
           attend_segment,
           grid=(segment_tiles,),
           in_specs=[plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=q_transforms),  # keys
                     plgpu.BlockSpec((pl.Element(TILE), head_dim), rows_at, transforms=p_transforms),  # values
                     plgpu.BlockSpec((pl.Element(TILE), rows), lambda i: (8 - shift + TILE * i, 0))],   # mask
-          max_concurrent_steps=min(segment_slots(operand_blocks), segment_tiles),
-          init_carry=c)(sk_ref, sv_ref, sa_ref.at[b, h if sa_ref.shape[1] > 1 else 0])
-      here = split == splits - 1
+          max_concurrent_steps=min(segment_depth, segment_tiles),
+          init_carry=carry)(sk_ref, sv_ref, sa_ref.at[b, h if sa_ref.shape[1] > 1 else 0])
 
-      @pl.when(here)
-      def _():
+      def with_segment():
         plgpu.copy_gmem_to_smem(sq_ref.at[b, h], sq_smem, sq_barrier)
-      carry = lax.cond(here, segment_pipeline, lambda c: c, carry)
-    *o_blocks, m_run, l_run = carry
-    for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
-      o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
-    l_smem[...] = l_run.sum(axis=0)  # a split with no valid key: (m, l, o) = (M_FLOOR, 0, 0), the empty partial
-    m_smem[...] = m_run
+        plgpu.commit_smem()  # every warp's o is in o_smem
+        # The store's partial starts the segment's softmax: its o in the accumulators' layout, its sum spread
+        # evenly over the 64 rows that are summed at the end (a power of two: exact).
+        carry = (*[widen(_load(o_smem.at[pl.ds(64 * i, 64)], layout=wgmma_layout, optimized=False))
+                   for i in blocks], m_all, along_tokens(l_all * (1 / TILE)))
+        *o_blocks, m_next, l_next = segment_pipeline(carry)
+        for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
+          o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
+        return m_next, l_next.sum(axis=0)
+      m_all, l_all = lax.cond(split == splits - 1, with_segment, lambda: (m_all, l_all))
+    l_smem[...] = l_all
+    m_smem[...] = m_all
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, split])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, h, split])
@@ -521,15 +660,15 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
   if columns is not None:
     out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, columns[1]), jnp.float32),)
+  q_words = q_fragment_words(q)
   scratch = dict(
-      q_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=q_transforms),
-      p_smem=plgpu.SMEM((step_tiles, TILE, ROWS), dtype, transforms=p_transforms),
+      q_smem=plgpu.SMEM(q_words.shape[2:], jnp.uint32),
       o_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       l_smem=plgpu.SMEM((rows,), jnp.float32),
       m_smem=plgpu.SMEM((rows,), jnp.float32),
       q_barrier=plgpu.Barrier(),
   )
-  inputs = (layer, length, q, k_codes, k_meta, v_codes, v_meta)
+  inputs = (layer, length, q_words, k_codes, k_meta, v_codes, v_meta)
   inputs += tuple(x for x in (holes, channel_scale) if x is not None)
   if channel_scale is not None:
     scratch.update(cs_smem=plgpu.SMEM((head_dim,), jnp.float32), cs_barrier=plgpu.Barrier())
@@ -571,59 +710,47 @@ def split_tiles(store: MmaStore, splits: int, step_tiles: int) -> int:
 
 
 def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: int = STAGES,
-                   sm_count: Optional[int] = None, segment: bool = False) -> int:
+                   sm_count: Optional[int] = None, segment: bool = False, segment_depth: Optional[int] = None) -> int:
   """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``): as
   many as let all of B * Hkv * splits programs run at once (``PROGRAMS_PER_SM`` per SM, fewer where their shared
   memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
   than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2 at B = 256, L = 4608 on an H100,
   the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
-  8, 98.5 with 16). ``segment``: a segment joins the store (``shared_memory_bytes``)."""
+  8, 98.5 with 16). ``segment``: a segment joins the store, ``segment_depth`` slots deep (None:
+  ``default_segment_depth``)."""
   _, batch, kv_heads, tiles = store.k_codes.shape[:4]
   step_tiles = step_tiles or default_step_tiles(store, stages, segment)
-  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, segment) + 1024)
+  segment_depth = segment_depth or default_segment_depth(store, step_tiles, stages)
+  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, segment, segment_depth) + 1024)
   slots = (sm_count or _sm_count()) * max(1, min(PROGRAMS_PER_SM, fit))
   splits = min(max(1, slots // (batch * kv_heads)), -(-tiles // _split_unit(store, step_tiles)))
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
 
-def default_operand_blocks(store: MmaStore, splits: int, segment: bool, step_tiles: int, stages: int = STAGES,
-                           sm_count: Optional[int] = None) -> bool:
-  """Whether ``mgpu_decode_partial`` builds its operands a block at a time by default: with a segment, where
-  the B * Hkv * splits programs are more than run at once two to an SM and the smaller shared memory lets a
-  third share an SM. There the third program is worth the extra waits (KIVI-2 with KIVI's window at B = 256,
-  L = 4608 on an H100: 476.3 µs against 509.9); where all programs run at once it is not (B = 8, L = 32768:
-  134.1 against 129.3), nor without a segment, whose kernel is three to an SM either way (B = 256: 421.6
-  against 409.7; benchmarks/mgpu_builds.py, round 15). (KIVI-4's steps are too large for a third program.)"""
-  if not segment:
-    return False
-  _, batch, kv_heads = store.k_codes.shape[:3]
-  fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, True, operand_blocks=True) + 1024)
-  return fit > PROGRAMS_PER_SM and batch * kv_heads * splits > PROGRAMS_PER_SM * (sm_count or _sm_count())
-
-
-def segment_slots(operand_blocks: bool) -> int:
-  """The depth of a segment's pipeline: one slot with ``operand_blocks`` (``mgpu_decode_partial``), two otherwise."""
-  return 1 if operand_blocks else 2
+def default_segment_depth(store: MmaStore, step_tiles: int, stages: int = STAGES) -> int:
+  """The slots of a segment's pipeline by default: one where that lets more programs share an SM than two slots
+  do (a segment of KIVI's window is two or three tiles, so the second slot hides little), else two."""
+  fit = lambda depth: SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, True, depth) + 1024)
+  return 1 if fit(1) > fit(2) else 2
 
 
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
-                        operand_blocks: bool = False) -> int:
+                        segment_depth: int = 2) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
-  q, p, the partials (at the widest N, 16 rows) and a value channel scale; with a ``segment``, its q and p, and
-  its pipeline's slots (``segment_slots``) of a tile of keys, values and mask where they are larger than the
-  store's (the two pipelines run one after the other)."""
+  q's fragments and the partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's
+  ``segment_depth`` slots of a tile of keys, values and mask where they are larger than the store's (the two
+  pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
                        + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
   head_dim, half = store.k_meta.shape[-1], jnp.dtype(META_DTYPE).itemsize
-  fixed = ROWS * head_dim * half + step_tiles * TILE * ROWS * half + head_dim * ROWS * 4 + 2 * ROWS * 4
+  fixed = ROWS * head_dim * half + head_dim * ROWS * 4 + 2 * ROWS * 4
   fixed += head_dim * 4 if store.v_channel_scale is not None else 0
   if not segment:
     return stages * step + fixed
   segment_slot = 2 * TILE * head_dim * 2 + TILE * ROWS * 4  # a tile of 16-bit keys and values, its int32 mask
-  return (max(stages * step, segment_slots(operand_blocks) * segment_slot) + fixed
-          + (ROWS * head_dim + TILE * ROWS) * 2)
+  return max(stages * step, segment_depth * segment_slot) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
 
 
 def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
@@ -678,10 +805,10 @@ def _padded_rows(q, rows, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps",
-                                             "operand_blocks", "logit_rows"])
+                                             "segment_depth", "logit_rows"])
 def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                         splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                        max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None,
+                        max_concurrent_steps: int = STAGES, segment_depth: Optional[int] = None,
                         logit_rows: tuple[int, ...] = ()):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment), unnormalized: the partial that merges exactly with other passes'
@@ -706,10 +833,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
-    operand_blocks: build and issue each product's register operand 64 channels at a time, each product waited
-      for before the next block's operand is built, and run a segment's pipeline one slot deep: KIVI-2 with a
-      segment then takes 140 registers and 74 KB instead of 177 and 98 KB (ptxas, H100), so three programs
-      share an SM instead of two, but each step waits more often. None: ``default_operand_blocks``.
+    segment_depth: the slots of a segment's pipeline, 1 or 2. None: ``default_segment_depth``.
     logit_rows: query rows t whose store logits it also returns, which the kernel writes out through shared
       memory as it computes them (for the token mass SpeCache's top-k reads; 4 bytes per slot, query head and row
       more traffic: only those rows' heads where they are one run of whole 16-byte rows, ``logit_columns``, else
@@ -747,15 +871,17 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   if segment is not None and segment[0].shape[-2] == 0:
     segment = None
   step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps, segment is not None)
+  if segment_depth not in (None, 1, 2):
+    raise ValueError(f"segment_depth={segment_depth} must be 1 or 2")
+  segment_depth = segment_depth or default_segment_depth(store, step_tiles, max_concurrent_steps)
   most = -(-tiles // _split_unit(store, step_tiles))
   if splits is None:
-    splits = default_splits(store, step_tiles, max_concurrent_steps, segment=segment is not None)
+    splits = default_splits(store, step_tiles, max_concurrent_steps, segment=segment is not None,
+                            segment_depth=segment_depth)
   elif not 1 <= splits <= most:
     raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {step_tiles} tiles of "
                      f"{TILE} tokens and whole key groups of {store.k_group}")
   splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
-  if operand_blocks is None:
-    operand_blocks = default_operand_blocks(store, splits, segment is not None, step_tiles, max_concurrent_steps)
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   num_layers = store.k_codes.shape[0]
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
@@ -767,7 +893,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)
   o, l, m, *logits = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
                                 step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
-                                operand_blocks=operand_blocks, columns=columns)
+                                segment_depth=segment_depth, columns=columns)
   if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
     m_all = jnp.max(m, axis=2)
     alpha = jnp.exp2(m - m_all[:, :, None])
@@ -786,10 +912,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",
-                                             "max_concurrent_steps", "operand_blocks"])
+                                             "max_concurrent_steps", "segment_depth"])
 def mgpu_decode_attention(q, layer, store: MmaStore, *, segment=None, sm_scale: Optional[float] = None,
                           return_lse: bool = False, splits: Optional[int] = None, step_tiles: Optional[int] = None,
-                          max_concurrent_steps: int = STAGES, operand_blocks: Optional[bool] = None):
+                          max_concurrent_steps: int = STAGES, segment_depth: Optional[int] = None):
   """Softmax attention of T query rows per sequence over layer ``layer`` of one MMA-packed store (and a
   full-precision segment): the partial of ``mgpu_decode_partial`` (same arguments) normalized.
 
@@ -799,7 +925,7 @@ def mgpu_decode_attention(q, layer, store: MmaStore, *, segment=None, sm_scale: 
   """
   o, m, l = mgpu_decode_partial(q, layer, store, segment=segment, sm_scale=sm_scale, splits=splits,
                                 step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
-                                operand_blocks=operand_blocks)
+                                segment_depth=segment_depth)
   empty = l == 0
   o = (o / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
   if not return_lse:

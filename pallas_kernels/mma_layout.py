@@ -132,13 +132,17 @@ def key_register_map(head_dim: int):
 
 
 def value_register_map(head_dim: int):
-  """[THREADS, D / 64 * 16, 2] (token, channel) of each register's two lanes in a value tile (rows are channels)."""
+  """[THREADS, D / 4, 2] (token, channel) of each register's two lanes in a value tile: warp w holds every channel
+  of its 16 tokens 16 w .. 16 w + 15 (the A operand of ``mma.sync`` m16n8k16 per block of 16 channels, rows
+  channels and columns the warp's tokens). Register rho = 2 u + h (u = 2 i + a): channels 16 i + l // 4 + 8 h,
+  tokens 16 w + 2 (l % 4) + 8 a (+ 1)."""
   r0, c0 = _thread_coordinates()
-  m, rest = np.divmod(np.arange(head_dim // 64 * 16), 16)
-  j, h = np.divmod(rest, 2)
-  channel = 64 * m[None, :] + r0[:, None] + 8 * h[None, :]
-  token = c0[:, None] + 8 * j[None, :]
-  return np.stack([token, token + 1], -1), np.stack([np.broadcast_to(channel, token.shape)] * 2, -1)
+  warp = np.arange(THREADS)[:, None] // 32
+  u, h = np.divmod(np.arange(head_dim // 4), 2)
+  i, a = np.divmod(u, 2)
+  channel = 16 * i[None, :] + r0[:, None] % 16 + 8 * h[None, :]
+  token = 16 * warp + c0[:, None] + 8 * a[None, :]
+  return np.stack([token, token + 1], -1), np.stack([channel, channel], -1)
 
 
 def word_positions(bits: int, head_dim: int) -> np.ndarray:
@@ -188,6 +192,12 @@ def _deinterleave_quads(block):
   """Inverse of ``_interleave_quads``: [..., 4 K] -> [..., 4 (q), K]."""
   *lead, size = block.shape
   return jnp.swapaxes(block.reshape(*lead, size // 16, 4, 4), -3, -2).reshape(*lead, 4, size // 4)
+
+
+def _last_axes(x, order):
+  """x with its last len(order) axes permuted by ``order``."""
+  lead = x.ndim - len(order)
+  return jnp.transpose(x, (*range(lead), *(lead + i for i in order)))
 
 
 def _pair_words(a, b):
@@ -291,16 +301,18 @@ def _value_words(v, bits):
 
 
 def _value_meta_words(scale, zero, bits):
-  """Value scales and zero-points [..., n, D / Gv] (n a multiple of 64) -> meta words [..., n / 64, D / Gv * 64]
-  uint32: per tile and channel group, (scale pair, z' pair) words of the token pairs (2 q + 8 j, + 1) in fp16,
-  quads interleaved; z' = z - M s with the magic number of the token pair's field."""
+  """Value scales and zero-points [..., n, D / Gv] (n a multiple of 64) -> meta words [..., n / 64, 64 D / Gv]
+  uint32: per tile and warp w, a block of 16 D / Gv words, quads interleaved; a thread of quad q reads words
+  k = 4 g + 2 a (the scale pair) and k + 1 (the z' pair) of tokens 16 w + 2 q + 8 a (+ 1) in channel group g,
+  fp16, z' = z - M s with the magic number of that token pair's field (``value_register_map``)."""
   *lead, tokens, channel_groups = scale.shape
-  tok = _channel_pairs(64)  # [4, 8]
-  per_tile = lambda a: jnp.swapaxes(a.reshape(*lead, tokens // TILE, TILE, channel_groups), -1, -2)
-  magic = np.repeat(pair_magic(bits, 8), 8)  # [64]: token t of a tile is in pair t // 8
-  vs, vz = _folded_meta(per_tile(scale), per_tile(zero), magic)  # [..., tile, D/Gv, 64]
-  meta = jnp.stack([_pair_words(vs[..., tok], vs[..., tok + 1]), _pair_words(vz[..., tok], vz[..., tok + 1])], -1)
-  return _interleave_quads(meta.reshape(*meta.shape[:-3], 4, 16)).reshape(*lead, tokens // TILE, -1)
+  # token 16 w + 8 a + 2 q + e of a tile: [..., n, w, a, q, e, groups] -> [..., n, w, q, groups, a, e]
+  per_tile = lambda x: _last_axes(x.reshape(*lead, tokens // TILE, 4, 2, 4, 2, channel_groups), (0, 1, 3, 5, 2, 4))
+  magic = pair_magic(bits, 2)[:, None]  # [a, 1]: token pair a of a warp's 16 tokens
+  vs, vz = _folded_meta(per_tile(scale), per_tile(zero), magic)  # [..., n, w, q, groups, a, e]
+  meta = jnp.stack([_pair_words(vs[..., 0], vs[..., 1]), _pair_words(vz[..., 0], vz[..., 1])], -1)
+  meta = meta.reshape(*meta.shape[:-4], 4, -1)  # [..., n, w, q, K]: k = 4 g + 2 a + (0 scale, 1 z')
+  return _interleave_quads(meta).reshape(*lead, tokens // TILE, -1)
 
 
 def pack_value_tiles(codes, scale, zero, *, bits: int):
@@ -398,7 +410,7 @@ def read_key_tiles(words, meta, *, bits: int, group: int):
 
 
 def read_value_tiles(words, meta, *, bits: int, group: int):
-  """Inverse of ``pack_value_tiles``: tile words [..., n, W] and meta [..., n, D / Gv * 64] -> values
+  """Inverse of ``pack_value_tiles``: tile words [..., n, W] and meta [..., n, 64 D / Gv] -> values
   [..., 64 n, D] float32, as ``read_key_tiles`` computes them."""
   *lead, count, _ = words.shape
   channel_groups = meta.shape[-1] // 64
@@ -406,13 +418,14 @@ def read_value_tiles(words, meta, *, bits: int, group: int):
   vt, vc = value_register_map(head_dim)
   registers = _unpack_registers(words, bits, vt.shape[1]).reshape(*lead, count, -1)
   v = registers[..., _tile_order(vt, vc)].reshape(*lead, tokens, head_dim)
-  pairs = _deinterleave_quads(meta.reshape(*lead, count, channel_groups, 64))
-  pairs = pairs.reshape(*lead, count, channel_groups, 4, 8, 2)
-  (s0, s1), (z0, z1) = _halves(pairs[..., 0]), _halves(pairs[..., 1])  # [..., n, D/Gv, 4, 8]
-  per_token = lambda a, b: jnp.swapaxes(jnp.stack([a, b], -1).swapaxes(-3, -2).reshape(
-      *lead, count, channel_groups, TILE), -1, -2).reshape(*lead, tokens, channel_groups)
+  pairs = _deinterleave_quads(meta.reshape(*lead, count, 4, 16 * channel_groups))  # [..., n, w, q, K]
+  pairs = pairs.reshape(*lead, count, 4, 4, channel_groups, 2, 2)  # [..., n, w, q, groups, a, scale | z']
+  (s0, s1), (z0, z1) = _halves(pairs[..., 0]), _halves(pairs[..., 1])
+  # [..., n, w, q, groups, a] for tokens e = 0, 1 -> token 16 w + 8 a + 2 q + e: [..., 64 n, groups]
+  per_token = lambda a, b: _last_axes(jnp.stack([a, b], -1), (0, 1, 4, 2, 5, 3)).reshape(*lead, tokens, -1)
   scale = per_token(s0, s1)
-  zero = per_token(z0, z1) + np.tile(np.repeat(pair_magic(bits, 8), 8), count)[:, None] * scale
+  magic = np.tile(np.repeat(pair_magic(bits, 2), 8), 4 * count)[:, None]  # token t: pair a = t % 16 // 8
+  zero = per_token(z0, z1) + magic * scale
   return dequantize(v, scale, zero, axis=-1, group_size=group, dtype=jnp.float32)
 
 

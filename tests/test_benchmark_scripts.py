@@ -152,8 +152,8 @@ def test_mgpu_builds_imports_each_build_as_its_own_package(tmp_path, monkeypatch
   monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
   import mgpu_builds
   kernels = BENCHMARKS.parent / "pallas_kernels"
-  assert mgpu_builds.build_arg(f"blocks={kernels}:operand_blocks=true,splits=3") == (
-      "blocks", kernels, {"operand_blocks": True, "splits": 3})
+  assert mgpu_builds.build_arg(f"blocks={kernels}:segment_depth=1,splits=3") == (
+      "blocks", kernels, {"segment_depth": 1, "splits": 3})
   with pytest.raises(Exception, match="name=path"):
     mgpu_builds.build_arg("no path")
   monkeypatch.syspath_prepend(str(tmp_path))

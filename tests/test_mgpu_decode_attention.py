@@ -18,7 +18,7 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (available, default_operand_blocks, default_splits, default_step_tiles,
+from jkv_kernels.mgpu_decode_attention import (available, default_segment_depth, default_splits, default_step_tiles,
                                                logit_columns, mgpu_decode_attention, mgpu_decode_partial,
                                                shared_memory_bytes, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, field_plan, key_register_map, magic_half, pack_mma_store,
@@ -135,22 +135,26 @@ def test_merging_tokens_into_tiles_replaces_them_and_keeps_the_rest(bits, k_grou
     assert close(keys[b][:, rest], k_old[b][:, rest]) and close(values[b][:, rest], v_old[b][:, rest])
 
 
-def test_register_maps_follow_the_ptx_wgmma_a_layout():
-  """PTX ISA, wgmma .m64nNk16 A fragment (16-bit): thread t of the warpgroup holds rows 16 (t // 32) + (t % 32) // 4
-  (+ 8) and, per 8-column block, columns 2 (t % 4) (+ 1). Every (row, column) of a tile is held exactly once."""
+def test_register_maps_follow_the_ptx_mma_a_fragment():
+  """PTX ISA, mma .m16n8k16 A fragment (16-bit): lane l of a warp holds, in its registers a0..a3 of a 16 x 16
+  block, row l // 4 + 8 (r % 2) and columns 2 (l % 4) + 8 (r // 2), + 1. Keys: warp w's block kappa is its
+  tokens 16 w .. 16 w + 15 by channels 16 kappa ..; values: block i is channels 16 i .. by the warp's tokens
+  (register 4 kappa + r, 4 i + r). Every (token, channel) of a tile is held exactly once."""
   for head_dim in (64, 128):
-    for (rows, cols), (row_extent, col_extent) in (
-        (key_register_map(head_dim), (64, head_dim)),                          # keys: tokens x channels
-        (value_register_map(head_dim)[::-1], (head_dim, 64))):                 # values: channels x tokens
-      assert rows.shape == cols.shape == (128, head_dim // 4, 2)
-      seen = np.zeros((row_extent, col_extent), int)
-      np.add.at(seen, (rows.ravel(), cols.ravel()), 1)
+    tau = np.arange(128)[:, None]
+    warp, lane = tau // 32, tau % 32
+    block, r = np.divmod(np.arange(head_dim // 4)[None, :], 4)
+    across, down = 2 * (lane % 4) + 8 * (r // 2), lane // 4 + 8 * (r % 2)  # the fragment's column and row
+    pair = lambda x, step: np.stack([x, x + step], -1)  # a register's two lanes: the next column
+    for (tokens, channels), (want_tokens, want_channels) in (
+        (key_register_map(head_dim), (pair(16 * warp + down, 0), pair(16 * block + across, 1))),
+        (value_register_map(head_dim), (pair(16 * warp + across, 1), pair(16 * block + down, 0)))):
+      assert tokens.shape == channels.shape == (128, head_dim // 4, 2)
+      seen = np.zeros((64, head_dim), int)
+      np.add.at(seen, (tokens.ravel(), channels.ravel()), 1)
       assert np.all(seen == 1)
-      t = np.arange(128)[:, None, None]
-      assert np.all(rows % 64 % 8 == ((t % 32) // 4) % 8)
-      assert np.all(rows % 64 // 16 == t // 32)
-      assert np.all(cols % 8 // 2 == t % 4)
-      assert np.all(cols[..., 1] == cols[..., 0] + 1) and np.all(rows[..., 1] == rows[..., 0])
+      np.testing.assert_array_equal(tokens, want_tokens)
+      np.testing.assert_array_equal(channels, want_channels)
 
 
 def _fp16_halves(word):
@@ -159,9 +163,10 @@ def _fp16_halves(word):
 
 
 def test_scale_words_sit_where_each_quad_reads_them():
-  """Word 2 j of quad q at quad_word_position holds the scale pair the kernel's thread needs, in fp16: keys, of
-  channels 2 q + 8 j (+1) of the group; values, of tokens 2 q + 8 j (+1) of the tile, per channel group. And a
-  warp's 16-byte load of one chunk reads the four quads from four different 16-byte bank groups."""
+  """The word at quad_word_position holds the scale pair the kernel's thread needs, in fp16: keys, word 2 j of
+  quad q, of channels 2 q + 8 j (+1) of the group; values, word 4 g + 2 a of quad q in warp w's block of the tile,
+  of tokens 16 w + 2 q + 8 a (+1) in channel group g. And a warp's 16-byte load of one chunk reads the four quads
+  from four different 16-byte bank groups."""
   store = make_store(6, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.bfloat16, layers=1, batch=1,
                      kv_heads=1, capacity=128)
   packed = pack_mma_store(store)
@@ -173,12 +178,13 @@ def test_scale_words_sit_where_each_quad_reads_them():
       for group in range(4):
         np.testing.assert_array_equal(_fp16_halves(k_meta[group, quad_word_position(q, 2 * j)]),
                                       k_scale[2 * q + 8 * j:2 * q + 8 * j + 2, group])
-    for j in range(8):
-      for tile in range(2):
-        for channel_group in range(4):
-          token = 64 * tile + 2 * q + 8 * j
-          word = v_meta[tile, 64 * channel_group + quad_word_position(q, 2 * j)]
-          np.testing.assert_array_equal(_fp16_halves(word), v_scale[token:token + 2, channel_group])
+    for warp in range(4):
+      for a in range(2):
+        for tile in range(2):
+          for channel_group in range(4):
+            token = 64 * tile + 16 * warp + 2 * q + 8 * a
+            word = v_meta[tile, 64 * warp + quad_word_position(q, 4 * channel_group + 2 * a)]
+            np.testing.assert_array_equal(_fp16_halves(word), v_scale[token:token + 2, channel_group])
   for chunk in range(32 // 4):
     assert len({quad_word_position(q, 4 * chunk) * 4 // 16 % 8 for q in range(4)}) == 4
 
@@ -210,24 +216,23 @@ def test_the_kernels_unpack_emulated_in_numpy_gives_each_register_its_keys_and_v
 
   for kind, (rows, cols), words, ref, scale, zero in (
       ("keys", key_register_map(head_dim), packed.k_codes, k_ref, store.k_scale, store.k_zero),
-      ("values", value_register_map(head_dim)[::-1], packed.v_codes, v_ref, store.v_scale, store.v_zero)):
+      ("values", value_register_map(head_dim), packed.v_codes, v_ref, store.v_scale, store.v_zero)):
     tile_words, ref = np.asarray(words[0, 0, 0, 0]), np.asarray(ref[0, 0], np.float64)  # ref [64 tokens, D]
     bound = fold_bound(scale, zero, bits)
     for tau in range(128):
       warp, lane = divmod(tau, 32)
       for rho in range(registers):
         code_lanes, magic = lanes(tile_words[positions[tau]], rho)
-        j = rho % 16 // 2
-        if kind == "keys":  # rows are tokens: the group of the thread's rows; j over the whole head
-          group, j = rows[tau, rho, 0] // 32, rho // 2
-          meta = np.asarray(packed.k_meta[0, 0, 0, group])
-        else:  # rows are channels: the value group of the thread's channels in block rho // 16
-          group = rows[tau, rho, 0] // head_dim  # v_group = head_dim: one group, both blocks
-          meta = np.asarray(packed.v_meta[0, 0, 0, 0])[64 * group:64 * group + 64]
-        s_pair = _fp16_halves(meta[quad_word_position(lane % 4, 2 * j)])
-        z_pair = _fp16_halves(meta[quad_word_position(lane % 4, 2 * j + 1)])
+        if kind == "keys":  # the group of the thread's tokens; its scale pair is word 2 j, j = rho // 2
+          meta = np.asarray(packed.k_meta[0, 0, 0, rows[tau, rho, 0] // 32])
+          k = 2 * (rho // 2)
+        else:  # v_group = head_dim: one channel group; the pair of tokens a = rho % 4 // 2 of the warp's 16
+          meta = np.asarray(packed.v_meta[0, 0, 0, 0])[16 * warp:16 * warp + 16]
+          k = 2 * (rho % 4 // 2)
+        s_pair = _fp16_halves(meta[quad_word_position(lane % 4, k)])
+        z_pair = _fp16_halves(meta[quad_word_position(lane % 4, k + 1)])
         got = (code_lanes * s_pair + z_pair).astype(np.float16).astype(np.float64)
-        tokens, channels = (rows[tau, rho], cols[tau, rho]) if kind == "keys" else (cols[tau, rho], rows[tau, rho])
+        tokens, channels = rows[tau, rho], cols[tau, rho]
         want = ref[tokens, channels]
         assert np.all(np.abs(got - want) <= bound + 2.0**-11 * np.abs(want)), (kind, tau, rho, got, want)
         assert np.all(code_lanes - magic < 2**bits)
@@ -307,21 +312,21 @@ def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows):
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,operand_blocks,holes", [
-    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, False, None),
-    (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True, False, "step"),
-    (2, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, False, True, "stacked")])
+@pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,segment_depth,holes", [
+    (2, jnp.float16, jnp.bfloat16, 129, 1, 4, False, 2, None),
+    (4, jnp.bfloat16, jnp.bfloat16, 64, 3, 5, True, 2, "step"),
+    (2, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, False, 1, "stacked")])
 def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtype, width, t_rows, q_per_kv, per_head,
-                                               operand_blocks, holes):
+                                               segment_depth, holes):
   """A full-precision segment (KIVI's window: 129 tokens, in the model's dtype, not the store's) is read by the
-  same kernel, not by a second one (also with the operands built a block of channels at a time, and with a
-  store's holes, stacked or one step's, read in the same pipeline)."""
+  same kernel, not by a second one (also through a pipeline one slot deep, and with a store's holes, stacked or
+  one step's, read in the same pipeline)."""
   store = _abstract_store(k_bits, k_bits, 32, 32, 128, store_dtype, holes=holes)
   s = jax.ShapeDtypeStruct
   segment = (s((2, 2, 2, width, 128), segment_dtype), s((2, 2, 2, width, 128), segment_dtype),
              s((2, 2, t_rows, width) if per_head else (2, t_rows, width), jnp.bool_))
   fn = jax.jit(lambda q, layer, store, segment: mgpu_decode_attention(q, layer, store, segment=segment,
-                                                                     operand_blocks=operand_blocks))
+                                                                     segment_depth=segment_depth))
   text = fn.trace(s((2, 2, t_rows, q_per_kv, 128), segment_dtype), s((), jnp.int32), store, segment).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
@@ -333,9 +338,9 @@ def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtyp
 def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bits, k_group, v_group, head_dim,
                                                                    dtype, capacity, stages, segment):
   """The shared memory count is the bytes of the blocks the pipeline moves (sliced from a packed store's arrays),
-  times the depth, plus q, p and the partials; a segment's pipeline (two slots of a tile of 16-bit keys and values
-  and an int32 mask of 16 rows) runs after the store's, in the same memory, and adds its q and p. The default step
-  is the largest of 4, 2, 1 that divides the tile count and fits half an SM, by brute force."""
+  times the depth, plus q and the partials; a segment's pipeline (two slots, or one, of a tile of 16-bit keys and
+  values and an int32 mask of 16 rows) runs after the store's, in the same memory, and adds its q and p. The
+  default step is the largest of 4, 2, 1 that divides the tile count and fits half an SM, by brute force."""
   store = make_store(12, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype, layers=1,
                      batch=1, kv_heads=1, capacity=1024, head_dim=head_dim)
   packed = pack_mma_store(store)
@@ -349,7 +354,7 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
     block = lambda name, rows: rows * getattr(packed, name).shape[-1] * 4
     slot = (block("k_codes", step) + block("v_codes", step) + block("v_meta", step)
             + block("k_meta", max(1, 64 * step // k_group)))
-    fixed = 16 * head_dim * half + step * 64 * 16 * half + head_dim * 16 * 4 + 2 * 16 * 4
+    fixed = 16 * head_dim * half + head_dim * 16 * 4 + 2 * 16 * 4
     if segment:
       return (max(stages * slot, segment_slots * (2 * 64 * head_dim * 2 + 64 * 16 * 4)) + fixed
               + 16 * head_dim * 2 + 64 * 16 * 2)
@@ -359,8 +364,8 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
   chosen = default_step_tiles(packed, stages, segment)
   assert chosen == (fits[0] if fits else 1)
   assert shared_memory_bytes(packed, chosen, stages, segment) == program_bytes(chosen)
-  if segment:  # with operands built a block at a time, the segment's pipeline is one slot deep
-    assert shared_memory_bytes(packed, chosen, stages, segment, operand_blocks=True) == program_bytes(chosen, 1)
+  if segment:
+    assert shared_memory_bytes(packed, chosen, stages, segment, segment_depth=1) == program_bytes(chosen, 1)
 
 
 @pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
@@ -368,11 +373,11 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
     (256, 4608, 4, 32), (3, 320, 2, 32)])
 def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits, k_group):
   """Splits hold whole steps and key groups and cover the capacity with none empty; their programs fit the slots
-  (132 SMs, 2 or fewer by shared memory), and one more split would not (by brute force over split counts)."""
+  (132 SMs, 3 or fewer by shared memory), and one more split would not (by brute force over split counts)."""
   store = _abstract_store(k_bits, 2, k_group, 32, 128, jnp.bfloat16, layers=1, batch=batch, kv_heads=8,
                           capacity=capacity)
   tiles, step = capacity // 64, default_step_tiles(store)
-  fit = min(2, 228 * 1024 // (shared_memory_bytes(store, step, 2) + 1024))
+  fit = min(3, 228 * 1024 // (shared_memory_bytes(store, step, 2) + 1024))
   splits = default_splits(store, sm_count=132)
   per = split_tiles(store, splits, step)
   assert per % step == 0 and per * 64 % k_group == 0
@@ -380,11 +385,9 @@ def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits,
   covering = lambda asked: -(-tiles // split_tiles(store, asked, step))
   asked = [n for n in range(1, tiles + 1) if batch * 8 * n <= 132 * fit]  # programs that all run at once
   assert splits == (covering(max(asked)) if asked else 1)
-  # Operands a block at a time: only with a segment, only where the programs do not all run at once two to an SM,
-  # and only where a third then fits in shared memory.
-  assert not default_operand_blocks(store, splits, False, step, sm_count=132)
-  third = 228 * 1024 // (shared_memory_bytes(store, step, 2, True, operand_blocks=True) + 1024) >= 3
-  assert default_operand_blocks(store, splits, True, step, sm_count=132) == (third and batch * 8 * splits > 2 * 132)
+  # A segment's pipeline is one slot deep where that lets more programs share an SM.
+  per_sm = lambda depth: 228 * 1024 // (shared_memory_bytes(store, step, 2, True, depth) + 1024)
+  assert default_segment_depth(store, step) == (1 if per_sm(1) > per_sm(2) else 2)
 
 
 def test_bad_arguments_raise():
@@ -426,18 +429,16 @@ def _has_hopper() -> bool:
 
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (compute capability 9.0) and Mosaic GPU")
 class TestMgpuDecodeAttentionGpu:
-  @pytest.mark.parametrize("step_tiles,stages,operand_blocks", [(1, 2, None), (2, 3, None), (4, 3, None),
-                                                                (None, 2, None), (None, 2, True)])
+  @pytest.mark.parametrize("step_tiles,stages", [(1, 2), (2, 3), (4, 3), (None, 2)])
   @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
-  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages,
-                             operand_blocks):
+  def test_matches_reference(self, k_bits, v_bits, k_group, v_group, head_dim, dtype, step_tiles, stages):
     store = make_store(4, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
                        head_dim=head_dim, capacity=1024, lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(5), (3, 2, 1, 4, head_dim), dtype)
     packed = pack_mma_store(store)
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, packed, return_lse=True, step_tiles=step_tiles,
-                                     max_concurrent_steps=stages, operand_blocks=operand_blocks)
+                                     max_concurrent_steps=stages)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), (), return_lse=True)
       o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
       assert np.all(np.isfinite(o))
@@ -478,9 +479,9 @@ class TestMgpuDecodeAttentionGpu:
       (4, jnp.bfloat16, jnp.bfloat16, 129, 1, 4, True, 3, True),
       (2, jnp.float16, jnp.float16, 64, 3, 5, False, 2, False),      # 15 rows (N = 16), whole rows of 8: no shift
       (1, jnp.bfloat16, jnp.float16, 200, 2, 4, True, None, False)])
-  @pytest.mark.parametrize("operand_blocks", [False, True])
+  @pytest.mark.parametrize("segment_depth", [2, 1])
   def test_a_segment_joins_the_store_in_one_softmax(self, k_bits, store_dtype, segment_dtype, width, t_rows,
-                                                    q_per_kv, per_head, splits, stacked, operand_blocks):
+                                                    q_per_kv, per_head, splits, stacked, segment_depth):
     """A segment's tokens join the last split's softmax: held to the reference over the store and the segment
     (stacked over layers, or one step's), with a store of length 0 (the segment alone), a row with no valid token
     anywhere (o = 0, lse = MASK_VALUE), and huge keys at the tokens no row may see (a leaked mask would swamp
@@ -500,17 +501,17 @@ class TestMgpuDecodeAttentionGpu:
       k, v = k[1], v[1]
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=(k, v, mask), splits=splits,
-                                     return_lse=True, operand_blocks=operand_blocks)
+                                     return_lse=True, segment_depth=segment_depth)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), ((k, v, mask),), return_lse=True)
       assert np.all(np.asarray(o)[3, :, 0] == 0) and np.all(np.asarray(lse)[3, :, 0] == MASK_VALUE)
       o, o_ref, lse, lse_ref = (np.asarray(x, np.float64) for x in (o, o_ref, lse, lse_ref))
       assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
       np.testing.assert_allclose(lse, lse_ref, atol=0.05)
 
-  @pytest.mark.parametrize("k_bits,dtype,step_tiles,stacked,with_segment,operand_blocks", [
+  @pytest.mark.parametrize("k_bits,dtype,step_tiles,stacked,with_segment,segment_depth", [
       (2, jnp.float16, None, True, False, None), (4, jnp.bfloat16, 1, False, False, None),
-      (2, jnp.bfloat16, 2, True, True, None), (1, jnp.float16, None, False, True, True)])
-  def test_holes_and_a_value_channel_scale(self, k_bits, dtype, step_tiles, stacked, with_segment, operand_blocks):
+      (2, jnp.bfloat16, 2, True, True, None), (1, jnp.float16, None, False, True, 1)])
+  def test_holes_and_a_value_channel_scale(self, k_bits, dtype, step_tiles, stacked, with_segment, segment_depth):
     """Holes (a fifth of the slots, all of sequence 1's tile 3, every slot of sequence 2) masked in the kernel, and
     a value channel scale on its output, stacked over layers or one step's, with and without a segment: held to
     the reference over the library-layout store with the same holes and scale. Without the holes the answer is
@@ -529,7 +530,7 @@ class TestMgpuDecodeAttentionGpu:
       segments = ((segment_kv(kk), segment_kv(kv), jax.random.bernoulli(km, 0.7, (3, 1, 132))),)
     for layer in (0, 1):
       o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=segments[0] if segments else None,
-                                     return_lse=True, step_tiles=step_tiles, operand_blocks=operand_blocks)
+                                     return_lse=True, step_tiles=step_tiles, segment_depth=segment_depth)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), segments, return_lse=True)
       no_holes = decode_attention_reference(q, layer, (dataclasses.replace(store, valid=None),), segments)
       o, o_ref, no_holes = (np.asarray(x, np.float64) for x in (o, o_ref, no_holes))
