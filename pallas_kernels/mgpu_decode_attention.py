@@ -2,13 +2,18 @@
 
 The fast kernel of KERNEL.md, for one store in the MMA-ready packing (``mma_layout.py``): codes become fp16
 operands in registers with one three-input logic op and one fused multiply-add per two codes (and a shift per few
-words), and both products run on ``wgmma``:
+words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp over its own 16 tokens of a tile:
 
-    logits^T [64 tokens, N]  = K_hat [64, D] (registers)           @ q^T [D, N] (shared memory)
-    o^T      [64 channels, 16] += V_hat^T [64, 64 tokens] (registers) @ p^T [64 tokens, 16] (shared memory)
+    logits^T [16 tokens, N]   = K_hat [16, D] (registers)               @ q^T [D, N] (registers)
+    o_w^T    [D channels, N] += V_hat^T [D, the warp's 16 tokens] (registers) @ p^T [16 tokens, N] (registers)
 
 with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
-head (p is widened to 16 columns for the value product: an MN-major operand takes no narrower swizzle).
+head. No operand comes from shared memory: q's B fragments are loaded once a step (``q_fragment_words`` lays
+them out so that a warp's loads are contiguous), and p, the warp's own logits after the softmax, becomes the value
+product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps its own running max, sum
+and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared memory and a cross-warp max
+behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps' partials are merged once, at
+the end (``_sum_into``, in a fixed order).
 A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of the fp16 number
 M = ``magic`` at a bit worth exactly 1 (``mma_layout.field_plan``, ``magic_half``: M at most 16), so the
 pair reads as M + c, and ``(M + c) * scale + (zero - M * scale)`` is one ``fma.rn.f16x2`` with the scale and
@@ -19,24 +24,21 @@ holds fp16 scales; q is rounded to fp16, p is fp16).
 
 Grid (Hkv, B, splits): each program walks ``tiles`` tiles of 64 tokens of one (sequence, KV head) through a TMA
 pipeline (codes, key scales, value scales in shared memory, ``max_concurrent_steps`` deep), runs an online softmax
-over the tile's tokens (rows of the logits, reduced across the warpgroup), and writes its partial (o, l, m) in
+per warp over its tokens (rows of the logits, reduced across the warp's lanes), and writes its partial (o, l, m) in
 fp32 with m in log2 units; a few jnp lines merge the partials exactly. Tokens at and past ``length[b]`` are
 masked; a split whose first token is at or past the length reads nothing (its partial is empty), and a step past
 it re-reads a block from L2 and computes nothing, so a cache filled to a fraction of its capacity costs about that
 fraction (at the granularity of a step).
 
 A full-precision segment (KIVI's window: the newest tokens, exact) joins the last split's softmax after its share
-of the store: tiles of 64 of its keys and values go through a second TMA pipeline into swizzled shared memory and
-are both products' A operands from there (the values transposed), in the segment's own 16-bit type, with a mask
-per (token, query row) beside them; rows of the neighbouring head that a tile starts on are masked out.
-
-Where more programs are launched than run two to an SM, a kernel with a segment builds each product's operand a
-block of 64 channels at a time and runs the segment's pipeline one slot deep (``operand_blocks``), so that its
-registers and shared memory let three programs share an SM.
+of the store (the program's merged partial starts it): tiles of 64 of its keys and values go through a second TMA
+pipeline, ``segment_depth`` slots deep, into swizzled shared memory and are the A operands of the warpgroup's
+``wgmma`` from there (the values transposed), in the segment's own 16-bit type, with a mask per (token, query row)
+beside them; rows of the neighbouring head that a tile starts on are masked out.
 
 A store with holes (``MmaStore.valid``) brings a byte per slot through the same pipeline, and each thread masks
 its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
-multiplies the store's part of o once, after the store's pipeline and before a segment's values join it.
+multiplies the store's part of o once, as the warps' partials are merged, before a segment's values join it.
 
 With ``logit_rows`` the kernel also writes the store's logits of those query rows out (through two steps' slots of
 shared memory, a TMA store per step), from which ``jkv.attention.decode_attention`` makes the token mass of
@@ -72,12 +74,11 @@ except ImportError:  # pragma: no cover - an older jax: the kernel is unavailabl
 
 SHARED_PER_SM = 228 * 1024  # shared memory of a Hopper SM (H100, H200)
 STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concurrent_steps: measured there)
-# Programs of 128 threads an SM runs at once, by registers (64K an SM): 168 a thread allow 3, more allow 2 (ptxas
-# on an H100: KIVI-2 168, KIVI-4 181). Splits count on 2: at B = 8, L = 32768, KIVI-2 in 6 splits (3 per SM) took
-# 117-120 µs against 125-157 in 4 in one sweep, but 4 took 114-115 in another run: no clear gain; KIVI-4 in 6 took
-# 182-191 against 139-143.
+# Programs of 128 threads an SM runs at once, by registers (64K an SM): 168 a thread allow 3 (ptxas on an H100,
+# round 19: KIVI-2 140, with a segment 144; KIVI-4 139, 142), fewer where shared memory does not fit (splits count
+# on the fit). At B = 8, L = 32768 KIVI-2 takes 6 splits, all 384 programs at once.
 PROGRAMS_PER_SM = 3
-ROWS = 16       # the most query rows of a KV head; the N of the value product (16 halves: the smallest swizzle)
+ROWS = 16       # the most query rows of a KV head; the N of a segment's value product (the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
 M_FLOOR = MASK_VALUE / 2
@@ -507,8 +508,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     has_store = first * TILE < seq_len  # a split wholly past the length reads nothing of the store
     # The pipeline's step count is static: steps past the length fetch the split's last block with a token again
     # (from L2, not DRAM) and skip their products, so a cache filled to a fraction of its capacity reads and
-    # computes about that fraction. (A step count that stops at the length held 10 more registers: 178 against
-    # 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
+    # computes about that fraction. (A step count that stops at the length held 10 more registers in round 11's
+    # kernel: 178 against 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
     last = (jnp.minimum(seq_len - first * TILE, tiles * TILE) - 1) // step_tokens
 
     def body(index, *refs_and_carry):
@@ -755,8 +756,8 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
 
 def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
   """The largest step of 4, 2 or 1 tiles no larger than the tile count that, ``stages`` deep, lets two programs
-  share an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block): the kernel's registers
-  allow two programs of 128 threads per SM, and one program per SM leaves the loads' latency uncovered (KIVI-2, 4
+  share an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block; where a third fits too,
+  ``default_splits`` counts on it): one program per SM leaves the loads' latency uncovered (KIVI-2, 4
   tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages). The step need not divide the
   tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
   be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1).

@@ -1,24 +1,26 @@
 """The MMA-ready packing of a KIVI-layout store: codes and scales placed where the Hopper kernel's threads read them.
 
-``mgpu_decode_attention`` feeds the tensor cores from registers: a 64-token tile of key codes is the A operand of
-``wgmma`` (tokens x channels), and a tile of value codes transposed is the A operand of the value product
-(channels x tokens). In the A operand's register layout (``WGMMA_LAYOUT`` in Mosaic GPU; PTX "wgmma 64xNx16 A"),
-thread tau = 32 w + l of the warpgroup holds rows r0 = 16 w + l // 4 and r0 + 8 and, in every 8-column tile j,
-the column pair (c0 + 8 j, c0 + 8 j + 1), c0 = 2 (l % 4): one 32-bit register per (tile j, row half h), two
-16-bit lanes. Registers are numbered as Mosaic GPU numbers them (tile j major, row half h minor): keys
-rho = 2 j + h (j < D / 8); values rho = 16 m + 2 j + h over the D / 64 row blocks m of 64 channels (j < 8); so
-rho = 2 u + h with u = j for keys and u = 8 m + j for values. This module lays the codes out so that each thread's
-registers come from its own consecutive words, a pair of lanes from one word:
+``mgpu_decode_attention`` feeds the tensor cores from registers: each warp w of the warpgroup takes tokens
+16 w .. 16 w + 15 of a 64-token tile, whose key codes are the A operands of ``mma.sync`` m16n8k16 (tokens x
+channels, a block of 16 channels each) and whose value codes, transposed, the A operands of the value product
+(channels x tokens, a block of 16 channels each). In the A fragment (PTX "mma .m16n8k16 A", 16-bit), lane l holds
+rows l // 4 and l // 4 + 8 and columns (c0, c0 + 1) and (c0 + 8, c0 + 9), c0 = 2 (l % 4): one 32-bit register
+per (row half h, column half), two 16-bit lanes. Keys: register rho = 2 j + h holds tokens 16 w + l // 4 + 8 h
+and channels c0 + 8 j, + 1 (j < D / 8) -- the same registers as the warpgroup's ``wgmma`` A layout, so
+``WGMMA_LAYOUT`` arrays carry them; values: rho = 2 u + h with u = 2 i + a holds channels 16 i + l // 4 + 8 h and
+tokens 16 w + c0 + 8 a, + 1 (i < D / 16). So rho = 2 u + h with u = j for keys, and the two registers of a u share
+a scale and zero word. This module lays the codes out so that each thread's registers come from its own
+consecutive words, a pair of lanes from one word:
 
     register rho sits at slot sigma = 2 W (u // W) + W h + u % W (W = min(F, D / 8), F = 16 // bits fields per
     16-bit half): word sigma // F, field sigma % F; the low half's field holds the pair's first code, the high
     half's field its second.
 
-so both row halves of a column pair (the two registers that share a scale and zero word) sit in the same field of
-two words, and ``((word >> shift) & mask) | magic`` is both lanes of a register at once, already in the order
-``wgmma`` wants (KERNEL.md section 2). A thread's 2 * bits words sit at
-``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the order in which a ``WG_STRIDED`` load
-of ``vec`` words per thread hands them out, so every load is 16 bytes wide and a warp's loads are contiguous.
+so both registers of a u sit in the same field of two words, and ``((word >> shift) & mask) | magic`` is both
+lanes of a register at once, already in the order the product wants (KERNEL.md section 2). A thread's 2 * bits
+words sit at ``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the order in which a
+``WG_STRIDED`` load of ``vec`` words per thread hands them out, so every load is 16 bytes wide and a warp's loads
+are contiguous.
 
 Codes become fp16 without a conversion (``field_plan``): the field, shifted to mantissa bit ``offset`` (6 to 9),
 OR-ed into the fp16 constant M = 2^(10 - offset) (``magic_half``) reads as M + c exactly. The kernel then computes
@@ -38,8 +40,8 @@ warp that share q reading the same words; its word k sits at ``(k // 4) * 16 + 4
 load of a warp touches four consecutive 16-byte pieces, one per quad, in different banks (quads K words apart
 would put all four in the same banks: a 4-way conflict on every load, which bounded the first build):
   keys, per group of G tokens: K = D / 4 words over j < D / 8, the pair of channels (2 q + 8 j, 2 q + 8 j + 1);
-  values, per 64-token tile and channel group (D / Gv blocks of 64 words): K = 16 over j < 8, the pair of
-    tokens (2 q + 8 j, 2 q + 8 j + 1) of that channel group.
+  values, per 64-token tile and warp w (4 blocks of 16 D / Gv words): K = 4 D / Gv words, k = 4 g + 2 a (the
+    scale pair, + 1 the z' pair) of tokens (16 w + 2 q + 8 a, + 1) in channel group g.
 
 Nothing here reads a model or a method: ``pack_mma_store`` converts a ``QuantizedStore`` (the library's layout)
 by unpacking its codes with the library's ``unpack`` and packing them again with ``pack``; ``read_mma_store``
@@ -57,7 +59,7 @@ import numpy as np
 from jkv_kernels.attention_reference import slot_mask
 from jkv_kernels.quantization import dequantize, pack, unpack
 
-TILE = 64          # tokens per tile: the M of one wgmma for keys, its K for values
+TILE = 64          # tokens per tile: a warpgroup's 4 warps of 16
 THREADS = 128      # one warpgroup
 MMA_BITS = (1, 2, 4)  # an 8-bit field does not fit below the magic number (bits 6-9 of fp16's 10-bit mantissa)
 META_DTYPE = jnp.float16  # the scales' and zero-points' type in the packing, whatever the store's (docstring)

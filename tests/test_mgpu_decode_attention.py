@@ -1,11 +1,12 @@
 """The MMA-ready packing (jkv_kernels.mma_layout) and the Mosaic GPU decode kernel (jkv_kernels.mgpu_decode_attention).
 
 On the CPU: the packing keeps every code, scale and zero-point (dequantized back, it equals the store's own
-dequantization up to the rounding of its folded zero-points); a thread's registers hold the codes the WGMMA
-layout assigns to it (checked against the PTX ISA's description, independently of the packing code), and the
+dequantization up to the rounding of its folded zero-points); a thread's registers hold the codes the mma.sync
+A fragment assigns to it (checked against the PTX ISA's description, independently of the packing code), and the
 kernel's unpack emulated in numpy gives each register its keys and values; the kernel lowers to one Mosaic GPU
-custom call for each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the compiled kernel is held to
-``decode_attention_reference`` on the store the packing came from, on real quantized data with ragged lengths.
+custom call for each width, grouping and step size. On a Hopper GPU (compute capability 9.0) the compiled kernel is
+held to ``decode_attention_reference`` on the store the packing came from, on real quantized data with ragged
+lengths.
 """
 
 import dataclasses
@@ -194,10 +195,10 @@ def test_the_kernels_unpack_emulated_in_numpy_gives_each_register_its_keys_and_v
   """The kernel's arithmetic emulated bit for bit: thread tau's register rho is word slot // F of its words
   (``register_slots``), shifted as ``field_plan`` says, ((word >> shift) & mask) | magic read as two fp16 lanes
   M + c, times the scale pair plus the z' pair of its quad's meta words, rounded once to fp16 (one fused
-  multiply-add). For keys and values, every width, and a value group as wide as the head (one meta word serving
-  both channel blocks), that is the store's c s + z at the (token, channel) the PTX layout gives the register,
-  within the rounding of z' and of the result. The magic numbers are at most 16 (4 for 1-bit codes) and clear
-  of their field."""
+  multiply-add). For keys and values, every width, and a value group as wide as the head (one meta word
+  serving every block of 16 channels), that is the store's c s + z at the (token, channel) the PTX layout gives
+  the register, within the rounding of z' and of the result. The magic numbers are at most 16 (4 for 1-bit codes)
+  and clear of their field."""
   store = make_store(8, k_bits=bits, v_bits=bits, k_group=32, v_group=head_dim, dtype=jnp.bfloat16, layers=1,
                      batch=1, kv_heads=1, capacity=64, head_dim=head_dim)
   packed = pack_mma_store(store)
