@@ -180,8 +180,8 @@ def _this_threads_code_words(codes_ref, tile, bits, head_dim, tau):
 
 
 def _pad_columns(p, rows):
-  """A [64, ROWS] WGMMA-layout array of p [64, rows] (rows = 8) and zero columns: the value product's B is 16
-  wide (an MN-major operand takes no narrower swizzle) while the logits and softmax are 8 wide."""
+  """A [64, ROWS] WGMMA-layout array of p [64, rows] (rows = 8) and zero columns: a segment's value product's B
+  is 16 wide (an MN-major operand takes no narrower swizzle) while the logits and softmax are 8 wide."""
   registers = p.registers
   padded = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, ROWS)), dtype=object)
   zero = arith.constant(registers.flat[0].type, ir.DenseElementsAttr.get_splat(
