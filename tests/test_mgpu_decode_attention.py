@@ -21,7 +21,7 @@ from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (available, default_segment_depth, default_splits, default_step_tiles,
                                                logit_columns, mgpu_decode_attention, mgpu_decode_partial,
-                                               shared_memory_bytes, split_tiles)
+                                               q_fragment_words, shared_memory_bytes, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, field_plan, key_register_map, magic_half, pack_mma_store,
                                     quad_word_position, read_mma_store, read_mma_tiles, register_slots,
                                     value_register_map, word_positions)
@@ -156,6 +156,25 @@ def test_register_maps_follow_the_ptx_mma_a_fragment():
       assert np.all(seen == 1)
       np.testing.assert_array_equal(tokens, want_tokens)
       np.testing.assert_array_equal(channels, want_channels)
+
+
+@pytest.mark.parametrize("rows,head_dim", [(8, 128), (16, 64)])
+def test_q_fragments_sit_where_each_lane_reads_them(rows, head_dim):
+  """PTX ISA, mma .m16n8k16 B fragment (16-bit, "col"): lane l holds, of a 16 x 8 block of q^T (channels 16 kappa
+  .., rows 8 n ..), channels 2 (l % 4), + 1 (b0, b1) and those + 8 (b2, b3) of row l // 4. The kernel reads lane
+  l's words 4 c .. 4 c + 3 at [c, 4 l ..] of ``q_fragment_words``; word 2 (n D / 16 + kappa) + half."""
+  q = jax.random.normal(jax.random.key(13), (2, 3, rows, head_dim), jnp.float16)
+  words = np.asarray(q_fragment_words(q))  # [B, Hkv, chunks, 128]
+  q = np.asarray(q, np.float64)
+  for lane in range(32):
+    mine = words[:, :, :, 4 * lane:4 * lane + 4].reshape(2, 3, -1)  # the lane's words in order
+    for n in range(rows // 8):
+      for kappa in range(head_dim // 16):
+        for half in range(2):
+          channel = 16 * kappa + 8 * half + 2 * (lane % 4)
+          word = mine[:, :, 2 * (n * head_dim // 16 + kappa) + half]
+          got = np.stack([_fp16_halves(w) for w in word.reshape(-1)]).reshape(2, 3, 2)
+          np.testing.assert_array_equal(got, q[:, :, 8 * n + lane // 4, channel:channel + 2])
 
 
 def _fp16_halves(word):
@@ -418,6 +437,8 @@ def test_bad_arguments_raise():
     mgpu_decode_attention(q, 0, store, step_tiles=0)
   with pytest.raises(ValueError, match="max_concurrent_steps=0"):
     mgpu_decode_attention(q, 0, store, max_concurrent_steps=0)
+  with pytest.raises(ValueError, match="segment_depth=3 must be 1 or 2"):
+    mgpu_decode_attention(q, 0, store, segment_depth=3)
 
 
 def _has_hopper() -> bool:
