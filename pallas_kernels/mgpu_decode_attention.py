@@ -198,14 +198,13 @@ def _store_columns(ref, x, first, count):
   c = lambda value: mgpu.utils.c(value, _i32())
   pair_column = arith.muli(arith.remui(lane, c(4)), c(2))
   top_row = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
-  registers = x.registers
-  for j in range(registers.shape[1]):
+  for j in range(x.registers.shape[1]):
     column = arith.addi(pair_column, c(8 * j - first))
     inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, column, c(0)),
                         arith.cmpi(arith.CmpIPredicate.slt, column, c(count)))
     with mgpu.utils.when(inside):
       for h in range(2):
-        vector.store(registers[0, j, 0, 0, h, 0, 0, 0, 0], ref,
+        vector.store(_register(x, j, h), ref,
                      [_index(arith.addi(top_row, c(8 * h))), _index(column)])
 
 
@@ -828,7 +827,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     splits: programs per (sequence, KV head) along the tokens, each ``split_tiles`` tiles of 64 tokens (whole
       steps and key groups; the last split may hold fewer, and fewer splits may cover the capacity), at most one
       per step (per key group where a group is longer). None: ``default_splits``.
-    step_tiles: tiles of 64 tokens per pipeline step (one softmax update, one wait per product); the last step
+    step_tiles: tiles of 64 tokens per pipeline step (one softmax update); the last step
       may reach past the capacity (TMA fills zeros; those tokens are masked). None: ``default_step_tiles``.
     max_concurrent_steps: depth of the TMA pipeline (steps in flight). 2, the best or within 3% of the best
       depth at every step on an H100 at B = 194, L = 4608 (a max-batch decode step of Llama-3-8B: KIVI-2 with 4
