@@ -8,8 +8,8 @@ words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp ove
     o_w^T    [D channels, N] += V_hat^T [D, the warp's 16 tokens] (registers) @ p^T [16 tokens, N] (registers)
 
 with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
-head. No operand comes from shared memory: q's B fragments are loaded once a step (``q_fragment_words`` lays
-them out so that a warp's loads are contiguous), and p, the warp's own logits after the softmax, becomes the value
+head. No operand comes from shared memory: q's B fragments are loaded once a step (laid out once a program, from
+q's rows, so that a warp's loads are contiguous: ``_build_q_fragments``), and p, the warp's own logits after the softmax, becomes the value
 product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps its own running max, sum
 and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared memory and a cross-warp max
 behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps' partials are merged once, at
@@ -271,20 +271,41 @@ def q_word_count(rows: int, head_dim: int) -> int:
   return rows // 8 * head_dim // 16 * 2
 
 
-def q_fragment_words(q):
-  """q [B, Hkv, N, D] fp16 (N = 8 or 16) -> [B, Hkv, words / 4, 128] uint32: lane l's B-fragment words of q^T
-  (word 2 (jn D / 16 + kappa) + half: rows 8 jn + l // 4, channels 16 kappa + 8 half + 2 (l % 4), + 1) in
-  16-byte chunks, chunk c of every lane side by side (a warp's 16-byte load of chunk c reads 512 contiguous
-  bytes)."""
-  batch, kv_heads, rows, head_dim = q.shape
-  words = jax.lax.bitcast_convert_type(q.reshape(batch, kv_heads, rows // 8, 8, head_dim // 16, 2, 4, 2),
-                                       jnp.uint32)  # [B, H, jn, g, kappa, half, t]
-  words = jnp.transpose(words, (0, 1, 2, 4, 5, 3, 6)).reshape(batch, kv_heads, -1, 4, 32)  # [B, H, chunk, k, lane]
-  return jnp.swapaxes(words, -1, -2).reshape(batch, kv_heads, -1, 128)
+def _build_q_fragments(rows_ref, words_ref, *, rows, head_dim):
+  """Lane l's B-fragment words of q^T, from q's rows [T g, D] (fp16 or bf16, rounded to fp16) in shared memory
+  into ``words_ref`` [words / 4, 128] uint32 in shared memory, where ``_q_fragments`` reads them: word
+  2 (jn D / 16 + kappa) + half of lane l holds rows 8 jn + l // 4, channels 16 kappa + 8 half + 2 (l % 4), + 1
+  (0 for a row past T g), and lane l's words 4 c .. 4 c + 3 sit at [c, 4 l ..] (a warp's 16-byte load of chunk c
+  reads 512 contiguous bytes). Every warp writes the same words, and each thread later reads only its own."""
+  _, lane, _ = _thread()
+  c = lambda value: mgpu.utils.c(value, _i32())
+  n_rows = ir.MemRefType(rows_ref.type).shape[0]
+  element = ir.MemRefType(rows_ref.type).element_type
+  f16 = ir.F16Type.get()
+  row_in_block, channel_in_block = arith.divui(lane, c(4)), arith.muli(arith.remui(lane, c(4)), c(2))
+  count = q_word_count(rows, head_dim)
+  for chunk in range(count // 4):
+    words = []
+    for k in range(4):
+      word = 4 * chunk + k
+      jn, kappa, half = word // (2 * head_dim // 16), word // 2 % (head_dim // 16), word % 2
+      row = arith.addi(row_in_block, c(8 * jn))
+      inside = arith.cmpi(arith.CmpIPredicate.slt, row, c(n_rows))
+      pair = vector.load(ir.VectorType.get((2,), element), rows_ref,
+                         [_index(arith.minui(row, c(n_rows - 1))),
+                          _index(arith.addi(channel_in_block, c(16 * kappa + 8 * half)))])
+      if element != f16:
+        wide = arith.extf(ir.VectorType.get((2,), ir.F32Type.get()), pair)
+        pair = arith.truncf(ir.VectorType.get((2,), f16), wide)  # round to nearest, as astype does
+      words.append(arith.select(inside, mgpu.utils.bitcast(pair, _i32()), c(0)))
+    vector_words = llvm.mlir_undef(ir.VectorType.get((4,), _i32()))
+    for k, value in enumerate(words):
+      vector_words = vector.insert(value, vector_words, dynamic_position=[], static_position=[k])
+    vector.store(vector_words, words_ref, [_index(c(chunk)), _index(arith.muli(lane, c(4)))])
 
 
 def _q_fragments(q_ref, rows, head_dim):
-  """The thread's B-fragment words of q^T (``q_fragment_words``' layout in shared memory) as a [64, 2 words]
+  """The thread's B-fragment words of q^T (``_build_q_fragments``' layout in shared memory) as a [64, 2 words]
   float32 WGMMA-layout array (word 2 (2 j + h) + e in register (j, h), lane e), bit for bit."""
   _, lane, _ = _thread()
   count = q_word_count(rows, head_dim)
@@ -326,15 +347,16 @@ def _key_logits(codes_ref, meta_ref, q_frags, *, tile, step_tiles, bits, head_di
                      head_dim // 4, lead=(group_in_tile,))
   b = _fragment_words(q_frags)
   zero = arith.constant(ir.F32Type.get(), 0.0)
+  chains = {(n, parity): [zero] * 4 for n in range(rows // 8) for parity in range(2)}
+  for kappa in range(head_dim // 16):  # register rho = 4 kappa + (0, 1, 2, 3) is A's a0..a3 of the block
+    a = [mgpu.utils.bitcast(_dequantized_pair(*source(4 * kappa + r), bits, meta[2 * (2 * kappa + r // 2)],
+                                              meta[2 * (2 * kappa + r // 2) + 1]), _i32()) for r in range(4)]
+    for n in range(rows // 8):  # each block of 8 rows against the same keys, dequantized once
+      word = 2 * (n * head_dim // 16 + kappa)
+      chains[n, kappa % 2] = _mma(a, b[word:word + 2], chains[n, kappa % 2])
   pairs = {}
   for n in range(rows // 8):
-    chains = [[zero] * 4, [zero] * 4]
-    for kappa in range(head_dim // 16):  # register rho = 4 kappa + (0, 1, 2, 3) is A's a0..a3 of the block
-      a = [mgpu.utils.bitcast(_dequantized_pair(*source(4 * kappa + r), bits, meta[2 * (2 * kappa + r // 2)],
-                                                meta[2 * (2 * kappa + r // 2) + 1]), _i32()) for r in range(4)]
-      word = 2 * (n * head_dim // 16 + kappa)
-      chains[kappa % 2] = _mma(a, b[word:word + 2], chains[kappa % 2])
-    c = [arith.addf(x, y) for x, y in zip(*chains)]
+    c = [arith.addf(x, y) for x, y in zip(chains[n, 0], chains[n, 1])]
     pairs[n, 0], pairs[n, 1] = _f32_register(c[:2]), _f32_register(c[2:])
   return _wgmma_array(pairs, (TILE, rows))
 
@@ -384,7 +406,7 @@ def _tile_columns(x, width):
 def _sum_into(ref, o, channel_scale=None, *, rows):
   """The four warps' o (``_value_accumulate``'s layout) summed into ``ref`` [D, rows] fp32 in shared memory, warp
   0's stored and warps 1, 2, 3 added in turn (a fixed order: the same sum every run), times ``channel_scale`` [D]
-  fp32 in shared memory (None: 1)."""
+  (floating point, in shared memory; None: 1)."""
   warp, lane, _ = _thread()
   c = lambda value: mgpu.utils.c(value, _i32())
   row, column = arith.divui(lane, c(4)), arith.muli(arith.remui(lane, c(4)), c(2))
@@ -398,6 +420,8 @@ def _sum_into(ref, o, channel_scale=None, *, rows):
     register = _register(o, j, h)
     if channel_scale is not None:
       scale = memref.load(channel_scale, index[:1])
+      if scale.type != ir.F32Type.get():
+        scale = arith.extf(ir.F32Type.get(), scale)
       register = arith.mulf(register, vector.broadcast(register.type, scale))
     registers[j, h] = register
   for turn in range(4):
@@ -414,15 +438,17 @@ def _sum_into(ref, o, channel_scale=None, *, rows):
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, step_tiles, max_concurrent_steps,
-              segment_depth, columns=None):
-  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, N, D] in fp16 (N = 8 or 16 rows,
-  the N of the key product and the width of the softmax): the fp32 partials o [B, Hkv, S, D, N], l, m
+def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, splits, step_tiles,
+              max_concurrent_steps, segment_depth, columns=None):
+  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, T g, D] in fp16 or bf16 (its rows padded
+  to ``rows``, 8 or 16, the N of the key product and the width of the softmax, in the kernel), layer [1] and
+  length [B] int32 (clamped in the kernel: no work around it): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
   join the last split's softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
   count) (``logit_columns``): also the store's logits q . k of those columns, [B, Hkv, S * tiles, 64, count] fp32
   (unscaled, unmasked; tiles of steps the program skips, past the length, are not written)."""
-  batch, kv_heads, rows, head_dim = q.shape
+  batch, kv_heads, n_rows, head_dim = q.shape
+  num_layers = store.k_codes.shape[0]
   if segment is not None:
     segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
   # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
@@ -432,12 +458,13 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
   # Holes travel as one byte per slot, [1, B, Hkv, C / 64, 64], through the same pipeline as the codes: each
-  # thread reads the bytes of its two tokens of a tile. Holes and the channel scale are cut to this call's layer
-  # before they are converted (converting every layer's, in every layer's call, is L times the work).
+  # thread reads the bytes of its two tokens of a tile. They are cut to this call's layer before they are converted
+  # (converting every layer's, in every layer's call, is L times the work). The channel scale is read as it is
+  # stored, at the layer.
   this_layer = lambda x: lax.dynamic_index_in_dim(x, layer[0], keepdims=True) if x.ndim == 4 else x[None]
   holes = None if store.valid is None else this_layer(store.valid).astype(jnp.int8).reshape(
       1, *store.k_codes.shape[1:4], TILE)
-  channel_scale = None if store.v_channel_scale is None else this_layer(store.v_channel_scale).astype(jnp.float32)
+  channel_scale = store.v_channel_scale
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
   blocks = tuple(range(head_dim // 64))  # a segment's channel blocks of 64: one value product each
@@ -445,6 +472,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
   array = lambda width: plgpu.ShapeDtypeStruct((TILE, width), f32, layout=wgmma_layout)
   o_width = 8 * head_dim // 16 * rows // 8  # a warp's o [D, rows] in the columns of a [64, o_width] array
   q_words = q_word_count(rows, head_dim)
+  build_q_fragments = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))(
+      lambda ctx, q_rows, words: _build_q_fragments(q_rows, words, rows=rows, head_dim=head_dim))
   q_fragments = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=array(2 * q_words))(
       lambda ctx, ref: _q_fragments(ref, rows, head_dim))
   key_logits = lambda tile: plgpu.inline_mgpu(
@@ -492,8 +521,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
-  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, q_smem, o_smem, l_smem, m_smem,
-             q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None, lg_smem=None):
+  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, qr_smem, q_smem, o_smem, l_smem,
+             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None, lg_smem=None):
     store_logits = columns is not None
     lg_ref = refs[-1] if store_logits else None
     *refs, o_ref, l_ref, m_ref = refs[:len(refs) - store_logits]
@@ -501,8 +530,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
     hole_refs, scale_refs = refs[:n_holes], refs[n_holes:n_holes + n_scale]
     segment_refs = refs[n_holes + n_scale:]  # q, k, v, allowed (with a segment)
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
-    at = layer_ref[0]
-    seq_len = length_ref[b]
+    at = jnp.clip(layer_ref[0], 0, num_layers - 1)
+    seq_len = jnp.clip(length_ref[b], 0, store.capacity)
     first = split * tiles
     has_store = first * TILE < seq_len  # a split wholly past the length reads nothing of the store
     # The pipeline's step count is static: steps past the length fetch the split's last block with a token again
@@ -523,6 +552,7 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
       @pl.when(index[0] == 0)
       def _():  # q was issued before the pipeline's first loads; its latency overlaps theirs
         plgpu.barrier_wait(q_barrier)
+        build_q_fragments(qr_smem, q_smem)
 
       q_frags = q_fragments(q_smem)
       logits = [key_logits(t)(kc, km, q_frags) for t in range(step_tiles)]
@@ -598,9 +628,9 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
 
     @pl.when(has_store)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_barrier)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h], qr_smem, q_barrier)
     for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
-      plgpu.copy_gmem_to_smem(cs_ref.at[0, b, h], cs_smem, cs_barrier)
+      plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
     o, m_run, l_run = lax.cond(
         has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
                                     vm_ref.at[at, b, h], *(r.at[0, b, h] for r in hole_refs)),
@@ -660,18 +690,18 @@ def _partials(layer, length, q, store: MmaStore, segment, *, sm_scale, splits, s
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
   if columns is not None:
     out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, columns[1]), jnp.float32),)
-  q_words = q_fragment_words(q)
   scratch = dict(
-      q_smem=plgpu.SMEM(q_words.shape[2:], jnp.uint32),
+      qr_smem=plgpu.SMEM((n_rows, head_dim), q.dtype),
+      q_smem=plgpu.SMEM((q_words // 4, 128), jnp.uint32),
       o_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       l_smem=plgpu.SMEM((rows,), jnp.float32),
       m_smem=plgpu.SMEM((rows,), jnp.float32),
       q_barrier=plgpu.Barrier(),
   )
-  inputs = (layer, length, q_words, k_codes, k_meta, v_codes, v_meta)
+  inputs = (layer, length, q, k_codes, k_meta, v_codes, v_meta)
   inputs += tuple(x for x in (holes, channel_scale) if x is not None)
   if channel_scale is not None:
-    scratch.update(cs_smem=plgpu.SMEM((head_dim,), jnp.float32), cs_barrier=plgpu.Barrier())
+    scratch.update(cs_smem=plgpu.SMEM((head_dim,), channel_scale.dtype), cs_barrier=plgpu.Barrier())
   if columns is not None:
     scratch.update(lg_smem=plgpu.SMEM((2, step_tiles, TILE, columns[1]), jnp.float32))
   if segment is not None:
@@ -737,7 +767,7 @@ def default_segment_depth(store: MmaStore, step_tiles: int, stages: int = STAGES
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
                         segment_depth: int = 2) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
-  q's fragments and the partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's
+  q's rows and fragments and the partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's
   ``segment_depth`` slots of a tile of keys, values and mask where they are larger than the store's (the two
   pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
@@ -745,8 +775,8 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
                        + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
   head_dim, half = store.k_meta.shape[-1], jnp.dtype(META_DTYPE).itemsize
-  fixed = ROWS * head_dim * half + head_dim * ROWS * 4 + 2 * ROWS * 4
-  fixed += head_dim * 4 if store.v_channel_scale is not None else 0
+  fixed = 2 * ROWS * head_dim * half + head_dim * ROWS * 4 + 2 * ROWS * 4  # q's rows and fragments, o, l, m
+  fixed += head_dim * store.v_channel_scale.dtype.itemsize if store.v_channel_scale is not None else 0
   if not segment:
     return stages * step + fixed
   segment_slot = 2 * TILE * head_dim * 2 + TILE * ROWS * 4  # a tile of 16-bit keys and values, its int32 mask
@@ -883,23 +913,27 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
                      f"{TILE} tokens and whole key groups of {store.k_group}")
   splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-  num_layers = store.k_codes.shape[0]
-  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
-  length = jnp.clip(store.length, 0, store.capacity).astype(jnp.int32)
+  # Layer, lengths and q go in as they come (clamped, padded and rounded in the kernel): each small op around the
+  # kernel is a launch of its own, a microsecond or two.
+  layer = jnp.asarray(layer, jnp.int32).reshape(1)
   rows = 8 if n_rows <= 8 else ROWS  # the key product's N and the softmax's width
-  q_rows = _padded_rows(q, rows, META_DTYPE)
+  q_rows = q.reshape(batch, kv_heads, n_rows, head_dim)
+  if q.dtype not in (jnp.float16, jnp.bfloat16):
+    q_rows = q_rows.astype(META_DTYPE)
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)
-  o, l, m, *logits = _partials(layer, length, q_rows, store, segment, sm_scale=sm_scale, splits=splits,
-                                step_tiles=step_tiles, max_concurrent_steps=max_concurrent_steps,
-                                segment_depth=segment_depth, columns=columns)
-  if splits > 1:  # the splits' partials merged exactly in log2 units (one split needs no rescaling)
-    m_all = jnp.max(m, axis=2)
-    alpha = jnp.exp2(m - m_all[:, :, None])
-    o, l, m = jnp.sum(alpha[:, :, :, None, :] * o, axis=2), jnp.sum(alpha * l, axis=2), m_all
-  else:
-    o, l, m = o[:, :, 0], l[:, :, 0], m[:, :, 0]
+  o, l, m, *logits = _partials(layer, store.length.astype(jnp.int32), q_rows, store, segment, rows=rows,
+                                sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
+                                max_concurrent_steps=max_concurrent_steps, segment_depth=segment_depth,
+                                columns=columns)
+  # The splits' partials merged exactly in log2 units, split by split: elementwise, so that XLA fuses the merge
+  # (and what follows it) into one kernel rather than a reduction per axis.
+  split = lambda x, i: x[:, :, i]
+  m_all = functools.reduce(jnp.maximum, [split(m, i) for i in range(splits)])
+  alpha = [jnp.exp2(split(m, i) - m_all) for i in range(splits)]
+  o = functools.reduce(jnp.add, [a[:, :, None, :] * split(o, i) for i, a in enumerate(alpha)])
+  l, m = functools.reduce(jnp.add, [a * split(l, i) for i, a in enumerate(alpha)]), m_all
   per_row = lambda x: x[:, :, :n_rows].reshape(q.shape[:-1])
   out = (jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l))
   for slots in logits:  # [B, Hkv, tiles, 64, count] -> [B, Hkv, R, g, C]
