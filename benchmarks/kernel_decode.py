@@ -207,7 +207,8 @@ class PoolSpec:
   """One quantized store of a layout: its share of the quantized tokens, widths, groupings (v_group None: all D
   channels; a callable: a function of D, as OTT's min(G, D)); ``holes``: None (no holes array), the fraction of
   slots that are holes, or (>= 1) their count per (b, h) (at most half the slots); whether the holes are stacked
-  (else per step); a value channel scale or not."""
+  (else per step) and the same for every head (ZipCache's: the MMA-packed store takes them with a head axis of
+  1, ``mgpu_decode.method_inputs``); a value channel scale or not."""
   share: float
   k_bits: int
   v_bits: int
@@ -215,6 +216,7 @@ class PoolSpec:
   v_group: Union[int, Callable[[int], int], None] = None
   holes: Optional[float] = None
   stacked_holes: bool = False
+  shared_holes: bool = False
   channel_scale: bool = False
 
 
@@ -243,8 +245,9 @@ def ott_layout(method: Ott = Ott(**Ott.presets["paper"])) -> Layout:
 
 
 LAYOUTS = {
-    "zipcache_pools": Layout((PoolSpec(0.6, 4, 4, 32, holes=0.05, channel_scale=True),
-                              PoolSpec(0.4, 2, 2, 32, holes=0.05, channel_scale=True)), ((100, True, False),)),
+    "zipcache_pools": Layout((PoolSpec(0.6, 4, 4, 32, holes=0.05, shared_holes=True, channel_scale=True),
+                              PoolSpec(0.4, 2, 2, 32, holes=0.05, shared_holes=True, channel_scale=True)),
+                             ((100, True, False),)),
     "ott2": ott_layout(),  # OTT at the paper preset (G = 128, R = 32, N = 3, A = 32, 2 bits), the earlier default
     "specache1": Layout((PoolSpec(1.0, 1, 1, 32, 32, holes=64),), ((64, False, True), (RESIDUAL, True, False)),
                         t_rows=2, call=(("token_mass_rows", (1,)),)),
@@ -277,12 +280,13 @@ def layout_inputs(shape: Shape, name: Union[str, Layout], seed: int, *, quantize
                           num_layers=num_layers)
     valid = None
     if pool.holes is not None:
-      holes_shape = ((num_layers,) if pool.stacked_holes else ()) + (b, h, capacity)
+      holes_shape = ((num_layers,) if pool.stacked_holes else ()) + (b, 1 if pool.shared_holes else h, capacity)
       if pool.holes >= 1:  # a count per (b, h), at most half the slots: distinct slots (SpeCache's fetched rows)
         rank = jnp.argsort(jax.random.uniform(next(keys), holes_shape), axis=-1)
         valid = rank >= min(int(pool.holes), capacity // 2)
       else:
         valid = jax.random.uniform(next(keys), holes_shape) >= pool.holes
+      valid = jnp.broadcast_to(valid, holes_shape[:-2] + (h, capacity))  # the library layout takes every head's
     channel_scale = None
     if pool.channel_scale:
       channel_scale = jax.random.uniform(next(keys), (*lead, d), jnp.float16, 0.5, 2.0)

@@ -51,6 +51,7 @@ A round's A/B is better taken with benchmarks/mgpu_ab.py, which alternates the t
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -153,7 +154,11 @@ def method_inputs(shape: Shape, name: str, seed: int, packed: bool):
   """(q, stores, segments) of a method's attention call (``METHOD_LAYOUTS``, ``kernel_decode.layout_inputs``:
   random codes and holes, every slot below the length), the stores MMA-packed or not."""
   q, _, stores, segments = layout_inputs(shape, METHOD_LAYOUTS[name], seed)
-  return q, (jax.block_until_ready(tuple(map(pack_mma_store, stores))) if packed else stores), segments
+  if packed:  # holes every head shares (ZipCache's) go in once, as the method hands them over
+    stores = tuple(dataclasses.replace(pack_mma_store(store), valid=store.valid[..., :1, :])
+                   if pool.shared_holes else pack_mma_store(store)
+                   for store, pool in zip(stores, METHOD_LAYOUTS[name].pools))
+  return q, jax.block_until_ready(stores), segments
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)
 
 

@@ -256,9 +256,11 @@ def _partials(q, source: _Source):
   return blockwise_partials(q, source.load, source.valid, source.bound, source.n_blocks, source.block)
 
 
-def _token_mass(q, source: _Source, lse, rows):
+def _token_mass(q, source: _Source, lse, rows, *, matmul: bool = True):
   """[B, H, R, S]: the probability each key of ``source`` receives from query rows ``rows``, summed over the g
-  query heads of its KV head. A second pass over the source (the fused kernel gets it from its one pass)."""
+  query heads of its KV head. A second pass over the source (the fused kernel gets it from its one pass).
+  ``matmul=False``: the logits as products summed elementwise, which XLA fuses with the rest into one small
+  kernel (a segment of a few rows on the GPU, where a matrix product of that size is a launch of several µs)."""
   B, H, T, g, D = q.shape
   qf = q[:, :, rows].astype(jnp.float32) * D**-0.5  # [B, H, R, g, D]
   lse_rows = lse[:, :, rows]  # [B, H, R, g]
@@ -268,7 +270,10 @@ def _token_mass(q, source: _Source, lse, rows):
     kb, _ = source.load(start)
     ok = source.valid(start)
     ok = jnp.broadcast_to(ok, (B, H, T, source.block))[:, :, rows][:, :, :, None, :]
-    s = jnp.einsum("bhtgd,bhsd->bhtgs", qf, kb, precision=jax.lax.Precision.HIGHEST)
+    if matmul:
+      s = jnp.einsum("bhtgd,bhsd->bhtgs", qf, kb, precision=jax.lax.Precision.HIGHEST)
+    else:
+      s = jnp.sum(qf[:, :, :, :, None, :] * kb[:, :, None, None], axis=-1)
     p = jnp.where(ok, jnp.exp(s - lse_rows[..., None]), 0.0)
     return jax.lax.dynamic_update_slice_in_dim(mass, jnp.sum(p, axis=3), start, axis=3)
 
@@ -315,18 +320,19 @@ def _joined_segments(layer, segments):
 
 def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
   """``decode_attention`` on a Hopper GPU: the tensor-core kernel over each MMA-packed store, the first with the
-  first segment it reads in place (KIVI's window; OTT's buffer and pools joined); the rest through the Triton
-  kernel, one softmax merged exactly. Token mass: the stores' from the logits the kernel writes out (of the mass
-  rows alone, where the kernel can: ``mgpu_decode_attention.logit_columns``), the segments' from a second pass
-  over them in XLA (they are a few rows), each against the merged lse."""
+  longest segment it reads in place (KIVI's window; OTT's buffer and pools joined); the rest through the Triton
+  kernel, one softmax merged exactly. Token mass: the stores' from the slot weights the kernel writes out (of the
+  mass rows alone, where the kernel can: ``mgpu_decode_attention.logit_columns``), the segments' from a second
+  pass over them in XLA (they are a few rows), each against the merged lse."""
   all_segments = segments
   if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)
-  fused = next((i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)), None)
+  readable = [i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)]
+  fused = max(readable, key=lambda i: segments[i][0].shape[-2], default=None)  # the most tokens in the kernel
   parts = [mgpu_decode_attention.mgpu_decode_partial(
       q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None,
       logit_rows=rows if store_mass else ()) for i, store in enumerate(mma_stores)]
-  logits = [part[3] for part in parts] if rows and store_mass else []
+  weights = [part[3] for part in parts] if rows and store_mass else []
   parts = [part[:3] for part in parts]
   segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
   if stores or segments:
@@ -335,11 +341,12 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   o, lse = merge_partials(parts)
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
-    lse_rows = lse[:, :, rows][..., None]  # [B, H, R, g, 1]
+    lse_rows = lse[:, :, rows]  # [B, H, R, g]
     of_stores = tuple(
-        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :], jnp.exp(slots - lse_rows), 0.0),
-                axis=3) for store, slots in zip(mma_stores, logits))
-    of_segments = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows)
+        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :],
+                          mgpu_decode_attention.slot_probabilities(slot_weights, lse_rows), 0.0), axis=3)
+        for store, slot_weights in zip(mma_stores, weights))
+    of_segments = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows, matmul=False)
                         for k, v, mask in all_segments)
     out += ((of_stores, of_segments),)
   return out if len(out) > 1 else out[0]
@@ -355,7 +362,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
     stores: ``QuantizedStore``s (KIVI layout, stacked, each with its own widths, groupings, holes and value
       channel scale; ``jkv_kernels.dequant_attention``) and ``MmaStore``s (the MMA-ready packing of
       ``jkv_kernels.mma_layout``, holes and channel scale too: read by the Hopper tensor-core kernel with impl
-      "pallas" on a Hopper GPU, with the first segment it reads in place (``mgpu_decode_attention.reads_segment``;
+      "pallas" on a Hopper GPU, with the longest segment it reads in place (``mgpu_decode_attention.reads_segment``;
       several such segments joined into one where no token mass is asked) in the same softmax; by the XLA path
       everywhere else). Token mass takes one kind of store at a time.
     segments: ((k, v, mask), ...): k, v [L, B, H, S, D] stacked (read at ``layer``) or [B, H, S, D] per step;

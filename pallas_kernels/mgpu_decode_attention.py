@@ -9,8 +9,8 @@ words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp ove
 
 with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
 head. No operand comes from shared memory: q's B fragments are loaded once a step (laid out once a program, from
-q's rows, so that a warp's loads are contiguous: ``_build_q_fragments``), and p, the warp's own logits after the softmax, becomes the value
-product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps its own running max, sum
+q's rows, so that a warp's loads are contiguous: ``_build_q_fragments``), and p, the warp's own logits after the
+softmax, becomes the value product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps its own running max, sum
 and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared memory and a cross-warp max
 behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps' partials are merged once, at
 the end (``_sum_into``, in a fixed order).
@@ -40,9 +40,10 @@ A store with holes (``MmaStore.valid``) brings a byte per slot through the same 
 its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
 multiplies the store's part of o once, as the warps' partials are merged, before a segment's values join it.
 
-With ``logit_rows`` the kernel also writes the store's logits of those query rows out (through two steps' slots of
-shared memory, a TMA store per step), from which ``jkv.attention.decode_attention`` makes the token mass of
-SpeCache's top-k.
+With ``logit_rows`` the kernel also writes out the store's slot weights of those query rows: p as the value
+product takes it (fp16) and each warp's running max per step, 2 bytes a slot and query head rather than a 4-byte
+logit (through two steps' slots of shared memory, TMA stores per step), from which
+``jkv.attention.decode_attention`` makes the token mass of SpeCache's top-k (``slot_probabilities``).
 
 Scope of this version: one store of 1-, 2- or 4-bit keys and values, at most one segment, D a multiple of 64,
 T * g <= 16.
@@ -191,27 +192,33 @@ def _pad_columns(p, rows):
   return mgpu.FragmentedArray(_registers=padded, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _store_columns(ref, x, first, count):
-  """Columns [first, first + count) of x [64, N] fp32 (WGMMA layout) into ``ref`` [64, count]: each thread stores
-  the pairs it holds there (columns 8 j + 2 (l % 4), +1 of rows 16 w + l // 4, +8); ``first`` and ``count`` even."""
+def _store_columns(ref, x, first, count, *, maxima=False):
+  """Columns [first, first + count) of x [64, N] (WGMMA layout) into ``ref``, the pairs each thread holds there
+  (columns 8 j + 2 (l % 4), +1 of rows 16 w + l // 4, +8); ``first`` and ``count`` even. ``ref`` [n, W] holds
+  [64, count] row-major (n W = 64 count); with ``maxima`` ([4, count]) only row 16 w, as row w: x is the same
+  in all of a warp's rows (a warp's column maxima)."""
   warp, lane, _ = _thread()
   c = lambda value: mgpu.utils.c(value, _i32())
+  width = ir.MemRefType(ref.type).shape[-1]
   pair_column = arith.muli(arith.remui(lane, c(4)), c(2))
-  top_row = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+  top_row = warp if maxima else arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
   for j in range(x.registers.shape[1]):
     column = arith.addi(pair_column, c(8 * j - first))
     inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, column, c(0)),
                         arith.cmpi(arith.CmpIPredicate.slt, column, c(count)))
+    if maxima:
+      inside = arith.andi(inside, arith.cmpi(arith.CmpIPredicate.ult, lane, c(4)))
     with mgpu.utils.when(inside):
-      for h in range(2):
-        vector.store(_register(x, j, h), ref,
-                     [_index(arith.addi(top_row, c(8 * h))), _index(column)])
+      for h in range(1 if maxima else 2):
+        at = arith.addi(arith.muli(arith.addi(top_row, c(8 * h)), c(count)), column)
+        vector.store(_register(x, j, h), ref, [_index(arith.divui(at, c(width))), _index(arith.remui(at, c(width)))])
 
 
 def logit_columns(t_rows: int, q_per_kv: int, logit_rows, rows: int) -> Optional[tuple[int, int]]:
-  """(first, count): the kernel's logit columns that hold query rows ``logit_rows`` (row t's heads are columns
-  t g .. t g + g - 1), where they are one run that starts on an even column and fills whole 16-byte TMA rows;
-  else all ``rows`` columns (None without ``logit_rows``)."""
+  """(first, count): the kernel's columns whose slot weights it writes out for query rows ``logit_rows`` (row
+  t's heads are columns t g .. t g + g - 1), where they are one run that starts on an even column and whose
+  maxima (fp32, a warp's count) fill whole 16-byte TMA rows; else all ``rows`` columns (None without
+  ``logit_rows``)."""
   if not logit_rows:
     return None
   if any(not 0 <= t < t_rows for t in logit_rows):
@@ -445,8 +452,10 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
   length [B] int32 (clamped in the kernel: no work around it): the fp32 partials o [B, Hkv, S, D, N], l, m
   [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
   join the last split's softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
-  count) (``logit_columns``): also the store's logits q . k of those columns, [B, Hkv, S * tiles, 64, count] fp32
-  (unscaled, unmasked; tiles of steps the program skips, past the length, are not written)."""
+  count) (``logit_columns``): also the store's slot weights of those columns, p = exp2(logit - m) as the value
+  product takes it (fp16, [B, Hkv, S * tiles, 64 count / 128, 128]: each tile's [64, count] row-major), and the
+  warps' maxima m of each step (fp32 log2 units, [B, Hkv, S * steps, 4, count]: warp w's, of tokens 16 w .. 16 w
+  + 15 of every tile of the step); steps the program skips, past the length, are not written."""
   batch, kv_heads, n_rows, head_dim = q.shape
   num_layers = store.k_codes.shape[0]
   if segment is not None:
@@ -457,13 +466,13 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
-  # Holes travel as one byte per slot, [1, B, Hkv, C / 64, 64], through the same pipeline as the codes: each
+  # Holes travel as one byte per slot, [1, B, Hkv or 1, C / 64, 64], through the same pipeline as the codes: each
   # thread reads the bytes of its two tokens of a tile. They are cut to this call's layer before they are converted
-  # (converting every layer's, in every layer's call, is L times the work). The channel scale is read as it is
-  # stored, at the layer.
+  # (converting every layer's, in every layer's call, is L times the work), and holes that every head shares are
+  # converted once. The channel scale is read as it is stored, at the layer.
   this_layer = lambda x: lax.dynamic_index_in_dim(x, layer[0], keepdims=True) if x.ndim == 4 else x[None]
   holes = None if store.valid is None else this_layer(store.valid).astype(jnp.int8).reshape(
-      1, *store.k_codes.shape[1:4], TILE)
+      1, batch, store.valid.shape[-2], -1, TILE)
   channel_scale = store.v_channel_scale
   step_tokens = TILE * step_tiles
   k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
@@ -504,6 +513,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
   widen = (lambda x: pad_columns(x.dtype)(x)) if rows < ROWS else (lambda x: x)  # [64, rows] -> [64, ROWS]
   store_columns = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))(
       lambda ctx, ref, x: _store_columns(ref, x, *columns))
+  store_maxima = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))(
+      lambda ctx, ref, x: _store_columns(ref, x, *columns, maxima=True))
   scale_log2 = sm_scale * LOG2E
   along_tokens = lambda x, width=rows: lax.broadcast_in_dim(x, (TILE, width), [1])
 
@@ -522,10 +533,11 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
   def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, qr_smem, q_smem, o_smem, l_smem,
-             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None, lg_smem=None):
-    store_logits = columns is not None
-    lg_ref = refs[-1] if store_logits else None
-    *refs, o_ref, l_ref, m_ref = refs[:len(refs) - store_logits]
+             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None,
+             pw_smem=None, mx_smem=None):
+    store_weights = columns is not None
+    pw_ref, mx_ref = refs[-2:] if store_weights else (None, None)
+    *refs, o_ref, l_ref, m_ref = refs[:len(refs) - 2 * store_weights]
     n_holes, n_scale = int(holes is not None), int(channel_scale is not None)
     hole_refs, scale_refs = refs[:n_holes], refs[n_holes:n_holes + n_scale]
     segment_refs = refs[n_holes + n_scale:]  # q, k, v, allowed (with a segment)
@@ -556,16 +568,6 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
 
       q_frags = q_fragments(q_smem)
       logits = [key_logits(t)(kc, km, q_frags) for t in range(step_tiles)]
-      if store_logits:  # into one of two slots, once the copy out of the step before last has read it
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        lg_slot = lg_smem.at[index[0] % 2]
-        for t in range(step_tiles):
-          if columns == (0, rows):
-            lg_slot[t] = logits[t]
-          else:
-            store_columns(lg_slot.at[t], logits[t])
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lg_slot, lg_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)])
       row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=wgmma_layout)
       step_start = (first + index[0] * step_tiles) * TILE
       valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
@@ -578,9 +580,20 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
       alpha = jnp.exp2(m_run - m_next)
       p = [jnp.exp2(x - m_next) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
       l_run = l_run * alpha + functools.reduce(jnp.add, p)  # summed over the warp's tokens after the loop
+      p16 = [x.astype(META_DTYPE) for x in p]
+      if store_weights:  # into one of two slots, once the copy out of the step before last has read it
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        pw_slot, mx_slot = pw_smem.at[index[0] % 2], mx_smem.at[index[0] % 2]
+        for t in range(step_tiles):
+          store_columns(pw_slot.at[t], p16[t])
+        store_maxima(mx_slot, m_next)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(pw_slot, pw_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(mx_slot, mx_ref.at[b, h, first // step_tiles + index[0]])
       o = o * along_o(alpha)
       for t in range(step_tiles):
-        o = value_accumulate(t)(vc, vm, p[t].astype(META_DTYPE), o)
+        o = value_accumulate(t)(vc, vm, p16[t], o)
       return o, m_next, l_run
 
     def attend_segment(index, k_tile, v_tile, allowed, carry):
@@ -633,7 +646,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
       plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
     o, m_run, l_run = lax.cond(
         has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                    vm_ref.at[at, b, h], *(r.at[0, b, h] for r in hole_refs)),
+                                    vm_ref.at[at, b, h],
+                                    *(r.at[0, b, h if r.shape[2] > 1 else 0] for r in hole_refs)),
         lambda: init)
     # The warps' partials merged: each weighted by exp2(its max - the program's), a split with no valid key
     # giving (m, l, o) = (M_FLOOR, 0, 0), the empty partial; a value channel's scale multiplies the store's o.
@@ -689,7 +703,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
               jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
   if columns is not None:
-    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE, columns[1]), jnp.float32),)
+    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE * columns[1] // 128, 128), META_DTYPE),
+                 jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles // step_tiles, 4, columns[1]), jnp.float32))
   scratch = dict(
       qr_smem=plgpu.SMEM((n_rows, head_dim), q.dtype),
       q_smem=plgpu.SMEM((q_words // 4, 128), jnp.uint32),
@@ -703,7 +718,8 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
   if channel_scale is not None:
     scratch.update(cs_smem=plgpu.SMEM((head_dim,), channel_scale.dtype), cs_barrier=plgpu.Barrier())
   if columns is not None:
-    scratch.update(lg_smem=plgpu.SMEM((2, step_tiles, TILE, columns[1]), jnp.float32))
+    scratch.update(pw_smem=plgpu.SMEM((2, step_tiles, TILE * columns[1] // 128, 128), META_DTYPE),
+                   mx_smem=plgpu.SMEM((2, 4, columns[1]), jnp.float32))
   if segment is not None:
     segment_dtype = segment[0].dtype
     segment = (segment[0], *(x.reshape(-1, head_dim) for x in segment[1:3]), segment[3])
@@ -767,9 +783,9 @@ def default_segment_depth(store: MmaStore, step_tiles: int, stages: int = STAGES
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
                         segment_depth: int = 2) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
-  q's rows and fragments and the partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its pipeline's
-  ``segment_depth`` slots of a tile of keys, values and mask where they are larger than the store's (the two
-  pipelines run one after the other)."""
+  q's rows and fragments and the partials (at the widest N, 16 rows); with a ``segment``, its q and p, and its
+  pipeline's ``segment_depth`` slots of a tile of keys, values and mask where they are larger than the store's
+  (the two pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
                        + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
@@ -864,15 +880,18 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
     segment_depth: the slots of a segment's pipeline, 1 or 2. None: ``default_segment_depth``.
-    logit_rows: query rows t whose store logits it also returns, which the kernel writes out through shared
-      memory as it computes them (for the token mass SpeCache's top-k reads; 4 bytes per slot, query head and row
-      more traffic: only those rows' heads where they are one run of whole 16-byte rows, ``logit_columns``, else
-      every row's; the shared-memory budget of the defaults does not count its two steps' buffer).
+    logit_rows: query rows t whose store slot weights it also returns (``slot_probabilities`` makes each slot's
+      probability of them: the token mass SpeCache's top-k reads), which the kernel writes out through shared
+      memory as it computes them: 2 bytes per slot, query head and row more traffic (only those rows' heads where
+      they are one run of columns, ``logit_columns``, else every row's; the shared-memory budget of the defaults
+      does not count its two steps' buffer).
 
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
-    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``logit_rows`` then the logits
-    [B, Hkv, R, g, C] float32 of those R rows, sm_scale * q . k of every slot, unspecified at the slots that are
+    the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``logit_rows`` then the slot weights
+    of those R rows, (p [B, Hkv, R, g, C] fp16, m [B, Hkv, R, g, C / 16] float32, natural-log units): the logit
+    sm_scale * q . k of slot c is m[c // 16] + log p[c] (p is the softmax's weight of the slot against the
+    running max m of its 16 slots, rounded as the value product takes it); unspecified at the slots that are
     not keys (at and past the length, and holes).
   """
   if not available():
@@ -885,9 +904,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point")
   if store.k_codes.shape[1:3] != (batch, kv_heads):
     raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
-  if store.valid is not None and (store.valid.ndim not in (3, 4)
-                                  or store.valid.shape[-3:] != (batch, kv_heads, store.capacity)):
-    raise ValueError(f"store holes {store.valid.shape} do not fit [L, B, Hkv, C] or [B, Hkv, C] with "
+  if store.valid is not None and (store.valid.ndim not in (3, 4) or store.valid.shape[-3] != batch
+                                  or store.valid.shape[-2] not in (1, kv_heads)
+                                  or store.valid.shape[-1] != store.capacity):
+    raise ValueError(f"store holes {store.valid.shape} do not fit [L, B, Hkv or 1, C] or [B, Hkv or 1, C] with "
                      f"[B, Hkv, C] = {[batch, kv_heads, store.capacity]}")
   if store.v_channel_scale is not None and (store.v_channel_scale.ndim != 4
                                             or store.v_channel_scale.shape[1:] != (batch, kv_heads, head_dim)):
@@ -923,7 +943,7 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)
-  o, l, m, *logits = _partials(layer, store.length.astype(jnp.int32), q_rows, store, segment, rows=rows,
+  o, l, m, *weights = _partials(layer, store.length.astype(jnp.int32), q_rows, store, segment, rows=rows,
                                 sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
                                 max_concurrent_steps=max_concurrent_steps, segment_depth=segment_depth,
                                 columns=columns)
@@ -936,13 +956,24 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   l, m = functools.reduce(jnp.add, [a * split(l, i) for i, a in enumerate(alpha)]), m_all
   per_row = lambda x: x[:, :, :n_rows].reshape(q.shape[:-1])
   out = (jnp.swapaxes(o, 2, 3)[:, :, :n_rows].reshape(q.shape), per_row(m / LOG2E), per_row(l))
-  for slots in logits:  # [B, Hkv, tiles, 64, count] -> [B, Hkv, R, g, C]
+  if weights:
     heads = np.array([t * q_per_kv + j for t in logit_rows for j in range(q_per_kv)]) - columns[0]
     if (np.diff(heads) == 1).all():  # a slice, not a gather
       heads = slice(int(heads[0]), int(heads[-1]) + 1)
-    slots = slots.reshape(batch, kv_heads, -1, columns[1])[:, :, :store.capacity, heads] * sm_scale
-    out += (jnp.moveaxis(slots, 2, 3).reshape(batch, kv_heads, len(logit_rows), q_per_kv, store.capacity),)
+    p, maxima = weights  # [B, Hkv, tiles * 64 count / 128, 128], [B, Hkv, steps, 4, count]
+    per_16 = jnp.broadcast_to(maxima[:, :, :, None], (batch, kv_heads, maxima.shape[2], step_tiles, 4, columns[1]))
+    by_slot = lambda x, slots: jnp.moveaxis(x.reshape(batch, kv_heads, -1, columns[1])[:, :, :slots, heads], 2, 3
+                                            ).reshape(batch, kv_heads, len(logit_rows), q_per_kv, slots)
+    out += ((by_slot(p, store.capacity), by_slot(per_16, store.capacity // 16) / LOG2E),)
   return out
+
+
+def slot_probabilities(weights, lse):
+  """exp(logit - lse) of every slot of ``mgpu_decode_partial``'s slot weights (p [B, Hkv, R, g, C], m [B, Hkv, R,
+  g, C / 16]) against the log-sum-exp lse [B, Hkv, R, g] of their rows: [B, Hkv, R, g, C] float32, unspecified at
+  the slots that are not keys. p exp(m - lse): m is at most a max of the row's logits, so nothing overflows."""
+  p, m = weights
+  return p.astype(jnp.float32) * jnp.repeat(jnp.exp(m - lse[..., None]), 16, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",

@@ -228,7 +228,7 @@ class MmaStore:
   v_bits: int
   k_group: int
   v_group: int
-  valid: Optional[jax.Array] = None            # [L, B, Hkv, C] (stacked) or [B, Hkv, C] bool; None: no holes
+  valid: Optional[jax.Array] = None  # [L, B, Hkv or 1, C] (stacked) or [B, Hkv or 1, C] bool; None: no holes
   v_channel_scale: Optional[jax.Array] = None  # [L, B, Hkv, D] float; None: 1
 
   @property

@@ -21,7 +21,7 @@ from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (available, default_segment_depth, default_splits, default_step_tiles,
                                                logit_columns, mgpu_decode_attention, mgpu_decode_partial,
-                                               shared_memory_bytes, split_tiles)
+                                               shared_memory_bytes, slot_probabilities, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, field_plan, key_register_map, magic_half, pack_mma_store,
                                     quad_word_position, read_mma_store, read_mma_tiles, register_slots,
                                     value_register_map, word_positions)
@@ -305,7 +305,8 @@ def test_logit_rows_outside_the_query_rows_are_refused():
 
 @pytest.mark.parametrize("t_rows,q_per_kv,logit_rows", [(2, 4, (1,)), (4, 4, (2, 3)), (3, 5, (1,))])
 def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows):
-  """The kernel that writes some rows' logits (a run of columns, or all of them) lowers to one Mosaic GPU call."""
+  """The kernel that writes some rows' slot weights (a run of columns, or all of them) lowers to one Mosaic GPU
+  call."""
   store = _abstract_store(1, 1, 32, 32, 128, jnp.bfloat16)
   q = jax.ShapeDtypeStruct((2, 2, t_rows, q_per_kv, 128), jnp.bfloat16)
   fn = jax.jit(lambda q, layer, store: mgpu_decode_partial(q, layer, store, logit_rows=logit_rows))
@@ -512,12 +513,14 @@ class TestMgpuDecodeAttentionGpu:
       assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
       np.testing.assert_allclose(lse, lse_ref, atol=0.05)
 
-  @pytest.mark.parametrize("k_bits,dtype,step_tiles,stacked,with_segment,segment_depth", [
-      (2, jnp.float16, None, True, False, None), (4, jnp.bfloat16, 1, False, False, None),
-      (2, jnp.bfloat16, 2, True, True, None), (1, jnp.float16, None, False, True, 1)])
-  def test_holes_and_a_value_channel_scale(self, k_bits, dtype, step_tiles, stacked, with_segment, segment_depth):
+  @pytest.mark.parametrize("k_bits,dtype,step_tiles,holes,with_segment,segment_depth", [
+      (2, jnp.float16, None, "stacked", False, None), (4, jnp.bfloat16, 1, "step", False, None),
+      (2, jnp.bfloat16, 2, "stacked", True, None), (1, jnp.float16, None, "step", True, 1),
+      (4, jnp.float16, None, "shared", False, None)])
+  def test_holes_and_a_value_channel_scale(self, k_bits, dtype, step_tiles, holes, with_segment, segment_depth):
     """Holes (a fifth of the slots, all of sequence 1's tile 3, every slot of sequence 2) masked in the kernel, and
-    a value channel scale on its output, stacked over layers or one step's, with and without a segment: held to
+    a value channel scale on its output, stacked over layers or one step's (or stacked and the same for every
+    head: a head axis of 1), with and without a segment: held to
     the reference over the library-layout store with the same holes and scale. Without the holes the answer is
     far off (so a hole that leaked would show), and sequence 2 has no key in the store (o = 0, lse = MASK_VALUE
     without a segment)."""
@@ -526,14 +529,17 @@ class TestMgpuDecodeAttentionGpu:
     kh, kc, kq, kk, kv, km = jax.random.split(jax.random.key(31), 6)
     valid = jax.random.bernoulli(kh, 0.8, (2, 3, 2, 1024)).at[:, 1, :, 192:256].set(False).at[:, 2].set(False)
     scale = jax.random.uniform(kc, (2, 3, 2, 128), jnp.float32, 0.25, 4.0)
-    store = dataclasses.replace(store, valid=valid if stacked else valid[1], v_channel_scale=scale)
+    valid = {"stacked": valid, "step": valid[1], "shared": valid[:, :, :1]}[holes]
+    store = dataclasses.replace(store, valid=jnp.broadcast_to(valid, valid.shape[:-2] + (2, 1024)),
+                                v_channel_scale=scale)
+    packed = dataclasses.replace(pack_mma_store(store), valid=valid)  # the reference's store takes every head's
     q = jax.random.normal(kq, (3, 2, 1, 4, 128), dtype)
     segments = ()
     if with_segment:  # 132 tokens: L * B * Hkv * W a multiple of 8, the kernel reads it in place
       segment_kv = lambda key: jax.random.normal(key, (2, 3, 2, 132, 128), dtype)
       segments = ((segment_kv(kk), segment_kv(kv), jax.random.bernoulli(km, 0.7, (3, 1, 132))),)
     for layer in (0, 1):
-      o, lse = mgpu_decode_attention(q, layer, pack_mma_store(store), segment=segments[0] if segments else None,
+      o, lse = mgpu_decode_attention(q, layer, packed, segment=segments[0] if segments else None,
                                      return_lse=True, step_tiles=step_tiles, segment_depth=segment_depth)
       o_ref, lse_ref = decode_attention_reference(q, layer, (store,), segments, return_lse=True)
       no_holes = decode_attention_reference(q, layer, (dataclasses.replace(store, valid=None),), segments)
@@ -548,17 +554,20 @@ class TestMgpuDecodeAttentionGpu:
       (1, jnp.bfloat16, None, 2, 4, None, (1,)), (2, jnp.float16, 1, 1, 4, 3, (0,)),
       (4, jnp.bfloat16, 2, 3, 5, None, (2, 0)), (2, jnp.bfloat16, None, 2, 4, 2, (0, 1)),
       (2, jnp.float16, 2, 4, 4, None, (2, 3))])
-  def test_the_store_logits_it_writes_out(self, k_bits, dtype, step_tiles, t_rows, q_per_kv, splits, logit_rows):
-    """``logit_rows``: the logits the kernel writes out (what the token mass is made of), at every slot that
-    is a key, against q . k over the library-layout store's keys (sm_scale times, in float64): within the
-    rounding of each dequantized key (``logit_bound``); the partials are unchanged by asking. The rows' columns
+  def test_the_store_slot_weights_it_writes_out(self, k_bits, dtype, step_tiles, t_rows, q_per_kv, splits,
+                                                logit_rows):
+    """``logit_rows``: the slot weights the kernel writes out (what the token mass is made of), as each slot's
+    probability (``slot_probabilities``, against the rows' log-sum-exp) at every slot that is a key, against
+    exp(sm_scale q . k - lse) over the library-layout store's keys (in float64): within the rounding of each
+    dequantized key (``logit_bound``) and of p to fp16 (half an ulp: 2**-11 relative, and 2**-25 of the max of
+    its 16 slots where p is below fp16's normal range); the partials are unchanged by asking. The rows' columns
     alone (the second of two rows; the first of one; the last two of four, in 16 columns) or every row's (rows
     in another order; both of two)."""
     store = make_store(32, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=dtype, capacity=1024,
                        lengths=[1024, 947, 100])
     q = jax.random.normal(jax.random.key(33), (3, 2, t_rows, q_per_kv, 128), dtype)
     packed = pack_mma_store(store)
-    o, m, l, logits = mgpu_decode_partial(q, 1, packed, logit_rows=logit_rows, step_tiles=step_tiles, splits=splits)
+    o, m, l, weights = mgpu_decode_partial(q, 1, packed, logit_rows=logit_rows, step_tiles=step_tiles, splits=splits)
     o_plain, m_plain, l_plain = mgpu_decode_partial(q, 1, packed, step_tiles=step_tiles, splits=splits)
     for got, want in ((o, o_plain), (m, m_plain), (l, l_plain)):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -567,8 +576,14 @@ class TestMgpuDecodeAttentionGpu:
     want = np.einsum("bhtgd,bhsd->bhtgs", rows, np.asarray(k_ref, np.float64)) * 128**-0.5
     bound = logit_bound(rows, k_ref, store.k_scale[1], store.k_zero[1], k_bits) + 1e-5
     keys = np.broadcast_to(np.asarray(mask)[:, :, None, None, :], want.shape)
-    assert logits.shape == want.shape
-    assert np.all(np.abs(np.asarray(logits, np.float64) - want)[keys] <= bound[keys])
+    lse = (m + jnp.log(l))[:, :, list(logit_rows)]
+    probability = np.asarray(slot_probabilities(weights, lse), np.float64)
+    want = np.exp(want - np.asarray(lse, np.float64)[..., None])
+    with np.errstate(over="ignore", invalid="ignore"):  # the maxima of runs no step wrote are anything
+      of_16 = np.repeat(np.exp(np.asarray(weights[1], np.float64) - np.asarray(lse, np.float64)[..., None]), 16, -1)
+      tolerance = want * np.expm1(bound) + probability * (2.0**-11 + 1e-6) + 2.0**-25 * of_16
+    assert probability.shape == want.shape and weights[0].dtype == jnp.float16
+    assert np.all(np.abs(probability - want)[keys] <= tolerance[keys])
 
   def test_splits_past_the_length_and_an_empty_sequence(self):
     """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and

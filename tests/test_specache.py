@@ -433,7 +433,7 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_copy(monkeypatch):
 @pytest.mark.skipif(not hopper_kernel_available(), reason="needs a Hopper GPU and Mosaic GPU")
 def test_mma_packing_on_the_hopper_kernel_equals_the_library_layout():
   """With impl pallas on a Hopper GPU (the tensor-core kernel over the packed 1-bit copy with the fetched rows
-  as holes, its logits giving the speculative row's mass) against the library layout on the XLA path: every
+  as holes, its slot weights giving the speculative row's mass) against the library layout on the XLA path: every
   step's output within the kernel's 16-bit rounding, and the chosen rows the same but for near ties."""
   rng = np.random.default_rng(9)
   real, spec_rows = _data(rng, 2, 256)

@@ -294,10 +294,10 @@ class ZipCache(CacheMethod):
     valid = row < n0
     if block:
       valid = jnp.where(row < f0, valid, (row - f0) % block < window_real)
-    valid = jnp.broadcast_to(valid[:, None], (B, H, C))
-    if self.mma:
+    if self.mma:  # the heads share their holes: the kernel reads one row of them for all (a head axis of 1)
       return MmaStore(pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta, pool.fill[layer], bits, bits,
-                      self.key_group, pool.k_meta.shape[4], valid=valid, v_channel_scale=channel_scale)
+                      self.key_group, pool.k_meta.shape[4], valid=valid[:, None], v_channel_scale=channel_scale)
+    valid = jnp.broadcast_to(valid[:, None], (B, H, C))
     return QuantizedStore(
         k_codes=pool.k_codes, k_scale=pool.k_scale, k_zero=pool.k_zero, v_codes=pool.v_codes,
         v_scale=pool.v_scale, v_zero=pool.v_zero, length=pool.fill[layer], k_bits=bits, v_bits=bits,
