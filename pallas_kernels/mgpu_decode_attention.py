@@ -10,10 +10,10 @@ words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp ove
 with the query rows of a KV head (T * g <= 16, padded to 8 or 16) as the N side, so K and V are read once per KV
 head. No operand comes from shared memory: q's B fragments are loaded once a step (laid out once a program, from
 q's rows, so that a warp's loads are contiguous: ``_build_q_fragments``), and p, the warp's own logits after the
-softmax, becomes the value product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps its own running max, sum
-and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared memory and a cross-warp max
-behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps' partials are merged once, at
-the end (``_sum_into``, in a fixed order).
+softmax, becomes the value product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps
+its own running max, sum and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared
+memory and a cross-warp max behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps'
+partials are merged once, at the end (``_sum_into``, in a fixed order).
 A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of the fp16 number
 M = ``magic`` at a bit worth exactly 1 (``mma_layout.field_plan``, ``magic_half``: M at most 16), so the
 pair reads as M + c, and ``(M + c) * scale + (zero - M * scale)`` is one ``fma.rn.f16x2`` with the scale and
