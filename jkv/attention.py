@@ -319,19 +319,23 @@ def _joined_segments(layer, segments):
 
 
 def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
-  """``decode_attention`` on a Hopper GPU: the tensor-core kernel over each MMA-packed store, the first with the
-  longest segment it reads in place (KIVI's window; OTT's buffer and pools joined); the rest through the Triton
-  kernel, one softmax merged exactly. Token mass: the stores' from the slot weights the kernel writes out (of the
-  mass rows alone, where the kernel can: ``mgpu_decode_attention.logit_columns``), the segments' from a second
-  pass over them in XLA (they are a few rows), each against the merged lse."""
+  """``decode_attention`` on a Hopper GPU: the tensor-core kernel over the MMA-packed stores (all in one launch, or one
+  a launch where their slot weights are asked), with the longest segment it reads in place (KIVI's window; OTT's
+  buffer and pools joined); the rest through the Triton kernel, one softmax merged exactly. Token mass: the stores'
+  from the slot weights the kernel writes out (of the mass rows alone, where the kernel can:
+  ``mgpu_decode_attention.logit_columns``), the segments' from a second pass over them in XLA (they are a few rows),
+  each against the merged lse."""
   all_segments = segments
   if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)
   readable = [i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)]
   fused = max(readable, key=lambda i: segments[i][0].shape[-2], default=None)  # the most tokens in the kernel
-  parts = [mgpu_decode_attention.mgpu_decode_partial(
-      q, layer, store, segment=segments[fused] if i == 0 and fused is not None else None,
-      logit_rows=rows if store_mass else ()) for i, store in enumerate(mma_stores)]
+  segment = segments[fused] if fused is not None else None
+  if rows and store_mass:  # the slot weights come from one store per launch
+    parts = [mgpu_decode_attention.mgpu_decode_partial(q, layer, store, segment=segment if i == 0 else None,
+                                                       logit_rows=rows) for i, store in enumerate(mma_stores)]
+  else:  # every store in one launch (ZipCache's pools)
+    parts = [mgpu_decode_attention.mgpu_decode_partial(q, layer, mma_stores, segment=segment)]
   weights = [part[3] for part in parts] if rows and store_mass else []
   parts = [part[:3] for part in parts]
   segments = tuple(segment for i, segment in enumerate(segments) if i != fused)

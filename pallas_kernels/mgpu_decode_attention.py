@@ -445,37 +445,37 @@ def _sum_into(ref, o, channel_scale=None, *, rows):
 # Kernel
 
 
-def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, splits, step_tiles,
+def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale, splits, step_tiles,
               max_concurrent_steps, segment_depth, columns=None):
-  """One Mosaic GPU kernel over grid (Hkv, B, splits) for q [B, Hkv, T g, D] in fp16 or bf16 (its rows padded
-  to ``rows``, 8 or 16, the N of the key product and the width of the softmax, in the kernel), layer [1] and
-  length [B] int32 (clamped in the kernel: no work around it): the fp32 partials o [B, Hkv, S, D, N], l, m
-  [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
+  """One Mosaic GPU kernel over grid (Hkv, B, S) for q [B, Hkv, T g, D] in fp16 or bf16 (its rows padded to
+  ``rows``, 8 or 16, the N of the key product and the width of the softmax, in the kernel) and layer [1] int32
+  (clamped in the kernel, as each store's lengths are: no work around it) over ``stores``, store i in
+  ``splits[i]`` programs of ``step_tiles[i]`` tiles a step (S their sum; a program picks its store by its split
+  index: ZipCache's pools in one launch): the fp32 partials o [B, Hkv, S, D, N], l, m [B, Hkv, S, N] (m in log2
+  units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
   join the last split's softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
   count) (``logit_columns``): also the store's slot weights of those columns, p = exp2(logit - m) as the value
   product takes it (fp16, [B, Hkv, S * tiles, 64 count / 128, 128]: each tile's [64, count] row-major), and the
   warps' maxima m of each step (fp32 log2 units, [B, Hkv, S * steps, 4, count]: warp w's, of tokens 16 w .. 16 w
   + 15 of every tile of the step); steps the program skips, past the length, are not written."""
   batch, kv_heads, n_rows, head_dim = q.shape
-  num_layers = store.k_codes.shape[0]
+  num_layers = stores[0].k_codes.shape[0]
   if segment is not None:
     segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
-  # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past the
-  # capacity (TMA fills zeros) and a step past the length: their tokens are masked by the length.
-  tiles = split_tiles(store, splits, step_tiles)
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
-  k_codes, k_meta, v_codes, v_meta = map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta))
   # Holes travel as one byte per slot, [1, B, Hkv or 1, C / 64, 64], through the same pipeline as the codes: each
   # thread reads the bytes of its two tokens of a tile. They are cut to this call's layer before they are converted
   # (converting every layer's, in every layer's call, is L times the work), and holes that every head shares are
   # converted once. The channel scale is read as it is stored, at the layer.
   this_layer = lambda x: lax.dynamic_index_in_dim(x, layer[0], keepdims=True) if x.ndim == 4 else x[None]
-  holes = None if store.valid is None else this_layer(store.valid).astype(jnp.int8).reshape(
-      1, batch, store.valid.shape[-2], -1, TILE)
-  channel_scale = store.v_channel_scale
-  step_tokens = TILE * step_tiles
-  k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
+  store_inputs = [
+      (store.length.astype(jnp.int32), *map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta)),
+       *(() if store.valid is None else (this_layer(store.valid).astype(jnp.int8).reshape(
+           1, batch, store.valid.shape[-2], -1, TILE),)),
+       *(() if store.v_channel_scale is None else (store.v_channel_scale,)))
+      for store in stores]
+  offsets = np.cumsum((0,) + tuple(splits))  # store i's programs: splits [offsets[i], offsets[i + 1])
   blocks = tuple(range(head_dim // 64))  # a segment's channel blocks of 64: one value product each
   f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
   array = lambda width: plgpu.ShapeDtypeStruct((TILE, width), f32, layout=wgmma_layout)
@@ -485,11 +485,11 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
       lambda ctx, q_rows, words: _build_q_fragments(q_rows, words, rows=rows, head_dim=head_dim))
   q_fragments = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=array(2 * q_words))(
       lambda ctx, ref: _q_fragments(ref, rows, head_dim))
-  key_logits = lambda tile: plgpu.inline_mgpu(
+  key_logits = lambda store, step, tile: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType(), wgmma_layout), return_type=array(rows))(
-          lambda ctx, c, m, qf: _key_logits(c, m, qf, tile=tile, step_tiles=step_tiles, bits=store.k_bits,
+          lambda ctx, c, m, qf: _key_logits(c, m, qf, tile=tile, step_tiles=step, bits=store.k_bits,
                                             head_dim=head_dim, group=store.k_group, rows=rows))
-  value_accumulate = lambda tile: plgpu.inline_mgpu(
+  value_accumulate = lambda store, tile: plgpu.inline_mgpu(
       arg_types=(plgpu.RefType(), plgpu.RefType(), wgmma_layout, wgmma_layout), return_type=array(o_width))(
           lambda ctx, c, m, p, o: _value_accumulate(c, m, p, o, tile=tile, bits=store.v_bits, head_dim=head_dim,
                                                     group=store.v_group, rows=rows))
@@ -532,69 +532,127 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
     o_alpha = widen(along_tokens(alpha))  # o's padded columns stay 0
     return pl.run_state(products)(tuple(plgpu.ACC.init(o * o_alpha) for o in o_blocks))
 
-  def kernel(layer_ref, length_ref, q_ref, kc_ref, km_ref, vc_ref, vm_ref, *refs, qr_smem, q_smem, o_smem, l_smem,
-             m_smem, q_barrier, cs_smem=None, cs_barrier=None, sq_smem=None, sp_smem=None, sq_barrier=None,
-             pw_smem=None, mx_smem=None):
+  def kernel(layer_ref, q_ref, *refs, qr_smem, q_smem, o_smem, l_smem, m_smem, q_barrier, sq_smem=None,
+             sp_smem=None, sq_barrier=None, pw_smem=None, mx_smem=None, **scale_scratch):
     store_weights = columns is not None
     pw_ref, mx_ref = refs[-2:] if store_weights else (None, None)
     *refs, o_ref, l_ref, m_ref = refs[:len(refs) - 2 * store_weights]
-    n_holes, n_scale = int(holes is not None), int(channel_scale is not None)
-    hole_refs, scale_refs = refs[:n_holes], refs[n_holes:n_holes + n_scale]
-    segment_refs = refs[n_holes + n_scale:]  # q, k, v, allowed (with a segment)
+    store_refs = [refs[int(offset):int(offset) + len(inputs)] for offset, inputs in
+                  zip(np.cumsum([0] + [len(inputs) for inputs in store_inputs]), store_inputs)]
+    segment_refs = refs[sum(map(len, store_inputs)):]  # q, k, v, allowed (with a segment)
     h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
     at = jnp.clip(layer_ref[0], 0, num_layers - 1)
-    seq_len = jnp.clip(length_ref[b], 0, store.capacity)
-    first = split * tiles
-    has_store = first * TILE < seq_len  # a split wholly past the length reads nothing of the store
-    # The pipeline's step count is static: steps past the length fetch the split's last block with a token again
-    # (from L2, not DRAM) and skip their products, so a cache filled to a fraction of its capacity reads and
-    # computes about that fraction. (A step count that stops at the length held 10 more registers in round 11's
-    # kernel: 178 against 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
-    last = (jnp.minimum(seq_len - first * TILE, tiles * TILE) - 1) // step_tokens
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    init = (zeros((TILE, o_width)), plgpu.layout_cast(jnp.full((TILE, rows), M_FLOOR, f32), wgmma_layout),
+            zeros((TILE, rows)))
 
-    def body(index, *refs_and_carry):
-      *step_refs, carry = refs_and_carry
-      return lax.cond(index[0] <= last, functools.partial(attend, index, *step_refs), lambda c: c, carry)
+    def read_store(i):
+      """Store i's share of this program's split: its partial merged into o_smem, and (m, l)."""
+      store, step_tiles_i = stores[i], step_tiles[i]
+      length_ref, kc_ref, km_ref, vc_ref, vm_ref, *extra = store_refs[i]
+      hole_refs, scale_refs = extra[:int(store.valid is not None)], extra[int(store.valid is not None):]
+      cs_smem, cs_barrier = scale_scratch.get(f"cs_smem_{i}"), scale_scratch.get(f"cs_barrier_{i}")
+      # Per program, whole steps: no step reaches into the next split's tiles; the last split's may reach past
+      # the capacity (TMA fills zeros) and a step past the length: their tokens are masked by the length.
+      tiles = split_tiles(store, splits[i], step_tiles_i)
+      step_tokens = TILE * step_tiles_i
+      k_groups = max(1, step_tokens // store.k_group)  # key groups a step's scale block holds (1 when G >= step)
+      seq_len = jnp.clip(length_ref[b], 0, store.capacity)
+      first = (split - int(offsets[i])) * tiles
+      has_store = first * TILE < seq_len  # a split wholly past the length reads nothing of the store
+      # The pipeline's step count is static: steps past the length fetch the split's last block with a token
+      # again (from L2, not DRAM) and skip their products, so a cache filled to a fraction of its capacity reads
+      # and computes about that fraction. (A step count that stops at the length held 10 more registers in round
+      # 11's kernel: 178 against 168 for KIVI-2 on an H100, 2 programs per SM instead of 3.)
+      last = (jnp.minimum(seq_len - first * TILE, tiles * TILE) - 1) // step_tokens
 
-    def attend(index, kc, km, vc, vm, *hole_and_carry):
-      # A step is ``step_tiles`` tiles and one softmax update over all their tokens, each warp over its own 16
-      # tokens of each tile: its own running max and sum per row and its own o, so no step waits on another warp.
-      *hole_tiles, (o, m_run, l_run) = hole_and_carry
+      def body(index, *refs_and_carry):
+        *step_refs, carry = refs_and_carry
+        return lax.cond(index[0] <= last, functools.partial(attend, index, *step_refs), lambda c: c, carry)
 
-      @pl.when(index[0] == 0)
-      def _():  # q was issued before the pipeline's first loads; its latency overlaps theirs
-        plgpu.barrier_wait(q_barrier)
-        build_q_fragments(qr_smem, q_smem)
+      def attend(index, kc, km, vc, vm, *hole_and_carry):
+        # A step is ``step_tiles`` tiles and one softmax update over all their tokens, each warp over its own 16
+        # tokens of each tile: its own running max and sum per row and its own o, so no step waits on another
+        # warp.
+        *hole_tiles, (o, m_run, l_run) = hole_and_carry
 
-      q_frags = q_fragments(q_smem)
-      logits = [key_logits(t)(kc, km, q_frags) for t in range(step_tiles)]
-      row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=wgmma_layout)
-      step_start = (first + index[0] * step_tiles) * TILE
-      valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles)]
-      for hole_tile in hole_tiles:  # the slot bytes of the thread's tokens, along its logits' columns
-        valid = [v & (lax.broadcast_in_dim(_load(hole_tile.at[t], layout=wgmma_layout.reduce(1),
-                                                 optimized=False), (TILE, rows), [0]) != 0)
-                 for t, v in enumerate(valid)]
-      s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
-      m_next = jnp.maximum(m_run, warp_column_max(functools.reduce(jnp.maximum, s)))
-      alpha = jnp.exp2(m_run - m_next)
-      p = [jnp.exp2(x - m_next) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
-      l_run = l_run * alpha + functools.reduce(jnp.add, p)  # summed over the warp's tokens after the loop
-      p16 = [x.astype(META_DTYPE) for x in p]
-      if store_weights:  # into one of two slots, once the copy out of the step before last has read it
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        pw_slot, mx_slot = pw_smem.at[index[0] % 2], mx_smem.at[index[0] % 2]
-        for t in range(step_tiles):
-          store_columns(pw_slot.at[t], p16[t])
-        store_maxima(mx_slot, m_next)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(pw_slot, pw_ref.at[b, h, pl.ds(first + index[0] * step_tiles, step_tiles)],
-                                commit_group=False)
-        plgpu.copy_smem_to_gmem(mx_slot, mx_ref.at[b, h, first // step_tiles + index[0]])
-      o = o * along_o(alpha)
-      for t in range(step_tiles):
-        o = value_accumulate(t)(vc, vm, p16[t], o)
-      return o, m_next, l_run
+        @pl.when(index[0] == 0)
+        def _():  # q was issued before the pipeline's first loads; its latency overlaps theirs
+          plgpu.barrier_wait(q_barrier)
+          build_q_fragments(qr_smem, q_smem)
+
+        q_frags = q_fragments(q_smem)
+        logits = [key_logits(store, step_tiles_i, t)(kc, km, q_frags) for t in range(step_tiles_i)]
+        row = plgpu.broadcasted_iota(jnp.int32, (TILE, rows), 0, layout=wgmma_layout)
+        step_start = (first + index[0] * step_tiles_i) * TILE
+        valid = [row + (step_start + TILE * t) < seq_len for t in range(step_tiles_i)]
+        for hole_tile in hole_tiles:  # the slot bytes of the thread's tokens, along its logits' columns
+          valid = [v & (lax.broadcast_in_dim(_load(hole_tile.at[t], layout=wgmma_layout.reduce(1),
+                                                   optimized=False), (TILE, rows), [0]) != 0)
+                   for t, v in enumerate(valid)]
+        s = [jnp.where(v, x * scale_log2, MASK_VALUE) for v, x in zip(valid, logits)]
+        m_next = jnp.maximum(m_run, warp_column_max(functools.reduce(jnp.maximum, s)))
+        alpha = jnp.exp2(m_run - m_next)
+        p = [jnp.exp2(x - m_next) for x in s]  # masked: exp2(MASK_VALUE - m_next) = 0 (M_FLOOR)
+        l_run = l_run * alpha + functools.reduce(jnp.add, p)  # summed over the warp's tokens after the loop
+        p16 = [x.astype(META_DTYPE) for x in p]
+        if store_weights:  # into one of two slots, once the copy out of the step before last has read it
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          pw_slot, mx_slot = pw_smem.at[index[0] % 2], mx_smem.at[index[0] % 2]
+          for t in range(step_tiles_i):
+            store_columns(pw_slot.at[t], p16[t])
+          store_maxima(mx_slot, m_next)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(pw_slot, pw_ref.at[b, h, pl.ds(first + index[0] * step_tiles_i, step_tiles_i)],
+                                  commit_group=False)
+          plgpu.copy_smem_to_gmem(mx_slot, mx_ref.at[b, h, first // step_tiles_i + index[0]])
+        o = o * along_o(alpha)
+        for t in range(step_tiles_i):
+          o = value_accumulate(store, t)(vc, vm, p16[t], o)
+        return o, m_next, l_run
+
+      k_codes, k_meta, v_codes, v_meta = store_inputs[i][1:5]
+      block = lambda j: first // step_tiles_i + jnp.minimum(j, last)  # a split starts on a step boundary
+      tile_block = lambda j: (block(j), 0, 0)
+      pipeline = plgpu.emit_pipeline(
+          body,
+          grid=(tiles // step_tiles_i,),
+          in_specs=[
+              plgpu.BlockSpec((step_tiles_i, *k_codes.shape[-2:]), tile_block),          # key codes
+              plgpu.BlockSpec((k_groups, *k_meta.shape[-2:]),                            # key scale pairs
+                              lambda j: (block(j) * step_tokens // store.k_group // k_groups, 0, 0)),
+              plgpu.BlockSpec((step_tiles_i, *v_codes.shape[-2:]), tile_block),          # value codes
+              plgpu.BlockSpec((step_tiles_i, *v_meta.shape[-2:]), tile_block),           # value scale pairs
+          ] + [plgpu.BlockSpec((step_tiles_i, TILE), lambda j: (block(j), 0))] * len(hole_refs),  # slot bytes
+          max_concurrent_steps=max_concurrent_steps,
+          init_carry=init)
+
+      @pl.when(has_store)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], qr_smem, q_barrier)
+      for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
+        plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
+      o, m_run, l_run = lax.cond(
+          has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
+                                      vm_ref.at[at, b, h],
+                                      *(r.at[0, b, h if r.shape[2] > 1 else 0] for r in hole_refs)),
+          lambda: init)
+      # The warps' partials merged: each weighted by exp2(its max - the program's), a split with no valid key
+      # giving (m, l, o) = (M_FLOOR, 0, 0), the empty partial; a value channel's scale multiplies the store's o.
+      m_all = m_run.max(axis=0)
+      weight = jnp.exp2(m_run - along_tokens(m_all))
+      if scale_refs:
+        plgpu.barrier_wait(cs_barrier)
+        sum_scaled_into(o_smem, o * along_o(weight), cs_smem)
+      else:
+        sum_into(o_smem, o * along_o(weight))
+      return m_all, (l_run * weight).sum(axis=0)
+
+    def read(i):  # the store of this program's split: its programs are splits [offsets[i], offsets[i + 1])
+      if i == len(stores) - 1:
+        return read_store(i)
+      return lax.cond(split < int(offsets[i + 1]), lambda: read_store(i), lambda: read(i + 1))
+    m_all, l_all = read(0)
 
     def attend_segment(index, k_tile, v_tile, allowed, carry):
       # A tile of the segment's 64 tokens: both products read their A operand from shared memory (the values
@@ -621,44 +679,6 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
         plgpu.wgmma_wait(0)
       return (*rescaled(o_blocks, alpha, pv), m_next, l_run)
 
-    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
-    init = (zeros((TILE, o_width)), plgpu.layout_cast(jnp.full((TILE, rows), M_FLOOR, f32), wgmma_layout),
-            zeros((TILE, rows)))
-    block = lambda i: first // step_tiles + jnp.minimum(i, last)  # a split starts on a step boundary
-    tile_block = lambda i: (block(i), 0, 0)
-    pipeline = plgpu.emit_pipeline(
-        body,
-        grid=(tiles // step_tiles,),
-        in_specs=[
-            plgpu.BlockSpec((step_tiles, *k_codes.shape[-2:]), tile_block),            # key codes
-            plgpu.BlockSpec((k_groups, *k_meta.shape[-2:]),                            # key scale pairs
-                            lambda i: (block(i) * step_tokens // store.k_group // k_groups, 0, 0)),
-            plgpu.BlockSpec((step_tiles, *v_codes.shape[-2:]), tile_block),            # value codes
-            plgpu.BlockSpec((step_tiles, *v_meta.shape[-2:]), tile_block),             # value scale pairs
-        ] + [plgpu.BlockSpec((step_tiles, TILE), lambda i: (block(i), 0))] * (holes is not None),  # slot bytes (holes)
-        max_concurrent_steps=max_concurrent_steps,
-        init_carry=init)
-
-    @pl.when(has_store)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, h], qr_smem, q_barrier)
-    for cs_ref in scale_refs:  # issued before the pipeline: its latency hides under the store's
-      plgpu.copy_gmem_to_smem(cs_ref.at[at, b, h], cs_smem, cs_barrier)
-    o, m_run, l_run = lax.cond(
-        has_store, lambda: pipeline(kc_ref.at[at, b, h], km_ref.at[at, b, h], vc_ref.at[at, b, h],
-                                    vm_ref.at[at, b, h],
-                                    *(r.at[0, b, h if r.shape[2] > 1 else 0] for r in hole_refs)),
-        lambda: init)
-    # The warps' partials merged: each weighted by exp2(its max - the program's), a split with no valid key
-    # giving (m, l, o) = (M_FLOOR, 0, 0), the empty partial; a value channel's scale multiplies the store's o.
-    m_all = m_run.max(axis=0)
-    weight = jnp.exp2(m_run - along_tokens(m_all))
-    if scale_refs:
-      plgpu.barrier_wait(cs_barrier)
-      sum_scaled_into(o_smem, o * along_o(weight), cs_smem)
-    else:
-      sum_into(o_smem, o * along_o(weight))
-    l_all = (l_run * weight).sum(axis=0)
     if segment is not None:  # the last split's program continues the softmax over the segment's tokens
       sq_ref, sk_ref, sv_ref, sa_ref = segment_refs
       segment_tiles = (sa_ref.shape[2] - 8) // TILE
@@ -690,7 +710,7 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
         for i, o_block in enumerate(o_blocks):  # the value product's padded columns are not written
           o_smem[pl.ds(64 * i, 64), :] = o_block[:, :rows] if rows < ROWS else o_block
         return m_next, l_next.sum(axis=0)
-      m_all, l_all = lax.cond(split == splits - 1, with_segment, lambda: (m_all, l_all))
+      m_all, l_all = lax.cond(split == int(offsets[-1]) - 1, with_segment, lambda: (m_all, l_all))
     l_smem[...] = l_all
     m_smem[...] = m_all
     plgpu.commit_smem()
@@ -699,12 +719,14 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
     plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, split])
     plgpu.wait_smem_to_gmem(0)
 
-  out_type = (jax.ShapeDtypeStruct((batch, kv_heads, splits, head_dim, rows), jnp.float32),
-              jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-              jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
-  if columns is not None:
-    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles, TILE * columns[1] // 128, 128), META_DTYPE),
-                 jax.ShapeDtypeStruct((batch, kv_heads, splits * tiles // step_tiles, 4, columns[1]), jnp.float32))
+  programs = int(offsets[-1])
+  out_type = (jax.ShapeDtypeStruct((batch, kv_heads, programs, head_dim, rows), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, programs, rows), jnp.float32),
+              jax.ShapeDtypeStruct((batch, kv_heads, programs, rows), jnp.float32))
+  if columns is not None:  # one store
+    tiles = programs * split_tiles(stores[0], splits[0], step_tiles[0])
+    out_type += (jax.ShapeDtypeStruct((batch, kv_heads, tiles, TILE * columns[1] // 128, 128), META_DTYPE),
+                 jax.ShapeDtypeStruct((batch, kv_heads, tiles // step_tiles[0], 4, columns[1]), jnp.float32))
   scratch = dict(
       qr_smem=plgpu.SMEM((n_rows, head_dim), q.dtype),
       q_smem=plgpu.SMEM((q_words // 4, 128), jnp.uint32),
@@ -713,12 +735,13 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
       m_smem=plgpu.SMEM((rows,), jnp.float32),
       q_barrier=plgpu.Barrier(),
   )
-  inputs = (layer, length, q, k_codes, k_meta, v_codes, v_meta)
-  inputs += tuple(x for x in (holes, channel_scale) if x is not None)
-  if channel_scale is not None:
-    scratch.update(cs_smem=plgpu.SMEM((head_dim,), channel_scale.dtype), cs_barrier=plgpu.Barrier())
+  inputs = (layer, q) + tuple(x for arrays in store_inputs for x in arrays)
+  for i, store in enumerate(stores):
+    if store.v_channel_scale is not None:
+      scratch.update({f"cs_smem_{i}": plgpu.SMEM((head_dim,), store.v_channel_scale.dtype),
+                      f"cs_barrier_{i}": plgpu.Barrier()})
   if columns is not None:
-    scratch.update(pw_smem=plgpu.SMEM((2, step_tiles, TILE * columns[1] // 128, 128), META_DTYPE),
+    scratch.update(pw_smem=plgpu.SMEM((2, step_tiles[0], TILE * columns[1] // 128, 128), META_DTYPE),
                    mx_smem=plgpu.SMEM((2, 4, columns[1]), jnp.float32))
   if segment is not None:
     segment_dtype = segment[0].dtype
@@ -730,7 +753,7 @@ def _partials(layer, length, q, store: MmaStore, segment, *, rows, sm_scale, spl
   return plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(kv_heads, batch, splits),
+      grid=(kv_heads, batch, programs),
       grid_names=("h", "b", "s"),
       scratch_types=scratch,
       # Pallas's barriers around shared-memory stores and TMA copies stay: by reading none is needed, but dropping
@@ -773,6 +796,28 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
 
+# A tile's time by code width, relative to 2 bits: the kernel alone at B = 8, L = 32768 on an H100 took 76.6 µs
+# for KIVI-2, 116.2 for KIVI-4 and 75.7 for SpeCache's 1-bit store (rounds 19 and 22 traces: the unpack costs per
+# code, not per bit).
+TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5}
+
+
+def pool_splits(stores, step_tiles, stages: int = STAGES, sm_count: Optional[int] = None, segment: bool = False,
+                segment_depth: Optional[int] = None) -> tuple[int, ...]:
+  """Splits of each of several stores read in one launch (``mgpu_decode_partial`` with a tuple of stores): the
+  programs that run at once (as ``default_splits`` counts them, by the largest program's shared memory) shared
+  in proportion to each store's tiles times a tile's time at its widths (``TILE_COST``), at least one each and at
+  most one per step (or key group)."""
+  batch, kv_heads = stores[0].k_codes.shape[1:3]
+  largest = max(shared_memory_bytes(store, step, stages, segment, segment_depth or 1)
+                for store, step in zip(stores, step_tiles))
+  slots = (sm_count or _sm_count()) * max(1, min(PROGRAMS_PER_SM, SHARED_PER_SM // (largest + 1024)))
+  per_head = max(len(stores), slots // (batch * kv_heads))
+  work = [store.k_codes.shape[3] * (TILE_COST[store.k_bits] + TILE_COST[store.v_bits]) for store in stores]
+  return tuple(min(max(1, round(per_head * w / sum(work))), -(-store.k_codes.shape[3] // _split_unit(store, step)))
+               for store, w, step in zip(stores, work, step_tiles))
+
+
 def default_segment_depth(store: MmaStore, step_tiles: int, stages: int = STAGES) -> int:
   """The slots of a segment's pipeline by default: one where that lets more programs share an SM than two slots
   do (a segment of KIVI's window is two or three tiles, so the second slot hides little), else two."""
@@ -799,18 +844,21 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
   return max(stages * step, segment_depth * segment_slot) + fixed + (ROWS * head_dim + TILE * ROWS) * 2
 
 
-def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False) -> int:
+def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = False, per_sm: int = 2) -> int:
   """The largest step of 4, 2 or 1 tiles no larger than the tile count that, ``stages`` deep, lets two programs
   share an SM (half of a Hopper SM's 228 KB of shared memory, less 1 KB reserved per block; where a third fits too,
   ``default_splits`` counts on it): one program per SM leaves the loads' latency uncovered (KIVI-2, 4
   tiles in 4 stages, 116 KB: 162 µs at B = 8, L = 32768 against 124 in 3 stages). The step need not divide the
   tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
   be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1).
-  ``segment``: a segment joins the store (``shared_memory_bytes``)."""
+  ``segment``: a segment joins the store (``shared_memory_bytes``). ``per_sm``: the programs that must fit an SM
+  (several stores in one launch ask for ``PROGRAMS_PER_SM``: their programs share one shared-memory size)."""
   tiles = store.k_codes.shape[3]
-  budget = SHARED_PER_SM // 2 - 1024
+  budget = SHARED_PER_SM // per_sm - 1024
   steps = [step for step in (4, 2, 1) if step <= tiles]
-  return next((step for step in steps if shared_memory_bytes(store, step, stages, segment) <= budget), steps[-1])
+  depth = 1 if per_sm > 2 else 2  # a segment's slots (two do not fit three programs whatever the step)
+  return next((step for step in steps if shared_memory_bytes(store, step, stages, segment, depth) <= budget),
+              steps[-1])
 
 
 def reads_segment(k, v) -> bool:
@@ -848,6 +896,21 @@ def _padded_rows(q, rows, dtype):
   batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
   return jnp.zeros((batch, kv_heads, rows, head_dim), dtype).at[:, :, :t_rows * q_per_kv].set(
       q.reshape(batch, kv_heads, t_rows * q_per_kv, head_dim).astype(dtype))
+
+
+def _check_store(store: MmaStore, batch: int, kv_heads: int, head_dim: int):
+  """One-line errors for a store that does not fit q's [B, Hkv] and D."""
+  if store.k_codes.shape[1:3] != (batch, kv_heads):
+    raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q is for {[batch, kv_heads]}")
+  if store.valid is not None and (store.valid.ndim not in (3, 4) or store.valid.shape[-3] != batch
+                                  or store.valid.shape[-2] not in (1, kv_heads)
+                                  or store.valid.shape[-1] != store.capacity):
+    raise ValueError(f"store holes {store.valid.shape} do not fit [L, B, Hkv or 1, C] or [B, Hkv or 1, C] with "
+                     f"[B, Hkv, C] = {[batch, kv_heads, store.capacity]}")
+  if store.v_channel_scale is not None and (store.v_channel_scale.ndim != 4
+                                            or store.v_channel_scale.shape[1:] != (batch, kv_heads, head_dim)):
+    raise ValueError(f"value channel scale {store.v_channel_scale.shape} does not fit [L, B, Hkv, D] with "
+                     f"[B, Hkv, D] = {[batch, kv_heads, head_dim]}")
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "splits", "step_tiles", "max_concurrent_steps",
@@ -902,36 +965,42 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     raise ValueError(f"mgpu_decode_attention takes T * g <= {ROWS} query rows per KV head, got {n_rows}")
   if not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(f"q is {q.dtype}: the products take it in 16-bit floating point")
-  if store.k_codes.shape[1:3] != (batch, kv_heads):
-    raise ValueError(f"store is for [B, Hkv] = {list(store.k_codes.shape[1:3])}, q {q.shape}")
-  if store.valid is not None and (store.valid.ndim not in (3, 4) or store.valid.shape[-3] != batch
-                                  or store.valid.shape[-2] not in (1, kv_heads)
-                                  or store.valid.shape[-1] != store.capacity):
-    raise ValueError(f"store holes {store.valid.shape} do not fit [L, B, Hkv or 1, C] or [B, Hkv or 1, C] with "
-                     f"[B, Hkv, C] = {[batch, kv_heads, store.capacity]}")
-  if store.v_channel_scale is not None and (store.v_channel_scale.ndim != 4
-                                            or store.v_channel_scale.shape[1:] != (batch, kv_heads, head_dim)):
-    raise ValueError(f"value channel scale {store.v_channel_scale.shape} does not fit [L, B, Hkv, D] with "
-                     f"[B, Hkv, D] = {[batch, kv_heads, head_dim]}")
-  tiles = store.k_codes.shape[3]
+  stores = tuple(store) if isinstance(store, (tuple, list)) else (store,)
+  for store in stores:
+    _check_store(store, batch, kv_heads, head_dim)
+  if len({store.k_codes.shape[0] for store in stores}) > 1:
+    raise ValueError(f"stores of {[store.k_codes.shape[0] for store in stores]} layers: one layer count")
+  if logit_rows and len(stores) > 1:
+    raise ValueError("logit_rows takes one store")
+  if len(stores) > 1 and splits is not None:
+    raise ValueError("several stores take their splits by default (splits=None)")
   if max_concurrent_steps < 1:
     raise ValueError(f"max_concurrent_steps={max_concurrent_steps} must be at least 1")
   if step_tiles is not None and step_tiles < 1:
     raise ValueError(f"step_tiles={step_tiles} must be at least 1")
   if segment is not None and segment[0].shape[-2] == 0:
     segment = None
-  step_tiles = step_tiles or default_step_tiles(store, max_concurrent_steps, segment is not None)
+  per_sm = PROGRAMS_PER_SM if len(stores) > 1 else 2
+  steps = tuple(step_tiles or default_step_tiles(store, max_concurrent_steps, segment is not None, per_sm)
+                for store in stores)
   if segment_depth not in (None, 1, 2):
     raise ValueError(f"segment_depth={segment_depth} must be 1 or 2")
-  segment_depth = segment_depth or default_segment_depth(store, step_tiles, max_concurrent_steps)
-  most = -(-tiles // _split_unit(store, step_tiles))
-  if splits is None:
-    splits = default_splits(store, step_tiles, max_concurrent_steps, segment=segment is not None,
-                            segment_depth=segment_depth)
-  elif not 1 <= splits <= most:
-    raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {step_tiles} tiles of "
-                     f"{TILE} tokens and whole key groups of {store.k_group}")
-  splits = -(-tiles // split_tiles(store, splits, step_tiles))  # those that cover the capacity
+  segment_depth = segment_depth or min(default_segment_depth(store, step, max_concurrent_steps)
+                                       for store, step in zip(stores, steps))
+  if len(stores) > 1:
+    counts = pool_splits(stores, steps, max_concurrent_steps, segment=segment is not None,
+                         segment_depth=segment_depth)
+  elif splits is None:
+    counts = (default_splits(stores[0], steps[0], max_concurrent_steps, segment=segment is not None,
+                             segment_depth=segment_depth),)
+  else:
+    most = -(-stores[0].k_codes.shape[3] // _split_unit(stores[0], steps[0]))
+    if not 1 <= splits <= most:
+      raise ValueError(f"splits={splits} must be from 1 to {most}: a split holds whole steps of {steps[0]} tiles "
+                       f"of {TILE} tokens and whole key groups of {stores[0].k_group}")
+    counts = (splits,)
+  counts = tuple(-(-store.k_codes.shape[3] // split_tiles(store, count, step))  # those that cover the capacity
+                 for store, count, step in zip(stores, counts, steps))
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   # Layer, lengths and q go in as they come (clamped, padded and rounded in the kernel): each small op around the
   # kernel is a launch of its own, a microsecond or two.
@@ -943,10 +1012,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   if segment is not None:
     segment = _segment_inputs(q, segment, rows)
   columns = logit_columns(t_rows, q_per_kv, logit_rows, rows)
-  o, l, m, *weights = _partials(layer, store.length.astype(jnp.int32), q_rows, store, segment, rows=rows,
-                                sm_scale=sm_scale, splits=splits, step_tiles=step_tiles,
-                                max_concurrent_steps=max_concurrent_steps, segment_depth=segment_depth,
-                                columns=columns)
+  o, l, m, *weights = _partials(layer, q_rows, stores, segment, rows=rows, sm_scale=sm_scale, splits=counts,
+                                step_tiles=steps, max_concurrent_steps=max_concurrent_steps,
+                                segment_depth=segment_depth, columns=columns)
+  splits = sum(counts)
   # The splits' partials merged exactly in log2 units, split by split: elementwise, so that XLA fuses the merge
   # (and what follows it) into one kernel rather than a reduction per axis.
   split = lambda x, i: x[:, :, i]
@@ -961,10 +1030,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     if (np.diff(heads) == 1).all():  # a slice, not a gather
       heads = slice(int(heads[0]), int(heads[-1]) + 1)
     p, maxima = weights  # [B, Hkv, tiles * 64 count / 128, 128], [B, Hkv, steps, 4, count]
-    per_16 = jnp.broadcast_to(maxima[:, :, :, None], (batch, kv_heads, maxima.shape[2], step_tiles, 4, columns[1]))
+    per_16 = jnp.broadcast_to(maxima[:, :, :, None], (batch, kv_heads, maxima.shape[2], steps[0], 4, columns[1]))
     by_slot = lambda x, slots: jnp.moveaxis(x.reshape(batch, kv_heads, -1, columns[1])[:, :, :slots, heads], 2, 3
                                             ).reshape(batch, kv_heads, len(logit_rows), q_per_kv, slots)
-    out += ((by_slot(p, store.capacity), by_slot(per_16, store.capacity // 16) / LOG2E),)
+    out += ((by_slot(p, stores[0].capacity), by_slot(per_16, stores[0].capacity // 16) / LOG2E),)
   return out
 
 

@@ -19,9 +19,10 @@ import pytest
 from jkv_kernels import quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
-from jkv_kernels.mgpu_decode_attention import (available, default_segment_depth, default_splits, default_step_tiles,
-                                               logit_columns, mgpu_decode_attention, mgpu_decode_partial,
-                                               shared_memory_bytes, slot_probabilities, split_tiles)
+from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_segment_depth, default_splits,
+                                               default_step_tiles, logit_columns, mgpu_decode_attention,
+                                               mgpu_decode_partial, pool_splits, shared_memory_bytes,
+                                               slot_probabilities, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, field_plan, key_register_map, magic_half, pack_mma_store,
                                     quad_word_position, read_mma_store, read_mma_tiles, register_slots,
                                     value_register_map, word_positions)
@@ -334,6 +335,31 @@ def test_a_segment_lowers_into_the_same_kernel(k_bits, store_dtype, segment_dtyp
   assert text.count("custom_call @mosaic_gpu") == 1
 
 
+def test_pools_lower_into_one_kernel_and_share_the_programs():
+  """Two stores (4- and 2-bit, holes every head shares, a channel scale) and a segment lower to one Mosaic GPU
+  call; the programs that run at once go to the stores by their tiles times a tile's time at their widths;
+  slot weights and an explicit split count take one store."""
+  s = jax.ShapeDtypeStruct
+  pools = tuple(dataclasses.replace(_abstract_store(bits, bits, 32, 32, 128, jnp.float16, capacity=capacity),
+                                    valid=s((2, 1, capacity), jnp.bool_),
+                                    v_channel_scale=s((2, 2, 2, 128), jnp.float16))
+                for bits, capacity in ((4, 19712), (2, 13120)))
+  segment = (s((2, 2, 2, 100, 128), jnp.bfloat16),) * 2 + (s((2, 1, 100), jnp.bool_),)
+  q = s((2, 2, 1, 4, 128), jnp.bfloat16)
+  fn = jax.jit(lambda q, layer, stores, segment: mgpu_decode_attention(q, layer, stores, segment=segment))
+  text = fn.trace(q, s((), jnp.int32), pools, segment).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  steps = (2, 4)
+  splits = pool_splits(pools, steps, sm_count=132, segment=True, segment_depth=1)
+  work = [pool.k_codes.shape[3] * 2 * TILE_COST[pool.k_bits] for pool in pools]
+  assert sum(splits) <= 3 * 132 // 4 + 1 and splits[0] > splits[1] >= 1
+  assert abs(splits[0] / sum(splits) - work[0] / sum(work)) <= 0.5 / sum(splits) + 1e-9
+  with pytest.raises(ValueError, match="logit_rows takes one store"):
+    jax.jit(lambda q, stores: mgpu_decode_partial(q, 0, stores, logit_rows=(0,))).trace(q, pools)
+  with pytest.raises(ValueError, match="by default"):
+    jax.jit(lambda q, stores: mgpu_decode_partial(q, 0, stores, splits=2)).trace(q, pools)
+
+
 @pytest.mark.parametrize("k_bits,v_bits,k_group,v_group,head_dim,dtype", CONFIGS)
 @pytest.mark.parametrize("capacity", [32768, 320])
 @pytest.mark.parametrize("stages,segment", [(2, False), (4, False), (2, True)])
@@ -512,6 +538,35 @@ class TestMgpuDecodeAttentionGpu:
       o, o_ref, lse, lse_ref = (np.asarray(x, np.float64) for x in (o, o_ref, lse, lse_ref))
       assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
       np.testing.assert_allclose(lse, lse_ref, atol=0.05)
+
+  @pytest.mark.parametrize("with_segment", [False, True])
+  def test_pools_in_one_launch(self, with_segment):
+    """Two stores of other widths and lengths (ZipCache's pools: 4 and 2 bits, holes every head shares, one value
+    channel scale), read in one launch, each program its store's share (and the last one a segment): held to the
+    reference over both."""
+    kh, kc, kq, kk, kv, km = jax.random.split(jax.random.key(41), 6)
+    stores = [make_store(40 + bits, k_bits=bits, v_bits=bits, k_group=32, v_group=32, dtype=jnp.float16,
+                         capacity=capacity, lengths=lengths)
+              for bits, capacity, lengths in ((4, 1024, [1024, 700, 0]), (2, 640, [640, 0, 300]))]
+    scale = jax.random.uniform(kc, (2, 3, 2, 128), jnp.float32, 0.25, 4.0)
+    packed = []
+    for i, store in enumerate(stores):
+      valid = jax.random.bernoulli(jax.random.fold_in(kh, i), 0.9, (3, 1, store.capacity))
+      stores[i] = dataclasses.replace(store, valid=jnp.broadcast_to(valid, (3, 2, store.capacity)),
+                                      v_channel_scale=scale)
+      packed.append(dataclasses.replace(pack_mma_store(stores[i]), valid=valid))
+    q = jax.random.normal(kq, (3, 2, 1, 4, 128), jnp.bfloat16)
+    segments = ()
+    if with_segment:
+      segment_kv = lambda key: jax.random.normal(key, (2, 3, 2, 100, 128), jnp.bfloat16)
+      segments = ((segment_kv(kk), segment_kv(kv), jax.random.bernoulli(km, 0.7, (3, 1, 100))),)
+    for layer in (0, 1):
+      o, lse = mgpu_decode_attention(q, layer, tuple(packed), segment=segments[0] if segments else None,
+                                     return_lse=True)
+      o_ref, lse_ref = decode_attention_reference(q, layer, tuple(stores), segments, return_lse=True)
+      o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
+      assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
   @pytest.mark.parametrize("k_bits,dtype,step_tiles,holes,with_segment,segment_depth", [
       (2, jnp.float16, None, "stacked", False, None), (4, jnp.bfloat16, 1, "step", False, None),
