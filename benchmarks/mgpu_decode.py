@@ -140,7 +140,31 @@ def timing_inputs(shape: Shape, bits: int, seed: int, *, packed: bool = True, fi
   q = jax.random.normal(kq, (shape.batch, shape.kv_heads, 1, shape.q_per_kv, shape.head_dim), shape.dtype)
   s = store(ks, shape, k_bits=bits, v_bits=bits, k_group=32, v_group=32, meta_dtype=shape.dtype,
             lengths=[int(shape.seq_len * fill)] * shape.batch, from_data=False)
-  return q, (jax.block_until_ready(pack_mma_store(s)) if packed else s)
+  return q, (jax.block_until_ready(pack_in_slices(s)) if packed else s)
+
+
+_pack = jax.jit(pack_mma_store)
+
+
+def pack_in_slices(store: QuantizedStore, sequences: int = 8) -> MmaStore:
+  """``pack_mma_store`` compiled, ``sequences`` at a time where there are more: its unpacked codes take 4 bytes
+  each (8 GiB at B = 64, L = 32768, beside the inputs on an 80 GB card). Up to ``sequences`` op by op, as every
+  earlier round's inputs were made: ZipCache's call took 3.3 µs longer in one program on inputs packed by the
+  compiled function (same kernel, same values; benchmarks/README.md, round 25)."""
+  batch = store.length.shape[0]
+  if batch <= sequences:
+    return pack_mma_store(store)
+  batch_axis = lambda name, x: 0 if name == "length" else x.ndim - 3 if name == "valid" else 1
+  arrays = lambda s: {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if isinstance(getattr(s, f.name),
+                                                                                              jax.Array)}
+  cut = lambda start: dataclasses.replace(store, **{
+      name: lax.slice_in_dim(x, start, min(start + sequences, batch), axis=batch_axis(name, x))
+      for name, x in arrays(store).items()})
+  parts = [_pack(cut(start)) for start in range(0, batch, sequences)]
+  return dataclasses.replace(parts[0], **{
+      name: jnp.concatenate([arrays(part)[name] for part in parts], axis=batch_axis(name, x))
+      for name, x in arrays(parts[0]).items()})
+
 
 
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
@@ -155,8 +179,8 @@ def method_inputs(shape: Shape, name: str, seed: int, packed: bool):
   random codes and holes, every slot below the length), the stores MMA-packed or not."""
   q, _, stores, segments = layout_inputs(shape, METHOD_LAYOUTS[name], seed)
   if packed:  # holes every head shares (ZipCache's) go in once, as the method hands them over
-    stores = tuple(dataclasses.replace(pack_mma_store(store), valid=store.valid[..., :1, :])
-                   if pool.shared_holes else pack_mma_store(store)
+    stores = tuple(dataclasses.replace(pack_in_slices(store), valid=store.valid[..., :1, :])
+                   if pool.shared_holes else pack_in_slices(store)
                    for store, pool in zip(stores, METHOD_LAYOUTS[name].pools))
   return q, jax.block_until_ready(stores), segments
 WINDOW = 129  # KIVI's window at its defaults: R = 128 exact tokens and the newest (lambda = 1)

@@ -318,13 +318,20 @@ def _joined_segments(layer, segments):
   return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
 
 
+def _kernel_segment_mass(mask, rows, probabilities):
+  """[B, H, R, S]: a segment's token mass from the probabilities [B, H, R, g, S] of its slot weights, which are
+  unspecified where its mask [B, T, S] or [B, H, T, S] hides a token from a row."""
+  shown = (mask[:, None] if mask.ndim == 3 else mask)[:, :, rows][:, :, :, None, :]
+  return jnp.sum(jnp.where(shown, probabilities, 0.0), axis=3)
+
+
 def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
   """``decode_attention`` on a Hopper GPU: the tensor-core kernel over the MMA-packed stores (all in one launch, or one
   a launch where their slot weights are asked), with the longest segment it reads in place (KIVI's window; OTT's
   buffer and pools joined); the rest through the Triton kernel, one softmax merged exactly. Token mass: the stores'
-  from the slot weights the kernel writes out (of the mass rows alone, where the kernel can:
-  ``mgpu_decode_attention.logit_columns``), the segments' from a second pass over them in XLA (they are a few rows),
-  each against the merged lse."""
+  and the kernel's segment's from the slot weights the kernel writes out (of the mass rows alone, where the kernel
+  can: ``mgpu_decode_attention.logit_columns``), the other segments' from a second pass over them in XLA (they are
+  a few rows), each against the merged lse."""
   all_segments = segments
   if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)
@@ -337,6 +344,7 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   else:  # every store in one launch (ZipCache's pools)
     parts = [mgpu_decode_attention.mgpu_decode_partial(q, layer, mma_stores, segment=segment)]
   weights = [part[3] for part in parts] if rows and store_mass else []
+  segment_weights = parts[0][4] if rows and store_mass and segment is not None else None
   parts = [part[:3] for part in parts]
   segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
   if stores or segments:
@@ -350,8 +358,11 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
         jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :],
                           mgpu_decode_attention.slot_probabilities(slot_weights, lse_rows), 0.0), axis=3)
         for store, slot_weights in zip(mma_stores, weights))
-    of_segments = tuple(_token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows, matmul=False)
-                        for k, v, mask in all_segments)
+    of_segments = tuple(
+        _kernel_segment_mass(mask, rows, mgpu_decode_attention.slot_probabilities(segment_weights, lse_rows))
+        if i == fused and segment_weights is not None
+        else _token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows, matmul=False)
+        for i, (k, v, mask) in enumerate(all_segments))
     out += ((of_stores, of_segments),)
   return out if len(out) > 1 else out[0]
 

@@ -42,11 +42,14 @@ multiplies the store's part of o once, as the warps' partials are merged, before
 
 With ``logit_rows`` the kernel also writes out the store's slot weights of those query rows: p as the value
 product takes it (fp16) and each warp's running max per step, 2 bytes a slot and query head rather than a 4-byte
-logit (through two steps' slots of shared memory, TMA stores per step), from which
+logit (through two steps' slots of shared memory, TMA stores per step), and the segment's likewise, from which
 ``jkv.attention.decode_attention`` makes the token mass of SpeCache's top-k (``slot_probabilities``).
 
-Scope of this version: one store of 1-, 2- or 4-bit keys and values, at most one segment, D a multiple of 64,
-T * g <= 16.
+Several stores (ZipCache's pools, each of its own widths) go in one launch: each program reads one store's share,
+the programs shared among the stores by their tiles times a tile's time at each width (``pool_splits``).
+
+Scope of this version: stores of 1-, 2- or 4-bit keys and values (slot weights of one store), at most one
+segment, D a multiple of 64, T * g <= 16.
 ``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
 """
 
@@ -457,7 +460,9 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
   count) (``logit_columns``): also the store's slot weights of those columns, p = exp2(logit - m) as the value
   product takes it (fp16, [B, Hkv, S * tiles, 64 count / 128, 128]: each tile's [64, count] row-major), and the
   warps' maxima m of each step (fp32 log2 units, [B, Hkv, S * steps, 4, count]: warp w's, of tokens 16 w .. 16 w
-  + 15 of every tile of the step); steps the program skips, past the length, are not written."""
+  + 15 of every tile of the step); steps the program skips, past the length, are not written. With a segment too,
+  its tiles' the same way ([B, Hkv, n, 64 count / 128, 128] and [B, Hkv, n, 4, count], its row max in every warp's
+  row), written by the last split's program: row r of tile i is the segment's token 64 i + r - shift."""
   batch, kv_heads, n_rows, head_dim = q.shape
   num_layers = stores[0].k_codes.shape[0]
   if segment is not None:
@@ -535,8 +540,10 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
   def kernel(layer_ref, q_ref, *refs, qr_smem, q_smem, o_smem, l_smem, m_smem, q_barrier, sq_smem=None,
              sp_smem=None, sq_barrier=None, pw_smem=None, mx_smem=None, **scale_scratch):
     store_weights = columns is not None
-    pw_ref, mx_ref = refs[-2:] if store_weights else (None, None)
-    *refs, o_ref, l_ref, m_ref = refs[:len(refs) - 2 * store_weights]
+    segment_weights = store_weights and segment is not None
+    outputs = 2 * store_weights + 2 * segment_weights
+    pw_ref, mx_ref, *segment_weight_refs = refs[len(refs) - outputs:] if store_weights else (None, None)
+    *refs, o_ref, l_ref, m_ref = refs[:len(refs) - outputs]
     store_refs = [refs[int(offset):int(offset) + len(inputs)] for offset, inputs in
                   zip(np.cumsum([0] + [len(inputs) for inputs in store_inputs]), store_inputs)]
     segment_refs = refs[sum(map(len, store_inputs)):]  # q, k, v, allowed (with a segment)
@@ -671,7 +678,15 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
       ok = _load(allowed, layout=plgpu.Layout.WGMMA, optimized=False) != 0
       (p,), m_next, l_run, alpha = softmax_update([jnp.where(ok, logits * scale_log2, MASK_VALUE)], m_run, l_run)
       sp_smem[...] = widen(p.astype(sp_smem.dtype))
+      if segment_weights:  # the tile's slot weights as the store's (a few tiles: each waits for the last's copy)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store_columns(pw_smem.at[0, 0], p.astype(META_DTYPE))
+        store_maxima(mx_smem.at[0], along_tokens(m_next))
       plgpu.commit_smem()
+      if segment_weights:
+        spw_ref, smx_ref = segment_weight_refs
+        plgpu.copy_smem_to_gmem(pw_smem.at[0, 0], spw_ref.at[b, h, index[0]], commit_group=False)
+        plgpu.copy_smem_to_gmem(mx_smem.at[0], smx_ref.at[b, h, index[0]])
 
       def pv(acc_refs):
         for m in blocks:
@@ -727,6 +742,11 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
     tiles = programs * split_tiles(stores[0], splits[0], step_tiles[0])
     out_type += (jax.ShapeDtypeStruct((batch, kv_heads, tiles, TILE * columns[1] // 128, 128), META_DTYPE),
                  jax.ShapeDtypeStruct((batch, kv_heads, tiles // step_tiles[0], 4, columns[1]), jnp.float32))
+    if segment is not None:  # the segment's tiles', likewise (its max is the same in every warp)
+      segment_tiles = (segment[3].shape[2] - 8) // TILE
+      out_type += (
+          jax.ShapeDtypeStruct((batch, kv_heads, segment_tiles, TILE * columns[1] // 128, 128), META_DTYPE),
+          jax.ShapeDtypeStruct((batch, kv_heads, segment_tiles, 4, columns[1]), jnp.float32))
   scratch = dict(
       qr_smem=plgpu.SMEM((n_rows, head_dim), q.dtype),
       q_smem=plgpu.SMEM((q_words // 4, 128), jnp.uint32),
@@ -943,8 +963,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       tiles 312 µs in 2 stages, 353 in 3, 490 in 4; KIVI-4 434, 534, 532) and within 1% for KIVI-2 at B = 8,
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
     segment_depth: the slots of a segment's pipeline, 1 or 2. None: ``default_segment_depth``.
-    logit_rows: query rows t whose store slot weights it also returns (``slot_probabilities`` makes each slot's
-      probability of them: the token mass SpeCache's top-k reads), which the kernel writes out through shared
+    logit_rows: query rows t whose store slot weights (and the segment's) it also returns
+      (``slot_probabilities`` makes each slot's probability of them: the token mass SpeCache's top-k reads), which the kernel writes out through shared
       memory as it computes them: 2 bytes per slot, query head and row more traffic (only those rows' heads where
       they are one run of columns, ``logit_columns``, else every row's; the shared-memory budget of the defaults
       does not count its two steps' buffer).
@@ -955,7 +975,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     of those R rows, (p [B, Hkv, R, g, C] fp16, m [B, Hkv, R, g, C / 16] float32, natural-log units): the logit
     sm_scale * q . k of slot c is m[c // 16] + log p[c] (p is the softmax's weight of the slot against the
     running max m of its 16 slots, rounded as the value product takes it); unspecified at the slots that are
-    not keys (at and past the length, and holes).
+    not keys (at and past the length, and holes). With a segment too, its tokens' likewise: (p [B, Hkv, R, g, W]
+    fp16, m [B, Hkv, R, g, W] float32), m the running max of token w's tile, p rounded to fp16 (the segment's
+    own value product takes it in the segment's type); unspecified at the tokens the mask hides.
   """
   if not available():
     raise RuntimeError("mgpu_decode_attention needs jax's Mosaic GPU API (jax >= 0.11)")
@@ -1029,20 +1051,29 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     heads = np.array([t * q_per_kv + j for t in logit_rows for j in range(q_per_kv)]) - columns[0]
     if (np.diff(heads) == 1).all():  # a slice, not a gather
       heads = slice(int(heads[0]), int(heads[-1]) + 1)
-    p, maxima = weights  # [B, Hkv, tiles * 64 count / 128, 128], [B, Hkv, steps, 4, count]
+    p, maxima = weights[:2]  # [B, Hkv, tiles * 64 count / 128, 128], [B, Hkv, steps, 4, count]
     per_16 = jnp.broadcast_to(maxima[:, :, :, None], (batch, kv_heads, maxima.shape[2], steps[0], 4, columns[1]))
-    by_slot = lambda x, slots: jnp.moveaxis(x.reshape(batch, kv_heads, -1, columns[1])[:, :, :slots, heads], 2, 3
-                                            ).reshape(batch, kv_heads, len(logit_rows), q_per_kv, slots)
-    out += ((by_slot(p, stores[0].capacity), by_slot(per_16, stores[0].capacity // 16) / LOG2E),)
+    by_slot = lambda x: jnp.moveaxis(x[..., heads], 2, 3).reshape(*x.shape[:2], len(logit_rows), q_per_kv, -1)
+    slots = lambda x, n: x.reshape(batch, kv_heads, -1, columns[1])[:, :, :n]
+    out += ((by_slot(slots(p, stores[0].capacity)), by_slot(slots(per_16, stores[0].capacity // 16)) / LOG2E),)
+    if segment is not None:  # token w of the segment is row w + shift of its tiles (``_partials``)
+      p, maxima = weights[2:]  # [B, Hkv, n * 64 count / 128, 128], [B, Hkv, n, 4, count]
+      segment_layers, _, _, width, _ = segment[1].shape
+      at = jnp.minimum(jnp.clip(layer[0], 0, stores[0].k_codes.shape[0] - 1), segment_layers - 1)
+      first_row = ((at * batch + np.arange(batch)[:, None]) * kv_heads + np.arange(kv_heads)) * width
+      row = (first_row % 8)[..., None, None] + np.arange(width)[:, None]  # [B, Hkv, W, 1]
+      p = jnp.take_along_axis(slots(p, None), row, axis=2)
+      maxima = jnp.take_along_axis(maxima[:, :, :, 0], row // TILE, axis=2)
+      out += ((by_slot(p), by_slot(maxima) / LOG2E),)
   return out
 
 
 def slot_probabilities(weights, lse):
   """exp(logit - lse) of every slot of ``mgpu_decode_partial``'s slot weights (p [B, Hkv, R, g, C], m [B, Hkv, R,
-  g, C / 16]) against the log-sum-exp lse [B, Hkv, R, g] of their rows: [B, Hkv, R, g, C] float32, unspecified at
+  g, C / 16], or a segment's, m [B, Hkv, R, g, W]) against the log-sum-exp lse [B, Hkv, R, g] of their rows: [B, Hkv, R, g, C] float32, unspecified at
   the slots that are not keys. p exp(m - lse): m is at most a max of the row's logits, so nothing overflows."""
   p, m = weights
-  return p.astype(jnp.float32) * jnp.repeat(jnp.exp(m - lse[..., None]), 16, axis=-1)
+  return p.astype(jnp.float32) * jnp.repeat(jnp.exp(m - lse[..., None]), p.shape[-1] // m.shape[-1], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",

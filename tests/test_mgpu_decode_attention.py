@@ -304,15 +304,24 @@ def test_logit_rows_outside_the_query_rows_are_refused():
     logit_columns(2, 4, (2,), 8)
 
 
-@pytest.mark.parametrize("t_rows,q_per_kv,logit_rows", [(2, 4, (1,)), (4, 4, (2, 3)), (3, 5, (1,))])
-def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows):
-  """The kernel that writes some rows' slot weights (a run of columns, or all of them) lowers to one Mosaic GPU
-  call."""
+@pytest.mark.parametrize("t_rows,q_per_kv,logit_rows,width", [(2, 4, (1,), None), (4, 4, (2, 3), None),
+                                                              (3, 5, (1,), None), (2, 4, (1,), 129)])
+def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows, width):
+  """The kernel that writes some rows' slot weights (a run of columns, or all of them; with a segment's, of
+  ``width`` tokens) lowers to one Mosaic GPU call, and returns weights of every slot and token."""
+  s = jax.ShapeDtypeStruct
   store = _abstract_store(1, 1, 32, 32, 128, jnp.bfloat16)
-  q = jax.ShapeDtypeStruct((2, 2, t_rows, q_per_kv, 128), jnp.bfloat16)
-  fn = jax.jit(lambda q, layer, store: mgpu_decode_partial(q, layer, store, logit_rows=logit_rows))
-  text = fn.trace(q, jax.ShapeDtypeStruct((), jnp.int32), store).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  segment = None if width is None else (s((2, 2, 2, width, 128), jnp.bfloat16), s((2, 2, 2, width, 128),
+                                                                                  jnp.bfloat16),
+                                        s((2, t_rows, width), jnp.bool_))
+  q = s((2, 2, t_rows, q_per_kv, 128), jnp.bfloat16)
+  fn = jax.jit(lambda q, layer, store, segment: mgpu_decode_partial(q, layer, store, segment=segment,
+                                                                    logit_rows=logit_rows))
+  traced = fn.trace(q, s((), jnp.int32), store, segment)
+  assert traced.lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 1
+  weights = jax.eval_shape(fn, q, s((), jnp.int32), store, segment)[3:]
+  want = [(2, 2, len(logit_rows), q_per_kv, n) for n in (1024, 1024 // 16) + (() if width is None else (width,) * 2)]
+  assert [x.shape for pair in weights for x in pair] == want
 
 
 @pytest.mark.parametrize("k_bits,store_dtype,segment_dtype,width,t_rows,q_per_kv,per_head,segment_depth,holes", [
@@ -639,6 +648,37 @@ class TestMgpuDecodeAttentionGpu:
       tolerance = want * np.expm1(bound) + probability * (2.0**-11 + 1e-6) + 2.0**-25 * of_16
     assert probability.shape == want.shape and weights[0].dtype == jnp.float16
     assert np.all(np.abs(probability - want)[keys] <= tolerance[keys])
+
+  @pytest.mark.parametrize("width,per_head,stacked,t_rows,logit_rows", [
+      (132, False, True, 2, (1,)),   # a window of 132 tokens a head: its rows start in the middle of a row of 8
+      (64, True, False, 2, (1,)),    # SpeCache's fetched rows: a mask per head
+      (72, False, True, 3, (2, 0))])  # every row's columns
+  def test_the_segment_slot_weights_it_writes_out(self, width, per_head, stacked, t_rows, logit_rows):
+    """With a segment and ``logit_rows``, its tokens' slot weights too: as each token's probability
+    (``slot_probabilities``) at every token the mask shows a row, against exp(sm_scale q . k - lse) in float64
+    with q rounded to the segment's type (as its key product takes it), within p's rounding to fp16; the store's
+    weights and the partials as without the segment's."""
+    store = make_store(34, k_bits=1, v_bits=1, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
+                       lengths=[1024, 947, 100])
+    kk, kv, km, kq = jax.random.split(jax.random.key(35), 4)
+    k = jax.random.normal(kk, (2, 3, 2, width, 128), jnp.bfloat16)
+    v = jax.random.normal(kv, (2, 3, 2, width, 128), jnp.bfloat16)
+    mask = jax.random.bernoulli(km, 0.7, (3, 2, t_rows, width) if per_head else (3, t_rows, width))
+    q = jax.random.normal(kq, (3, 2, t_rows, 4, 128), jnp.bfloat16)
+    segment = (k, v, mask) if stacked else (k[1], v[1], mask)
+    o, m, l, _, weights = mgpu_decode_partial(q, 1, pack_mma_store(store), segment=segment, logit_rows=logit_rows)
+    o_plain, m_plain, l_plain = mgpu_decode_partial(q, 1, pack_mma_store(store), segment=segment)
+    for got, want in ((o, o_plain), (m, m_plain), (l, l_plain)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    lse = (m + jnp.log(l))[:, :, list(logit_rows)]
+    probability = np.asarray(slot_probabilities(weights, lse), np.float64)
+    rows = np.asarray(q, np.float64)[:, :, list(logit_rows)]
+    want = np.exp(np.einsum("bhtgd,bhsd->bhtgs", rows, np.asarray(k[1], np.float64)) * 128**-0.5
+                  - np.asarray(lse, np.float64)[..., None])
+    shown = np.broadcast_to(np.asarray(mask if per_head else mask[:, None])[:, :, list(logit_rows), None],
+                            want.shape)
+    assert probability.shape == want.shape and weights[0].dtype == jnp.float16
+    np.testing.assert_allclose(probability[shown], want[shown], rtol=2.0**-11 + 1e-4, atol=1e-7)
 
   def test_splits_past_the_length_and_an_empty_sequence(self):
     """A split whose first token is at or past the length reads nothing; a sequence of length 0 gives o = 0 and
