@@ -166,7 +166,6 @@ def pack_in_slices(store: QuantizedStore, sequences: int = 8) -> MmaStore:
       for name, x in arrays(parts[0]).items()})
 
 
-
 IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
          "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1", "triton_specache1", "mgpu_zipcache",
          "triton_zipcache")

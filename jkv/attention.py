@@ -326,12 +326,12 @@ def _kernel_segment_mass(mask, rows, probabilities):
 
 
 def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
-  """``decode_attention`` on a Hopper GPU: the tensor-core kernel over the MMA-packed stores (all in one launch, or one
-  a launch where their slot weights are asked), with the longest segment it reads in place (KIVI's window; OTT's
-  buffer and pools joined); the rest through the Triton kernel, one softmax merged exactly. Token mass: the stores'
-  and the kernel's segment's from the slot weights the kernel writes out (of the mass rows alone, where the kernel
-  can: ``mgpu_decode_attention.logit_columns``), the other segments' from a second pass over them in XLA (they are
-  a few rows), each against the merged lse."""
+  """``decode_attention`` on a Hopper GPU: the tensor-core kernel over the MMA-packed stores (all in one launch, or
+  one a launch where their slot weights are asked), with the longest segment it reads in place (KIVI's window;
+  OTT's buffer and pools joined); the rest through the Triton kernel, one softmax merged exactly. Token mass: the
+  stores' and the kernel's segment's from the slot weights the kernel writes out (of the mass rows alone, where
+  the kernel can: ``mgpu_decode_attention.logit_columns``), the other segments' from a second pass over them in
+  XLA (they are a few rows), each against the merged lse."""
   all_segments = segments
   if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
     segments = _joined_segments(layer, segments)

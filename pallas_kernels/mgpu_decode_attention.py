@@ -964,10 +964,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       L = 32768 (125.0 against 123.5 µs in 3 stages; KIVI-4 there: 154 µs, 142 with 1 tile in 2 stages).
     segment_depth: the slots of a segment's pipeline, 1 or 2. None: ``default_segment_depth``.
     logit_rows: query rows t whose store slot weights (and the segment's) it also returns
-      (``slot_probabilities`` makes each slot's probability of them: the token mass SpeCache's top-k reads), which the kernel writes out through shared
-      memory as it computes them: 2 bytes per slot, query head and row more traffic (only those rows' heads where
-      they are one run of columns, ``logit_columns``, else every row's; the shared-memory budget of the defaults
-      does not count its two steps' buffer).
+      (``slot_probabilities`` makes each slot's probability of them: the token mass SpeCache's top-k reads),
+      which the kernel writes out through shared memory as it computes them: 2 bytes per slot, query head and row
+      more traffic (only those rows' heads where they are one run of columns, ``logit_columns``, else every
+      row's; the shared-memory budget of the defaults does not count its two steps' buffer).
 
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
@@ -1070,8 +1070,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
 
 def slot_probabilities(weights, lse):
   """exp(logit - lse) of every slot of ``mgpu_decode_partial``'s slot weights (p [B, Hkv, R, g, C], m [B, Hkv, R,
-  g, C / 16], or a segment's, m [B, Hkv, R, g, W]) against the log-sum-exp lse [B, Hkv, R, g] of their rows: [B, Hkv, R, g, C] float32, unspecified at
-  the slots that are not keys. p exp(m - lse): m is at most a max of the row's logits, so nothing overflows."""
+  g, C / 16]; or a segment's, p and m [B, Hkv, R, g, W]) against the log-sum-exp lse [B, Hkv, R, g] of their
+  rows: [B, Hkv, R, g, C or W] float32, unspecified at the slots that are not keys. p exp(m - lse): m is at most
+  a max of the row's logits, so nothing overflows."""
   p, m = weights
   return p.astype(jnp.float32) * jnp.repeat(jnp.exp(m - lse[..., None]), p.shape[-1] // m.shape[-1], axis=-1)
 
