@@ -466,7 +466,8 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
   batch, kv_heads, n_rows, head_dim = q.shape
   num_layers = stores[0].k_codes.shape[0]
   if segment is not None:
-    segment_layers, _, _, segment_width, _ = segment[1].shape  # k [L, B, Hkv, W, D]
+    segment_shape = segment[1].shape  # k [L, B, Hkv, W, D]
+    segment_tiles = (segment[3].shape[2] - 8) // TILE  # allowed [B, Hm, 8 + 64 n, rows]
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
   # Holes travel as one byte per slot, [1, B, Hkv or 1, C / 64, 64], through the same pipeline as the codes: each
@@ -696,13 +697,11 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
 
     if segment is not None:  # the last split's program continues the softmax over the segment's tokens
       sq_ref, sk_ref, sv_ref, sa_ref = segment_refs
-      segment_tiles = (sa_ref.shape[2] - 8) // TILE
       # The segment's keys and values travel as [L B Hkv W, D] rows, and a swizzled operand's tiling takes them in
       # groups of 8 rows, which W need not be: tile i starts ``shift`` rows before the segment's token 64 i (the
       # row of 8 its first token lies in), the mask's tile as far before its token 64 i (it has 8 rows of zeros
       # in front), so rows of the previous or next head and zeros past the end are masked out.
-      segment_layer = jnp.minimum(at, segment_layers - 1)  # 0 for a segment of one step, not stacked
-      first_row = ((segment_layer * batch + b) * kv_heads + h) * segment_width
+      first_row = _segment_first_row(at, b, h, segment_shape)
       shift = first_row % 8
       rows_at = lambda i: (pl.multiple_of(first_row - shift + TILE * i, 8), 0)
       segment_pipeline = lambda carry: plgpu.emit_pipeline(
@@ -743,7 +742,6 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
     out_type += (jax.ShapeDtypeStruct((batch, kv_heads, tiles, TILE * columns[1] // 128, 128), META_DTYPE),
                  jax.ShapeDtypeStruct((batch, kv_heads, tiles // step_tiles[0], 4, columns[1]), jnp.float32))
     if segment is not None:  # the segment's tiles', likewise (its max is the same in every warp)
-      segment_tiles = (segment[3].shape[2] - 8) // TILE
       out_type += (
           jax.ShapeDtypeStruct((batch, kv_heads, segment_tiles, TILE * columns[1] // 128, 128), META_DTYPE),
           jax.ShapeDtypeStruct((batch, kv_heads, segment_tiles, 4, columns[1]), jnp.float32))
@@ -911,6 +909,14 @@ def _segment_inputs(q_rows, segment, rows):
   return _padded_rows(q_rows, rows, k.dtype), k, v, allowed
 
 
+def _segment_first_row(layer, b, h, shape):
+  """The row of a segment's keys and values, read as [L B Hkv W, D] rows (``shape`` [L, B, Hkv, W, D]), where the
+  segment of sequence b and KV head h starts at ``layer`` (the store's, clamped; 0 for a segment of one step, not
+  stacked); its tiles start ``% 8`` rows early."""
+  segment_layers, batch, kv_heads, width, _ = shape
+  return ((jnp.minimum(layer, segment_layers - 1) * batch + b) * kv_heads + h) * width
+
+
 def _padded_rows(q, rows, dtype):
   """q [B, Hkv, T, g, D] as [B, Hkv, rows, D] in ``dtype``: row t g + j is query t's head j, zeros after."""
   batch, kv_heads, t_rows, q_per_kv, head_dim = q.shape
@@ -1058,9 +1064,9 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     out += ((by_slot(slots(p, stores[0].capacity)), by_slot(slots(per_16, stores[0].capacity // 16)) / LOG2E),)
     if segment is not None:  # token w of the segment is row w + shift of its tiles (``_partials``)
       p, maxima = weights[2:]  # [B, Hkv, n * 64 count / 128, 128], [B, Hkv, n, 4, count]
-      segment_layers, _, _, width, _ = segment[1].shape
-      at = jnp.minimum(jnp.clip(layer[0], 0, stores[0].k_codes.shape[0] - 1), segment_layers - 1)
-      first_row = ((at * batch + np.arange(batch)[:, None]) * kv_heads + np.arange(kv_heads)) * width
+      width = segment[1].shape[3]
+      at = jnp.clip(layer[0], 0, stores[0].k_codes.shape[0] - 1)
+      first_row = _segment_first_row(at, np.arange(batch)[:, None], np.arange(kv_heads), segment[1].shape)
       row = (first_row % 8)[..., None, None] + np.arange(width)[:, None]  # [B, Hkv, W, 1]
       p = jnp.take_along_axis(slots(p, None), row, axis=2)
       maxima = jnp.take_along_axis(maxima[:, :, :, 0], row // TILE, axis=2)
