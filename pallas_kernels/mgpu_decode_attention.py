@@ -48,7 +48,7 @@ logit (through two steps' slots of shared memory, TMA stores per step), and the 
 Several stores (ZipCache's pools, each of its own widths) go in one launch: each program reads one store's share,
 the programs shared among the stores by their tiles times a tile's time at each width (``pool_splits``).
 
-Scope of this version: stores of 1-, 2- or 4-bit keys and values (slot weights of one store), at most one
+Scope of this version: stores of 1-, 2-, 4- or 8-bit keys and values (slot weights of one store), at most one
 segment, D a multiple of 64, T * g <= 16.
 ``decode_attention_reference`` on the store the packing came from (and the segment) is the reference.
 """
@@ -816,8 +816,8 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
 
 # A tile's time by code width, relative to 2 bits: the kernel alone at B = 8, L = 32768 on an H100 took 76.6 µs
 # for KIVI-2, 116.2 for KIVI-4 and 75.7 for SpeCache's 1-bit store (rounds 19 and 22 traces: the unpack costs per
-# code, not per bit).
-TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5}
+# code, not per bit). 8 bits: twice 4 bits' bytes at KIVI-4's copy rate, not yet timed.
+TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5, 8: 3.0}
 
 
 def pool_splits(stores, step_tiles, stages: int = STAGES, sm_count: Optional[int] = None, segment: bool = False,

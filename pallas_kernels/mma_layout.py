@@ -30,7 +30,9 @@ rounding within 2^-11 (|z| + 16 s), at most s / 128 past what rounding z itself 
 of a dequantized value costs (M <= 64 measured as fast on an H100 at B = 256, L = 4608, with four times the
 bound). So the packing reads as the library layout's store up to that rounding, not bit for bit: where keys have
 an outlier channel (a scale near 19) attention over it moves by up to 2%; the default model's perplexity through
-the kernel does not move (benchmarks/README.md, round 18).
+the kernel does not move (benchmarks/README.md, round 18). An 8-bit code fills the mantissa's upper 8 bits, so
+its M is 256 and z' rounds within 2^-11 (|z| + 256 s): s / 8, or 2^-11 of the group's range of 255 s, which is
+still below bf16's rounding of a dequantized value near that range (2^-9).
 Scales and zero-points are therefore held in fp16 whatever the store's type (bf16 values in fp16's normal range,
 6.1e-5 to 65504, convert exactly; smaller ones lose relative precision below an absolute 6e-8).
 
@@ -61,12 +63,13 @@ from jkv_kernels.quantization import dequantize, pack, unpack
 
 TILE = 64          # tokens per tile: a warpgroup's 4 warps of 16
 THREADS = 128      # one warpgroup
-MMA_BITS = (1, 2, 4)  # an 8-bit field does not fit below the magic number (bits 6-9 of fp16's 10-bit mantissa)
+MMA_BITS = (1, 2, 4, 8)  # every width the library quantizes to
 META_DTYPE = jnp.float16  # the scales' and zero-points' type in the packing, whatever the store's (docstring)
 _MANTISSA = 10
-# The lowest mantissa bit a field sits at, by width: magic numbers <= 4 for 1-bit codes, <= 16 otherwise (module
-# docstring); each leaves room for two fields (one 4-bit field) per shift.
-_LOWEST_OFFSET = {1: 8, 2: 6, 4: 6}
+# The lowest mantissa bit a field sits at, by width: magic numbers <= 4 for 1-bit codes, 256 for 8-bit ones (the
+# field fills the mantissa's upper 8 bits), <= 16 otherwise (module docstring); each leaves room for two fields (one
+# 4- or 8-bit field) per shift.
+_LOWEST_OFFSET = {1: 8, 2: 6, 4: 6, 8: 2}
 
 
 def words_per_thread(bits: int, head_dim: int) -> int:
@@ -80,8 +83,9 @@ def load_vector(bits: int, head_dim: int) -> int:
 
 def field_plan(bits: int) -> list[tuple[int, int]]:
   """(shift, offset) of each field f of a 16-bit half: ``word >> shift`` (``<<`` where negative) holds field f at
-  bit ``offset`` of both halves, offset in [lowest, 10 - bits] (lowest: 8 for 1-bit codes, 6 otherwise). One
-  shift serves P fields (P = 2, 2, 1 for 1-, 2-, 4-bit codes), field f at offset lowest + bits (f % P): so a
+  bit ``offset`` of both halves, offset in [lowest, 10 - bits] (lowest: 8 for 1-bit codes, 2 for 8-bit ones, 6
+  otherwise). One shift serves P fields (P = 2, 2, 1, 1 for 1-, 2-, 4-, 8-bit codes), field f at offset lowest +
+  bits (f % P): so a
   field's offset depends on f % P only, and P divides 8, the fields apart that one value scale word's registers
   of neighbouring channel blocks lie (``register_slots``)."""
   lowest = _LOWEST_OFFSET[bits]

@@ -230,7 +230,6 @@ def test_memory_matches_the_spec_formula():
     (dict(bits=2, group_size=8, residual=64), "must be a multiple of 16"),
     (dict(v_bits=1), "v_bits=1 is not supported"),
     (dict(bits=2, residual=32, mma=True), "residual=32 a multiple of 64"),
-    (dict(bits=8, residual=64, mma=True), "k_bits=8"),
     (dict(bits=2, residual=64, meta_dtype="float32", mma=True), "16-bit scales"),
 ])
 def test_invalid_settings_are_rejected(options, message):
@@ -272,7 +271,7 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch)
   assert Kivi().for_impl(spec, "xla").mma is False
   assert Kivi(mma=False).for_impl(spec, "pallas").mma is False
   assert Kivi(residual=32).for_impl(spec, "pallas").mma is False  # a flush would not pack whole tiles
-  assert Kivi(bits=8).for_impl(spec, "pallas").mma is False
+  assert Kivi(bits=8).for_impl(spec, "pallas").mma is True
   assert Kivi().for_impl(dataclasses.replace(spec, q_per_kv=17), "pallas").mma is False
   assert Kivi().for_impl(dataclasses.replace(spec, head_dim=32), "pallas").mma is False
   cache = jax.eval_shape(lambda: KVCache.create(Kivi(), spec, "pallas"))

@@ -23,9 +23,9 @@ from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_seg
                                                default_step_tiles, logit_columns, mgpu_decode_attention,
                                                mgpu_decode_partial, pool_splits, shared_memory_bytes,
                                                slot_probabilities, split_tiles)
-from jkv_kernels.mma_layout import (MmaStore, field_plan, key_register_map, magic_half, pack_mma_store,
-                                    quad_word_position, read_mma_store, read_mma_tiles, register_slots,
-                                    value_register_map, word_positions)
+from jkv_kernels.mma_layout import (MmaStore, check_mma_packing, field_plan, key_register_map, magic_half,
+                                    pack_mma_store, quad_word_position, read_mma_store, read_mma_tiles,
+                                    register_slots, value_register_map, word_positions)
 
 
 def make_store(seed, *, k_bits, v_bits, k_group, v_group, dtype, layers=2, batch=3, kv_heads=2, capacity=512,
@@ -43,11 +43,15 @@ def make_store(seed, *, k_bits, v_bits, k_group, v_group, dtype, layers=2, batch
                         jnp.asarray(lengths, jnp.int32), k_bits, v_bits, k_group, v_group)
 
 
+def largest_magic(bits):
+  """The largest magic number M of ``bits``-bit codes: 4 for 1-bit codes, 256 for 8-bit ones, else 16."""
+  return max(2.0 ** (10 - offset) for _, offset in field_plan(bits))
+
+
 def fold_bound(scale, zero, bits):
-  """The most the packing's folded zero-point z' = fp16(z - M s) moves a dequantized value: M <= 4 for 1-bit
-  codes, <= 16 for wider ones."""
+  """The most the packing's folded zero-point z' = fp16(z - M s) moves a dequantized value."""
   as64 = lambda a: np.abs(np.asarray(a, np.float64))
-  return 2.0**-11 * (as64(zero).max() + (4 if bits == 1 else 16) * as64(scale).max()) * 1.001
+  return 2.0**-11 * (as64(zero).max() + largest_magic(bits) * as64(scale).max()) * 1.001
 
 
 def logit_bound(q, k_ref, scale, zero, bits):
@@ -70,6 +74,7 @@ CONFIGS = [  # k_bits, v_bits, k_group, v_group, head_dim, dtype
     (4, 2, 128, 32, 128, jnp.bfloat16),
     (2, 4, 64, 64, 64, jnp.float16),
     (2, 2, 16, 16, 64, jnp.bfloat16),
+    (8, 8, 32, 32, 128, jnp.bfloat16),
 ]
 
 
@@ -191,15 +196,16 @@ def test_scale_words_sit_where_each_quad_reads_them():
     assert len({quad_word_position(q, 4 * chunk) * 4 // 16 % 8 for q in range(4)}) == 4
 
 
-@pytest.mark.parametrize("bits,head_dim", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 64), (4, 128)])
+@pytest.mark.parametrize("bits,head_dim", [(1, 64), (1, 128), (2, 64), (2, 128), (4, 64), (4, 128), (8, 64),
+                                           (8, 128)])
 def test_the_kernels_unpack_emulated_in_numpy_gives_each_register_its_keys_and_values(bits, head_dim):
   """The kernel's arithmetic emulated bit for bit: thread tau's register rho is word slot // F of its words
   (``register_slots``), shifted as ``field_plan`` says, ((word >> shift) & mask) | magic read as two fp16 lanes
   M + c, times the scale pair plus the z' pair of its quad's meta words, rounded once to fp16 (one fused
   multiply-add). For keys and values, every width, and a value group as wide as the head (one meta word
   serving every block of 16 channels), that is the store's c s + z at the (token, channel) the PTX layout gives
-  the register, within the rounding of z' and of the result. The magic numbers are at most 16 (4 for 1-bit codes)
-  and clear of their field."""
+  the register, within the rounding of z' and of the result. The magic numbers are at most 16 (4 for 1-bit codes,
+  256 for 8-bit ones: the field fills the mantissa's 8 upper bits) and clear of their field."""
   store = make_store(8, k_bits=bits, v_bits=bits, k_group=32, v_group=head_dim, dtype=jnp.bfloat16, layers=1,
                      batch=1, kv_heads=1, capacity=64, head_dim=head_dim)
   packed = pack_mma_store(store)
@@ -207,7 +213,8 @@ def test_the_kernels_unpack_emulated_in_numpy_gives_each_register_its_keys_and_v
   plan, fields, registers = field_plan(bits), 16 // bits, head_dim // 4
   slots, positions = register_slots(bits, registers), word_positions(bits, head_dim)
   for shift, offset in plan:
-    assert 2.0 ** (10 - offset) <= (4 if bits == 1 else 16) and magic_half(offset) & (((1 << bits) - 1) << offset) == 0
+    assert 2.0 ** (10 - offset) <= {1: 4, 8: 256}.get(bits, 16)
+    assert magic_half(offset) & (((1 << bits) - 1) << offset) == 0
 
   def lanes(words, rho):  # the register's two fp16 lanes M + c, and M
     shift, offset = plan[slots[rho] % fields]
@@ -241,9 +248,8 @@ def test_the_kernels_unpack_emulated_in_numpy_gives_each_register_its_keys_and_v
 
 
 def test_packing_refuses_what_the_kernel_does_not_take():
-  store = make_store(2, k_bits=8, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1)
-  with pytest.raises(ValueError, match="k_bits=8"):
-    pack_mma_store(store)
+  with pytest.raises(ValueError, match="k_bits=3"):
+    check_mma_packing(k_bits=3, v_bits=2, k_group=32, v_group=32, head_dim=128, tokens=512, meta_dtype=jnp.float16)
   store = make_store(2, k_bits=2, v_bits=2, k_group=32, v_group=32, dtype=jnp.float16, layers=1, capacity=96)
   with pytest.raises(ValueError, match="multiple of 64"):
     pack_mma_store(store)

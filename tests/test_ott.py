@@ -477,15 +477,13 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch)
   monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
   assert Ott().for_impl(spec, "pallas").mma and Ott(group_size=128).for_impl(spec, "pallas").mma
   assert not Ott().for_impl(spec, "xla").mma
-  assert not Ott(group_size=48).for_impl(spec, "pallas").mma and not Ott(bits=8).for_impl(spec, "pallas").mma
+  assert not Ott(group_size=48).for_impl(spec, "pallas").mma and Ott(bits=8).for_impl(spec, "pallas").mma
   assert not Ott().for_impl(_spec(2, 256, head_dim=32), "pallas").mma  # D a multiple of 64
   assert not Ott().for_impl(_spec(2, 240, head_dim=64), "pallas").mma  # the packing would allocate more
   monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)
   assert not Ott().for_impl(spec, "pallas").mma
   with pytest.raises(ValueError, match="group_size=48 to divide 64"):
     Ott(group_size=48, mma=True)
-  with pytest.raises(ValueError, match="k_bits=8"):
-    Ott(bits=8, mma=True)
 
 
 @pytest.mark.skipif(not hopper_kernel_available(), reason="needs a Hopper GPU and Mosaic GPU")

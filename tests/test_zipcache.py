@@ -481,14 +481,12 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_pools(monkeypatch)
   spec = _spec(BATCH, CAP)
   monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
   assert SHARED.for_impl(spec, "pallas").mma and not SHARED.for_impl(spec, "xla").mma
-  assert not ZipCache(high_bits=8).for_impl(spec, "pallas").mma
+  assert ZipCache(high_bits=8).for_impl(spec, "pallas").mma
   assert not ZipCache(key_group=48).for_impl(spec, "pallas").mma
   monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: False)
   assert not SHARED.for_impl(spec, "pallas").mma
   with pytest.raises(ValueError, match="key_group=48 to divide 64"):
     ZipCache(key_group=48, mma=True)
-  with pytest.raises(ValueError, match="k_bits=8"):
-    ZipCache(high_bits=8, mma=True)
 
 
 def test_probe_schedule_of_a_window():
