@@ -4,17 +4,19 @@ Checks first, then times, one decode step (one query row), 32 query heads over 8
 
     check        mgpu_decode_attention on pack_mma_store(store) against decode_attention_reference on the store,
                  real quantized data (keys and values drawn normal, quantized by the library's quantizer),
-                 ragged lengths; KIVI-1/2/4 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
+                 ragged lengths; KIVI-1/2/4/8 and mixed widths, key groups of 32 and 128, bf16 and fp16; relative
                  error of o and lse (fails the run above 2e-2, like kernel_decode.py's check)
     mgpu_kivi2   the new kernel, 2-bit keys and values, G = 32, every slot valid (length = L); at B = 8, L = 32768
                  also a cache filled to L / 4 (config "fill": 0.25)
     mgpu_kivi4   4-bit
+    mgpu_kivi8   8-bit
     mgpu_kivi2_window   KIVI's whole attention call: ``jkv.attention.decode_attention`` (impl "pallas") over the
     mgpu_kivi4_window   packed store and a window of 129 exact bf16 tokens (KIVI's R + 1), as a decode step of
                  KIVI with ``mma=True`` runs it (the window read by the same kernel, or, in a build before round
                  11, by the Triton kernel and merged in XLA)
     triton_kivi2 decode_attention (the Triton kernel) on the same store in the library's layout, no residual
     triton_kivi4   segment: the same tokens and codes as the mgpu rows
+    triton_kivi8
     xla_kivi2    jkv's XLA path (``jkv.attention.decode_attention``, impl "xla": the store dequantized a block at a
                  time, where the Pallas kernels do not run) on the same store
     mgpu_ott2    OTT's whole attention call at its defaults (2 bits, G = 16, Gv = 32, R = 32, N = 8, A = 32;
@@ -79,7 +81,8 @@ RECORD_KEY = kernel_record_key
 CHECKS = (  # k_bits, v_bits, k_group, v_group, dtype, step_tiles
     (2, 2, 32, 32, jnp.bfloat16, 1), (2, 2, 32, 32, jnp.bfloat16, 2), (2, 2, 32, 32, jnp.bfloat16, 4),
     (4, 4, 32, 32, jnp.bfloat16, 2), (1, 1, 32, 32, jnp.bfloat16, 2), (4, 2, 128, 32, jnp.bfloat16, 1),
-    (4, 2, 128, 32, jnp.bfloat16, 4), (2, 2, 32, 32, jnp.float16, 2), (2, 4, 64, 64, jnp.float16, 2))
+    (4, 2, 128, 32, jnp.bfloat16, 4), (2, 2, 32, 32, jnp.float16, 2), (2, 4, 64, 64, jnp.float16, 2),
+    (8, 8, 32, 32, jnp.bfloat16, 2), (8, 4, 128, 32, jnp.float16, 2))
 VARIANTS = tuple((step_tiles, stages) for step_tiles in (4, 2, 1) for stages in (2, 3, 4))  # at B = 8, L = 32768
 
 
@@ -166,9 +169,9 @@ def pack_in_slices(store: QuantizedStore, sequences: int = 8) -> MmaStore:
       for name, x in arrays(parts[0]).items()})
 
 
-IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "cudnn_dense", "mgpu_kivi2_window",
-         "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1", "triton_specache1", "mgpu_zipcache",
-         "triton_zipcache")
+IMPLS = ("mgpu_kivi2", "triton_kivi2", "xla_kivi2", "mgpu_kivi4", "triton_kivi4", "mgpu_kivi8", "triton_kivi8",
+         "cudnn_dense", "mgpu_kivi2_window", "mgpu_kivi4_window", "mgpu_ott2", "triton_ott2", "mgpu_specache1",
+         "triton_specache1", "mgpu_zipcache", "triton_zipcache")
 METHOD_LAYOUTS = {"ott2": ott_layout(Ott()), "specache1": LAYOUTS["specache1"],  # OTT at its defaults
                   "zipcache": LAYOUTS["zipcache_pools"]}
 
@@ -269,7 +272,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   for batch in batches:
     for seq_len in seq_lens:
       shape = Shape(batch, seq_len)
-      for bits in (2, 4):
+      for bits in (2, 4, 8):
         nbytes = bytes_read(shape, bits)
         run(f"mgpu_kivi{bits}", mgpu(), functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)),
             nbytes, shape, {"splits": _default_splits(shape, bits)})
@@ -394,7 +397,7 @@ def table(records: list[dict]) -> str:
   cells = {(r["impl"], r["batch"], r["seq_len"]): r for r in records if at_defaults(r)}
   keys = sorted({(r["batch"], r["seq_len"]) for r in records if r["batch"]})
   impls = IMPLS
-  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_ott2", "mgpu_specache1", "mgpu_zipcache")
+  ratios = ("mgpu_kivi2", "mgpu_kivi4", "mgpu_kivi8", "mgpu_ott2", "mgpu_specache1", "mgpu_zipcache")
   lines = ["| B | L | " + " | ".join(impls) + "".join(f" | cuDNN / {i}" for i in ratios) + " |",
            "|---|---|" + "---|" * (len(impls) + len(ratios))]
   for batch, seq_len in keys:
