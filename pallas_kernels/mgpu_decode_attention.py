@@ -816,8 +816,8 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
 
 # A tile's time by code width, relative to 2 bits: the kernel alone at B = 8, L = 32768 on an H100 took 76.6 µs
 # for KIVI-2, 116.2 for KIVI-4 and 75.7 for SpeCache's 1-bit store (rounds 19 and 22 traces: the unpack costs per
-# code, not per bit). 8 bits: twice 4 bits' bytes at KIVI-4's copy rate, not yet timed.
-TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5, 8: 3.0}
+# code, not per bit); KIVI-8 228.6 µs against KIVI-2's 91.8 in one run (round 26, dispatched: near the copy rate).
+TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5, 8: 2.5}
 
 
 def pool_splits(stores, step_tiles, stages: int = STAGES, sm_count: Optional[int] = None, segment: bool = False,

@@ -85,9 +85,8 @@ def field_plan(bits: int) -> list[tuple[int, int]]:
   """(shift, offset) of each field f of a 16-bit half: ``word >> shift`` (``<<`` where negative) holds field f at
   bit ``offset`` of both halves, offset in [lowest, 10 - bits] (lowest: 8 for 1-bit codes, 2 for 8-bit ones, 6
   otherwise). One shift serves P fields (P = 2, 2, 1, 1 for 1-, 2-, 4-, 8-bit codes), field f at offset lowest +
-  bits (f % P): so a
-  field's offset depends on f % P only, and P divides 8, the fields apart that one value scale word's registers
-  of neighbouring channel blocks lie (``register_slots``)."""
+  bits (f % P): so a field's offset depends on f % P only, and P divides 8, the fields apart that one value scale
+  word's registers of neighbouring channel blocks lie (``register_slots``)."""
   lowest = _LOWEST_OFFSET[bits]
   per_shift = (_MANTISSA - lowest) // bits
   offsets = [lowest + bits * (f % per_shift) for f in range(16 // bits)]

@@ -470,7 +470,7 @@ def test_mma_packing_equals_the_library_layout(G, selection):
 
 def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
   """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes
-  the query rows) and the settings allow it (G dividing 64 or a multiple of it, 1/2/4 bits, a capacity of whole
+  the query rows) and the settings allow it (G dividing 64 or a multiple of it, a capacity of whole
   tiles); mma=True with settings the packing does not take is a one-line error."""
   import jkv.attention as attention
   spec = _spec(2, 256, head_dim=64)

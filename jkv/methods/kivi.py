@@ -88,7 +88,7 @@ class Kivi(CacheMethod):
       "help": "quantize before attending (the paper's Algorithm 1) instead of after (the reference code)"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
   mma: Optional[bool] = dataclasses.field(default=None, metadata={
-      "help": "keep the store in the packing the Hopper tensor-core kernel reads (1/2/4-bit, 16-bit scales, "
+      "help": "keep the store in the packing the Hopper tensor-core kernel reads (16-bit scales, "
               "residual a multiple of 64); default: where that kernel runs (a Hopper GPU, attention impl pallas) "
               "and the settings and model allow the packing"})
 

@@ -164,7 +164,7 @@ class Ott(CacheMethod):
               "competition per block, as decoding runs them (same pool; evicted tokens fill the auxiliary pool)"})
   meta_dtype: str = dataclasses.field(default="float16", metadata={"help": "dtype of scales and zero-points"})
   mma: Optional[bool] = dataclasses.field(default=None, metadata={
-      "help": "keep the store in the packing the Hopper tensor-core kernel reads (1/2/4-bit, 16-bit scales, G "
+      "help": "keep the store in the packing the Hopper tensor-core kernel reads (16-bit scales, G "
               "dividing 64 or a multiple of it); default: where that kernel runs (a Hopper GPU, attention impl "
               "pallas) and the settings and model allow the packing"})
 
