@@ -1,7 +1,10 @@
 """Shared fixtures: the real default model (jkv and transformers from the same GGUF) and a tiny random Llama."""
 
+import contextlib
+import functools
 import os
 
+import gguf
 import jax
 import numpy as np
 import pytest
@@ -36,12 +39,38 @@ def default_model():
   return load_model("default", "float32")
 
 
+_gguf_readers = {}
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+  """transformers' GGUF loading (model and tokenizer) with the file parsed once per session: its loader builds a
+  ``gguf.GGUFReader`` for the config, another for the weights and another for a tokenizer (5 s each, most of it
+  reading the vocabulary's fields), and a tensor-name map of 400 entries for each of 400 tensors (6 s in all). Both
+  are pure functions of their arguments, so the same reader and map serve every call; what transformers does with
+  them is unchanged. jkv's own loader, outside this context, reads the file itself."""
+  real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+  def reader(path, *args, **kwargs):
+    key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+    if key not in _gguf_readers:
+      _gguf_readers[key] = real_reader(path, *args, **kwargs)
+    return _gguf_readers[key]
+
+  gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_name_map)
+  try:
+    yield
+  finally:
+    gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+
+
 @pytest.fixture(scope="session")
 def hf_default_model():
   """The same GGUF loaded by transformers (it dequantizes with the same gguf routines)."""
   path = hub.default_model_path()
-  return transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+  with gguf_parsed_once():
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -70,16 +99,17 @@ def random_prompts(vocab, lengths, seed=0):
 
 
 @pytest.fixture(scope="module")
-def default_model_once():
-  """Make ``jkv.load.load_model("default")`` load once per module: CLI tests call ``cli.main`` many times, and each
-  call would otherwise load the model again (~5 s)."""
+def default_model_once(request):
+  """Make ``jkv.load.load_model("default")`` load once: CLI tests call ``cli.main`` many times, and each call would
+  otherwise load the model again (~5 s). In float32 (the CLI's default) it returns the session's ``default_model``,
+  so the six modules that run the CLI on it do not each load their own copy; other dtypes load once per module."""
   real, loaded = load_lib.load_model, {}
 
   def load(name, dtype="float32"):
     if name != "default":
       return real(name, dtype)
     if dtype not in loaded:
-      loaded[dtype] = real(name, dtype)
+      loaded[dtype] = request.getfixturevalue("default_model") if dtype == "float32" else real(name, dtype)
     return loaded[dtype]
 
   with pytest.MonkeyPatch.context() as mp:

@@ -350,20 +350,18 @@ def test_config_from_hf_v4_spelling():
 # --- the default model --------------------------------------------------------------------------------------------
 
 
-def test_default_model_logits_match_transformers():
-  """SmolLM2-135M Q4_1 (the real file: quantized tensors, q/k permutation, tied head) against transformers' loader."""
-  from jkv import hub
-  path = hub.default_model_path()
-  model = load_lib.load_model("default")
+def test_default_model_logits_match_transformers(default_model, hf_default_model):
+  """SmolLM2-135M Q4_1 (the real file: quantized tensors, q/k permutation, tied head) against transformers' loader.
+
+  Both loads are the session's fixtures (``load_model("default")`` and transformers' GGUF loader, as the other
+  default-model tests use them): loading again here took 20 s for the same two models."""
+  model = default_model
   assert (model.config.num_layers, model.config.q_heads, model.config.kv_heads, model.config.head_dim) == (30, 9, 3, 64)
   assert model.config.tie_embeddings and model.params.lm_head is None
-  reference = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
-      attn_implementation="eager").eval()
   tokens = np.array([model.tokenizer.encode(model.tokenizer.apply_chat_template(
       [{"role": "user", "content": "What is the capital of France?"}]))], np.int32)
   ours = _jkv_logits(model.config, model.params, tokens)
-  _assert_logits_close(ours, _hf_logits(reference, tokens))
+  _assert_logits_close(ours, _hf_logits(hf_default_model, tokens))
   assert model.tokenizer.decode([int(ours[0, -1].argmax())]) == "The"
 
 

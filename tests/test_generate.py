@@ -17,7 +17,9 @@ def test_batch_of_different_lengths_equals_each_alone(tiny_llama):
   prompts = random_prompts(m.config.vocab_size, [7, 23, 40], seed=11)
   batch = gen.generate(m.params, m.config, prompts, max_new_tokens=24, eos_ids=(), chunk=8)
   for b, p in enumerate(prompts):
-    alone = gen.generate(m.params, m.config, [p], max_new_tokens=24, eos_ids=(), chunk=8)
+    # The batch's capacity (each alone would plan its own): one decode program for the three runs alone.
+    alone = gen.generate(m.params, m.config, [p], max_new_tokens=24, eos_ids=(), chunk=8,
+                         capacity=batch.stats["capacity"])
     assert alone.tokens[0] == batch.tokens[b]
   assert all(len(t) == 24 for t in batch.tokens)
 
@@ -111,7 +113,8 @@ def test_kivi_batch_of_different_lengths_equals_each_alone(tiny_llama):
   prompts = random_prompts(m.config.vocab_size, [7, 33, 50], seed=12)
   batch = gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=40, eos_ids=(), chunk=8)
   for b, p in enumerate(prompts):
-    alone = gen.generate(m.params, m.config, [p], method=method, max_new_tokens=40, eos_ids=(), chunk=8)
+    alone = gen.generate(m.params, m.config, [p], method=method, max_new_tokens=40, eos_ids=(), chunk=8,
+                         capacity=batch.stats["capacity"])  # as above: one decode program for the runs alone
     assert alone.tokens[0] == batch.tokens[b]
 
 

@@ -5,6 +5,7 @@ V per token in one shot, keep the rest exact, one softmax.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,16 +28,24 @@ def _spec(batch, capacity, dtype=jnp.float32):
 
 
 def _prefill(method, state, layer, k, v, lengths, impl="xla"):
-  """Prefill a right-padded prompt k, v [B, H, T, D] with ``lengths`` valid tokens per sequence."""
+  """Prefill a right-padded prompt k, v [B, H, T, D] with ``lengths`` valid tokens per sequence, jitted as the model
+  runs it (one compile per method and shape, where op-by-op dispatch compiled a hundred small programs)."""
   T = k.shape[2]
   positions = np.where(np.arange(T)[None] < np.asarray(lengths)[:, None], np.arange(T)[None], -1)
-  ctx = StepContext(lengths=jnp.asarray(lengths, jnp.int32), positions=jnp.asarray(positions, jnp.int32), impl=impl)
-  return method.prefill(state, layer, None, jnp.asarray(k), jnp.asarray(v), ctx)
+  return _prefill_jit(method, layer, impl, state, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths, jnp.int32),
+                      jnp.asarray(positions, jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _prefill_jit(method, layer, impl, state, k, v, lengths, positions):
+  return method.prefill(state, layer, None, k, v, StepContext(lengths=lengths, positions=positions, impl=impl))
+
+
+@functools.lru_cache(maxsize=None)
 def _step_fn(method, layer, impl="xla"):
   """A jitted decode step as the model runs it, ``step`` then ``end_step``: (state, q [B, H, T, g, D], k, v
-  [B, H, T, D], held [B]) -> (out, state), rows at positions held + [0, T)."""
+  [B, H, T, D], held [B]) -> (out, state), rows at positions held + [0, T). Cached: cases with equal settings
+  share one compile per shape."""
   @jax.jit
   def step(state, q, k, v, held):
     positions = held[:, None] + jnp.arange(k.shape[2])[None]
@@ -192,11 +201,12 @@ def test_planted_outlier_channels_favour_per_channel_keys():
   rng = np.random.default_rng(0)
   k = rng.normal(size=(4, 256, 128)).astype(np.float32)
   k[:, :, [3, 40, 77]] = rng.normal(20.0, 5.0, size=(4, 256, 3))
-  def rel_err(axis):
-    c, s, z = quantize(jnp.asarray(k), bits=2, axis=axis, group_size=32)
+  @functools.partial(jax.jit, static_argnums=1)  # one program per grouping rather than its ops one by one
+  def rel_err(k, axis):
+    c, s, z = quantize(k, bits=2, axis=axis, group_size=32)
     k_hat = dequantize(c, s, z, axis=axis, group_size=32, dtype=jnp.float32)
-    return float(jnp.linalg.norm(k_hat - k) / jnp.linalg.norm(k))
-  per_channel, per_token = rel_err(1), rel_err(2)
+    return jnp.linalg.norm(k_hat - k) / jnp.linalg.norm(k)
+  per_channel, per_token = float(rel_err(jnp.asarray(k), 1)), float(rel_err(jnp.asarray(k), 2))
   assert per_channel < 0.5 * per_token
 
 

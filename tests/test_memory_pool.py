@@ -313,5 +313,8 @@ def test_the_default_prefill_sub_batch_counts_its_own_fresh_state(tiny_llama, mo
     in_use = GIB + (need if len(reads) > 1 else 0)
     return dict(limit=GIB + need + 20 * per_sequence, in_use=in_use, peak=in_use)
   monkeypatch.setattr(memory, "device_memory", device_memory)
-  out = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=1000 - 9 - 32)
-  assert out.stats["prefill_sub_batch"] == 10
+  # Every token ends a sequence: the sub-batch is planned and prefill runs as asked, then no decode step runs (959
+  # steps of 40 sequences took 9 s and decide nothing here).
+  out = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=1000 - 9 - 32,
+                     eos_ids=range(cfg.vocab_size))
+  assert out.stats["prefill_sub_batch"] == 10 and out.stats["decode_steps"] == 0

@@ -6,6 +6,7 @@ status and a real interpreter shutdown.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -260,19 +261,41 @@ def _interrupt_when(argv, line_start, timeout=300):
   return proc.returncode, "".join(seen) + rest
 
 
-def test_ctrl_c_during_compilation_is_one_line_exit_130():
-  rc, err = _interrupt_when(["generate", FRANCE, "--method", "kivi"], "generating with")
+# The two interrupted commands: (argv, the stderr line that SIGINT follows). Each is a process that loads the model
+# and compiles on one core mostly; the module runs those its selected tests read at once, on CI's two cores.
+INTERRUPTED = {
+    "test_ctrl_c_during_compilation_is_one_line_exit_130": (["generate", FRANCE, "--method", "kivi"],
+                                                            "generating with"),
+    "test_ctrl_c_during_convert_removes_the_partial_checkpoint": (["convert", "default", "{out}"], "saving to"),
+}
+
+
+@pytest.fixture(scope="module")
+def interrupted(request, tmp_path_factory):
+  """{test name: a future of (rc, stderr, out)}: ``_interrupt_when`` of each selected test's command, all started
+  together; ``out`` is a fresh directory's path that "{out}" in the command stands for."""
+  names = [item.originalname for item in request.session.items
+           if item.path == request.path and item.originalname in INTERRUPTED]
+
+  def run(name, out):
+    argv, line_start = INTERRUPTED[name]
+    return (*_interrupt_when([a.format(out=out) for a in argv], line_start), out)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    return {name: pool.submit(run, name, tmp_path_factory.mktemp("interrupted") / "ckpt") for name in names}
+
+
+def test_ctrl_c_during_compilation_is_one_line_exit_130(interrupted):
+  rc, err, _ = interrupted["test_ctrl_c_during_compilation_is_one_line_exit_130"].result()
   assert rc == 130, err
   assert err.strip().splitlines()[-1] == "jkv: interrupted"
   assert "Traceback" not in err and "Exception ignored" not in err
 
 
-def test_ctrl_c_during_convert_removes_the_partial_checkpoint(tmp_path):
-  out = tmp_path / "ckpt"
-  rc, err = _interrupt_when(["convert", "default", str(out)], "saving to")
+def test_ctrl_c_during_convert_removes_the_partial_checkpoint(interrupted):
+  rc, err, out = interrupted["test_ctrl_c_during_convert_removes_the_partial_checkpoint"].result()
   assert rc == 130, err
   assert err.strip().splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err
-  assert os.listdir(tmp_path) == []
+  assert os.listdir(out.parent) == []
 
 
 def _wait_for(sent):

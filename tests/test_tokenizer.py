@@ -8,6 +8,7 @@ import transformers
 from jkv import hub
 from jkv.tokenizer import Tokenizer
 from jkv_convert import gguf_file
+from conftest import gguf_parsed_once
 
 TEXT = ("Hello, world! Ça va? naïve café — déjà vu.\n\n  Indented\tline 12345 + 67.8 = 3.14159\n"
         "Emoji: 😀🚀 日本語 <|im_start|>user\nhi<|im_end|>\n<|endoftext|> trailing   spaces  ")
@@ -28,8 +29,9 @@ def ours(gguf_path):
 
 @pytest.fixture(scope="module")
 def reference(gguf_path):
-  return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                    gguf_file=os.path.basename(gguf_path))
+  with gguf_parsed_once():  # the file as transformers parsed it for the reference model, where that ran already
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                      gguf_file=os.path.basename(gguf_path))
 
 
 def test_ids_match_transformers(ours, reference):

@@ -82,6 +82,10 @@ def _step_fn(method, layer, impl="xla"):
                                            jnp.asarray(held, jnp.int32))
 
 
+# The attention reference, jitted: one compile per shape rather than its ops one by one.
+_attention_reference, _attention_probs = jax.jit(gqa_attention_reference), jax.jit(gqa_attention_probs)
+
+
 def _rows_at(x, pos):
   """x [B, H, S, ...] -> [B, H, 1, ...] at per-sequence positions pos [B]."""
   return np.stack([x[b, :, p:p + 1] for b, p in enumerate(pos)])
@@ -357,17 +361,20 @@ def test_decode_attends_pools_and_window_and_compresses_the_window_by_its_probes
             for name, n0, count in (("high", n_high0, n_high_w), ("low", lengths - n_high0, N - n_high_w))]
     pools = [_dequantized_pool(getattr(state, name), bits, state.v_channel_scale, LAYER, G)
              for name, bits in (("high", 4), ("low", 2))]
-    window = [np.concatenate([np.asarray(x[LAYER, :, :, :i]), _rows_at(y, pos)], axis=2)
-              for x, y in ((state.k_window, k), (state.v_window, v))]
-    keys = jnp.asarray(np.concatenate([pools[0][0], pools[1][0], window[0]], axis=2))
-    values = jnp.asarray(np.concatenate([pools[0][1], pools[1][1], window[1]], axis=2))
-    mask = jnp.asarray(np.concatenate(real + [np.ones((BATCH, i + 1), bool)], axis=1)[:, None])
+    # The window's i + 1 tokens, padded to its N slots and masked there: every step's reference has one shape.
+    window = [np.concatenate([np.asarray(x[LAYER, :, :, :i]), _rows_at(y, pos), np.zeros((BATCH, H, N - i - 1, D))],
+                             axis=2) for x, y in ((state.k_window, k), (state.v_window, v))]
+    keys = jnp.asarray(np.concatenate([pools[0][0], pools[1][0], window[0]], axis=2), jnp.float32)
+    values = jnp.asarray(np.concatenate([pools[0][1], pools[1][1], window[1]], axis=2), jnp.float32)
+    in_window = np.broadcast_to(np.arange(N) <= i, (BATCH, N))
+    mask = jnp.asarray(np.concatenate(real + [in_window], axis=1)[:, None])
     q_row = _rows_at(q, pos)
-    ref = gqa_attention_reference(jnp.asarray(q_row), keys, values, mask)
-    p, _ = gqa_attention_probs(jnp.asarray(q_row), keys, mask)
+    ref = _attention_reference(jnp.asarray(q_row), keys, values, mask)
+    p, _ = _attention_probs(jnp.asarray(q_row), keys, mask)
     u = np.asarray(sal.position_priority(SHARED._layer_key(LAYER), jnp.asarray(pos)))
     probe = (i >= N - n_rec) | (u < SHARED.random_probes)
-    mass[:, :, :i + 1] += np.where(probe[:, None, None], np.asarray(p)[:, :, 0, :, -(i + 1):].sum(axis=2), 0.0)
+    window_p = np.asarray(p)[:, :, 0, :, -N:][..., :i + 1]  # [B, H, g, i + 1]
+    mass[:, :, :i + 1] += np.where(probe[:, None, None], window_p.sum(axis=2), 0.0)
     seen[:, :i + 1] += probe[:, None]
     fills = {name: np.asarray(getattr(state, name).fill[LAYER]) for name in ("high", "low")}
     out, state = step(state, q_row, _rows_at(k, pos), _rows_at(v, pos), pos)
@@ -445,7 +452,9 @@ def _mma_and_library_outputs(impls, steps):
   q, k, v = _qkv(rng, 3, CAP)
   outs = {}
   for mma in (False, True):
-    method = dataclasses.replace(SHARED, mma=mma)
+    # SHARED leaves mma open, which is the library's layout on the path it runs here (its programs compiled once).
+    method = dataclasses.replace(SHARED, mma=True) if mma else SHARED
+    assert method.for_impl(_spec(BATCH, CAP), impls[mma]).mma == mma
     state = _prefill(method, method.init(_spec(BATCH, CAP)), LAYER, q, k, v, lengths, impls[mma], pad_to=CAP)
     step = _step_fn(method, LAYER, impls[mma])
     outs[mma] = []
