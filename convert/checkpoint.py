@@ -1,8 +1,8 @@
 """Save and restore a converted model: orbax-checkpoint for the parameters, one JSON for the rest, all checksummed.
 
-Layout of a checkpoint directory (format 2)::
+Layout of a checkpoint directory (format 3)::
 
-  jkv_checkpoint.json   {"format": 2, "config": ModelConfig fields, "tokenizer": Tokenizer.to_dict() or null,
+  jkv_checkpoint.json   {"format": 3, "config": ModelConfig fields, "tokenizer": Tokenizer.to_dict() or null,
                          "files": {path under the directory: {"bytes": size, "sha256": hex}} for every file
                          orbax wrote, "sha256": hex digest of the other fields in canonical JSON}
   params/               orbax PyTree checkpoint of Params
@@ -34,7 +34,7 @@ from jkv.tokenizer import Tokenizer
 
 MARKER = "jkv_checkpoint.json"
 PARAMS = "params"
-FORMAT = 2  # 2: checksums of every file and of the JSON itself (format 1 had none)
+FORMAT = 3  # 3: fused projections (jkv.params.Layers); 2: checksums of every file and of the JSON (format 1 had none)
 PARTIAL = ".jkv-partial"  # suffix of the directory a save writes before its final rename
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own unfinished-save marker (atomicity_types.TMP_DIR_SUFFIX)
 
@@ -147,6 +147,9 @@ def _read_meta(directory: str) -> dict:
   if meta["format"] == 1:
     raise ValueError(f"{directory}: checkpoint format 1 (written by an older jkv) carries no checksums; convert "
                      f"the source again (this jkv reads format {FORMAT})")
+  if meta["format"] == 2:
+    raise ValueError(f"{directory}: checkpoint format 2 (written by an older jkv) stores the q/k/v and gate/up "
+                     f"projections apart; convert the source again (this jkv reads format {FORMAT})")
   if meta["format"] != FORMAT:
     raise ValueError(f"{directory}: checkpoint format {meta['format']!r}, this jkv reads format {FORMAT}")
   sealed = meta.pop("sha256", None)

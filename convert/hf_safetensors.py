@@ -8,11 +8,11 @@ same table through ``assemble``; so both formats give the same tensors in the sa
 HF layouts (``torch.nn.Linear.weight`` is ``[out, in]``) and the jkv layouts they map to::
 
   model.embed_tokens.weight   [vocab, embed]              -> embedding [vocab, embed]
-  q_proj.weight               [q_heads*head_dim, embed]    -> q [L, embed, q_heads, head_dim]
-  k_proj/v_proj.weight        [kv_heads*head_dim, embed]   -> k/v [L, embed, kv_heads, head_dim]
-  q/k/v_proj.bias (Qwen2)     [heads*head_dim]             -> q/k/v_bias [L, heads, head_dim]
+  q_proj.weight               [q_heads*head_dim, embed]    -> qkv [L, embed, kv_heads, :g, head_dim]
+  k_proj/v_proj.weight        [kv_heads*head_dim, embed]   -> qkv [L, embed, kv_heads, g / g + 1, head_dim]
+  q/k/v_proj.bias (Qwen2)     [heads*head_dim]             -> qkv_bias [L, kv_heads, (as qkv), head_dim]
   o_proj.weight               [embed, q_heads*head_dim]    -> o [L, q_heads, head_dim, embed]
-  gate_proj/up_proj.weight    [ffw, embed]                 -> w_gate/w_up [L, embed, ffw]
+  gate_proj/up_proj.weight    [ffw, embed]                 -> gate_up [L, embed, 0 / 1, ffw]
   down_proj.weight            [embed, ffw]                 -> w_down [L, ffw, embed]
   lm_head.weight              [vocab, embed]               -> lm_head [embed, vocab] (None when tied)
 """
@@ -152,23 +152,24 @@ def _norm(w, cfg, name):  # [embed]
 
 
 def _heads_in(heads: str):
-  """q/k/v projections: [heads*head_dim, embed] -> [embed, heads, head_dim]."""
+  """q/k/v projections: [heads*head_dim, embed] -> [embed, kv_heads, heads / kv_heads, head_dim] (query head
+  g h + j of KV head h; a key or value head is one per KV head)."""
 
   def f(w, cfg, name):
     h = getattr(cfg, heads)
     _expect(w, (h * cfg.head_dim, cfg.embed), name)
-    return w.T.reshape(cfg.embed, h, cfg.head_dim)
+    return w.T.reshape(cfg.embed, cfg.kv_heads, h // cfg.kv_heads, cfg.head_dim)
 
   return f
 
 
 def _heads_bias(heads: str):
-  """q/k/v biases: [heads*head_dim] -> [heads, head_dim]."""
+  """q/k/v biases: [heads*head_dim] -> [kv_heads, heads / kv_heads, head_dim]."""
 
   def f(w, cfg, name):
     h = getattr(cfg, heads)
     _expect(w, (h * cfg.head_dim,), name)
-    return w.reshape(h, cfg.head_dim)
+    return w.reshape(cfg.kv_heads, h // cfg.kv_heads, cfg.head_dim)
 
   return f
 
@@ -178,9 +179,9 @@ def _heads_out(w, cfg, name):  # o_proj: [embed, q_heads*head_dim] -> [q_heads, 
   return w.T.reshape(cfg.q_heads, cfg.head_dim, cfg.embed)
 
 
-def _ffw_in(w, cfg, name):  # gate/up: [ffw, embed] -> [embed, ffw]
+def _ffw_in(w, cfg, name):  # gate/up: [ffw, embed] -> [embed, 1, ffw]
   _expect(w, (cfg.ffw_size, cfg.embed), name)
-  return w.T
+  return w.T[:, None]
 
 
 def _ffw_out(w, cfg, name):  # down: [embed, ffw] -> [ffw, embed]
@@ -188,26 +189,36 @@ def _ffw_out(w, cfg, name):  # down: [embed, ffw] -> [ffw, embed]
   return w.T
 
 
+# Where a HF tensor goes in a jkv leaf that holds several (``jkv.params.Layers``: the projections that share an
+# input): its name, and its indices along the second-to-last axis of the leaf's layer slot (qkv [embed, kv_heads,
+# g + 2, D], qkv_bias [kv_heads, g + 2, D], gate_up [embed, 2, ffw]), from the config.
+_PARTS = {
+    "q": lambda cfg: slice(0, cfg.q_per_kv),
+    "k": lambda cfg: slice(cfg.q_per_kv, cfg.q_per_kv + 1),
+    "v": lambda cfg: slice(cfg.q_per_kv + 1, cfg.q_per_kv + 2),
+    "gate": lambda cfg: slice(0, 1),
+    "up": lambda cfg: slice(1, 2),
+}
 _LAYER = r"model\.layers\.(\d+)\."
-KEY_TABLE: tuple[tuple[str, Optional[str], Optional[Callable]], ...] = (
-    (r"model\.embed_tokens\.weight", "embedding", _embedding),
-    (r"model\.norm\.weight", "final_norm", _norm),
-    (r"lm_head\.weight", "lm_head", _lm_head),
-    (_LAYER + r"input_layernorm\.weight", "layers.attn_norm", _norm),
-    (_LAYER + r"self_attn\.q_proj\.weight", "layers.q", _heads_in("q_heads")),
-    (_LAYER + r"self_attn\.k_proj\.weight", "layers.k", _heads_in("kv_heads")),
-    (_LAYER + r"self_attn\.v_proj\.weight", "layers.v", _heads_in("kv_heads")),
-    (_LAYER + r"self_attn\.q_proj\.bias", "layers.q_bias", _heads_bias("q_heads")),
-    (_LAYER + r"self_attn\.k_proj\.bias", "layers.k_bias", _heads_bias("kv_heads")),
-    (_LAYER + r"self_attn\.v_proj\.bias", "layers.v_bias", _heads_bias("kv_heads")),
-    (_LAYER + r"self_attn\.o_proj\.weight", "layers.o", _heads_out),
-    (_LAYER + r"post_attention_layernorm\.weight", "layers.mlp_norm", _norm),
-    (_LAYER + r"mlp\.gate_proj\.weight", "layers.w_gate", _ffw_in),
-    (_LAYER + r"mlp\.up_proj\.weight", "layers.w_up", _ffw_in),
-    (_LAYER + r"mlp\.down_proj\.weight", "layers.w_down", _ffw_out),
-    (_LAYER + r"self_attn\.rotary_emb\.inv_freq", None, None),  # old checkpoints store RoPE buffers: recomputed
+KEY_TABLE: tuple[tuple[str, Optional[str], Optional[str], Optional[Callable]], ...] = (
+    (r"model\.embed_tokens\.weight", "embedding", None, _embedding),
+    (r"model\.norm\.weight", "final_norm", None, _norm),
+    (r"lm_head\.weight", "lm_head", None, _lm_head),
+    (_LAYER + r"input_layernorm\.weight", "layers.attn_norm", None, _norm),
+    (_LAYER + r"self_attn\.q_proj\.weight", "layers.qkv", "q", _heads_in("q_heads")),
+    (_LAYER + r"self_attn\.k_proj\.weight", "layers.qkv", "k", _heads_in("kv_heads")),
+    (_LAYER + r"self_attn\.v_proj\.weight", "layers.qkv", "v", _heads_in("kv_heads")),
+    (_LAYER + r"self_attn\.q_proj\.bias", "layers.qkv_bias", "q", _heads_bias("q_heads")),
+    (_LAYER + r"self_attn\.k_proj\.bias", "layers.qkv_bias", "k", _heads_bias("kv_heads")),
+    (_LAYER + r"self_attn\.v_proj\.bias", "layers.qkv_bias", "v", _heads_bias("kv_heads")),
+    (_LAYER + r"self_attn\.o_proj\.weight", "layers.o", None, _heads_out),
+    (_LAYER + r"post_attention_layernorm\.weight", "layers.mlp_norm", None, _norm),
+    (_LAYER + r"mlp\.gate_proj\.weight", "layers.gate_up", "gate", _ffw_in),
+    (_LAYER + r"mlp\.up_proj\.weight", "layers.gate_up", "up", _ffw_in),
+    (_LAYER + r"mlp\.down_proj\.weight", "layers.w_down", None, _ffw_out),
+    (_LAYER + r"self_attn\.rotary_emb\.inv_freq", None, None, None),  # old checkpoints store RoPE buffers
 )
-_COMPILED = tuple((re.compile(pattern), path, fn) for pattern, path, fn in KEY_TABLE)
+_COMPILED = tuple((re.compile(pattern), path, part, fn) for pattern, path, part, fn in KEY_TABLE)
 
 
 def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source: str) -> params_lib.Params:
@@ -219,13 +230,14 @@ def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source
   the config ties the embeddings (as transformers does).
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(params_lib.abstract(cfg))
-  target = {".".join(k.name for k in path): leaf for path, leaf in flat}  # "layers.q" -> leaf; no None leaves
+  target = {".".join(k.name for k in path): leaf for path, leaf in flat}  # "layers.qkv" -> leaf; no None leaves
   dtype = np.dtype(cfg.jnp_dtype)
   arrays = {path: np.zeros(leaf.shape, dtype) for path, leaf in target.items()}
-  # filled[path][i]: layer i of a per-layer leaf (or the whole leaf, i = 0) has been written.
-  filled = {path: np.zeros(cfg.num_layers if path.startswith("layers.") else 1, bool) for path in target}
+  # filled[path, part][i]: layer i of a per-layer leaf (or the whole leaf, i = 0) has that part written.
+  filled = {(path, part): np.zeros(cfg.num_layers if path.startswith("layers.") else 1, bool)
+            for _, path, part, _ in KEY_TABLE if path in target}
   for name, array in tensors:
-    for regex, path, fn in _COMPILED:
+    for regex, path, part, fn in _COMPILED:
       m = regex.fullmatch(name)
       if m:
         break
@@ -240,19 +252,20 @@ def assemble(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source
     if layer is not None and not 0 <= layer < cfg.num_layers:
       raise ValueError(f"{source}: tensor {name!r} is for layer {layer}, but the config has {cfg.num_layers}")
     slot = 0 if layer is None else layer
-    if filled[path][slot]:
+    if filled[path, part][slot]:
       raise ValueError(f"{source}: duplicate tensor {name!r}")
     value = fn(np.asarray(array), cfg, name)
-    if layer is None:
-      arrays[path][...] = value
+    destination = arrays[path] if layer is None else arrays[path][layer]
+    if part is None:
+      destination[...] = value
     else:
-      arrays[path][layer] = value
-    filled[path][slot] = True
+      destination[..., _PARTS[part](cfg), :] = value
+    filled[path, part][slot] = True
 
-  for path, done in filled.items():
+  for (path, part), done in filled.items():
     if not done.all():
       where = f" for layers {np.flatnonzero(~done).tolist()}" if path.startswith("layers.") else ""
-      raise ValueError(f"{source}: missing tensor for {path}{where}")
+      raise ValueError(f"{source}: missing tensor for {path}{'' if part is None else f' ({part})'}{where}")
   return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(arrays.pop(path)) for path in target])
 
 

@@ -67,24 +67,23 @@ def _matmul(subscripts, x, w):
 
 
 def _qkv(layer, h, positions, cfg):
-  """Projections and RoPE. Returns q [B, H, T, g, D], k and v [B, H, T, D]."""
-  q = _matmul("bte,ehd->bthd", h, layer.q)
-  k = _matmul("bte,ehd->bthd", h, layer.k)
-  v = _matmul("bte,ehd->bthd", h, layer.v)
+  """Projections (one product) and RoPE. Returns q [B, H, T, g, D], k and v [B, H, T, D]."""
+  qkv = _matmul("bte,ehgd->bthgd", h, layer.qkv)
   if cfg.qkv_bias:
-    q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+    qkv = qkv + layer.qkv_bias
+  B, T = h.shape[:2]
+  g = cfg.q_per_kv
+  q, k, v = qkv[:, :, :, :g].reshape(B, T, cfg.q_heads, cfg.head_dim), qkv[:, :, :, g], qkv[:, :, :, g + 1]
   inv_freq = rope_frequencies(cfg)
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-  B, T = h.shape[:2]
-  q = q.reshape(B, T, cfg.kv_heads, cfg.q_per_kv, cfg.head_dim).transpose(0, 2, 1, 3, 4)
+  q = q.reshape(B, T, cfg.kv_heads, g, cfg.head_dim).transpose(0, 2, 1, 3, 4)
   return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def _mlp(layer, x, cfg):
   h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
-  gate = _matmul("bte,ef->btf", h, layer.w_gate)
-  up = _matmul("bte,ef->btf", h, layer.w_up)
-  return x + _einsum32("btf,fe->bte", jax.nn.silu(gate) * up, layer.w_down)
+  gate_up = _matmul("bte,ecf->btcf", h, layer.gate_up)
+  return x + _einsum32("btf,fe->bte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], layer.w_down)
 
 
 def _attn_out(layer, x, attn, cfg):

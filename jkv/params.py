@@ -18,16 +18,15 @@ class Layers:
   """All decoder layers, stacked along axis 0 (L = num_layers)."""
 
   attn_norm: jax.Array  # [L, embed]
-  q: jax.Array  # [L, embed, q_heads, head_dim]
-  k: jax.Array  # [L, embed, kv_heads, head_dim]
-  v: jax.Array  # [L, embed, kv_heads, head_dim]
+  # The projections that share an input are one product each (a decode step reads every weight once, and a
+  # separate product per matrix cost 0.5 ms of a Llama-3-8B step at B = 8 on an H100: benchmarks/README.md):
+  # KV head h's g query heads (query head g h + j), then its key, then its value, so that the heads split with
+  # their KV head over a mesh; the MLP's gate, then its up projection.
+  qkv: jax.Array  # [L, embed, kv_heads, q_per_kv + 2, head_dim]
   o: jax.Array  # [L, q_heads, head_dim, embed]
-  q_bias: Optional[jax.Array]  # [L, q_heads, head_dim] (Qwen2) or None
-  k_bias: Optional[jax.Array]  # [L, kv_heads, head_dim] or None
-  v_bias: Optional[jax.Array]  # [L, kv_heads, head_dim] or None
+  qkv_bias: Optional[jax.Array]  # [L, kv_heads, q_per_kv + 2, head_dim] (Qwen2) or None
   mlp_norm: jax.Array  # [L, embed]
-  w_gate: jax.Array  # [L, embed, ffw_size]
-  w_up: jax.Array  # [L, embed, ffw_size]
+  gate_up: jax.Array  # [L, embed, 2, ffw_size]
   w_down: jax.Array  # [L, ffw_size, embed]
 
 
@@ -42,7 +41,7 @@ class Params:
 def abstract(cfg: ModelConfig) -> Params:
   """The parameter tree as ``jax.ShapeDtypeStruct`` leaves: shapes and dtypes written once."""
   L, E, F = cfg.num_layers, cfg.embed, cfg.ffw_size
-  Hq, Hkv, D = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+  Hq, Hkv, g, D = cfg.q_heads, cfg.kv_heads, cfg.q_per_kv, cfg.head_dim
   dt = cfg.jnp_dtype
 
   def s(*shape):
@@ -50,16 +49,11 @@ def abstract(cfg: ModelConfig) -> Params:
 
   layers = Layers(
       attn_norm=s(L, E),
-      q=s(L, E, Hq, D),
-      k=s(L, E, Hkv, D),
-      v=s(L, E, Hkv, D),
+      qkv=s(L, E, Hkv, g + 2, D),
       o=s(L, Hq, D, E),
-      q_bias=s(L, Hq, D) if cfg.qkv_bias else None,
-      k_bias=s(L, Hkv, D) if cfg.qkv_bias else None,
-      v_bias=s(L, Hkv, D) if cfg.qkv_bias else None,
+      qkv_bias=s(L, Hkv, g + 2, D) if cfg.qkv_bias else None,
       mlp_norm=s(L, E),
-      w_gate=s(L, E, F),
-      w_up=s(L, E, F),
+      gate_up=s(L, E, 2, F),
       w_down=s(L, F, E),
   )
   return Params(
@@ -75,8 +69,12 @@ def init_random(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
   tree = abstract(cfg)
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  # Drawn in the target dtype: an 8B-parameter tree in fp32 first would need twice the memory.
-  out = [(scale * jax.random.normal(k, x.shape, x.dtype)).astype(x.dtype) for k, x in zip(keys, leaves)]
+  # Drawn in the target dtype (an 8B-parameter tree in fp32 first would need twice the memory), each leaf by one
+  # compiled computation that writes it directly: op by op, a leaf of 7 GiB (gate_up at the Llama-3-8B shape) left
+  # as many temporaries of its size behind in the allocator's pool, and the largest batch then ran out beside them.
+  draw = jax.jit(lambda k, shape, dtype: (scale * jax.random.normal(k, shape, dtype)).astype(dtype),
+                 static_argnums=(1, 2))
+  out = [draw(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
   params = jax.tree.unflatten(treedef, out)
   ones = lambda a: jnp.ones_like(a)
   return params.replace(

@@ -240,21 +240,15 @@ def local_bytes(abstract, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_R
 def param_axes(cfg: ModelConfig) -> Params:
   """The logical axis names of every parameter, in the parameter tree (``jkv.params.abstract``'s shapes)."""
   per_layer = lambda *names: ("layers",) + names
-  bias = lambda heads: per_layer(heads, "head_dim") if cfg.qkv_bias else None
   return Params(
       embedding=("vocab", "embed"),
       layers=Layers(
           attn_norm=per_layer("embed"),
-          q=per_layer("embed", "q_heads", "head_dim"),
-          k=per_layer("embed", "kv_heads", "head_dim"),
-          v=per_layer("embed", "kv_heads", "head_dim"),
+          qkv=per_layer("embed", "kv_heads", "qkv", "head_dim"),  # a KV head's queries, key and value together
           o=per_layer("q_heads", "head_dim", "embed"),
-          q_bias=bias("q_heads"),
-          k_bias=bias("kv_heads"),
-          v_bias=bias("kv_heads"),
+          qkv_bias=per_layer("kv_heads", "qkv", "head_dim") if cfg.qkv_bias else None,
           mlp_norm=per_layer("embed"),
-          w_gate=per_layer("embed", "ffw"),
-          w_up=per_layer("embed", "ffw"),
+          gate_up=per_layer("embed", "gate_up", "ffw"),
           w_down=per_layer("ffw", "embed"),
       ),
       final_norm=("embed",),

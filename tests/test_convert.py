@@ -100,8 +100,8 @@ def test_bf16_safetensors(tmp_path):
   tokens = _tokens(cfg.vocab_size)
   _assert_logits_close(_jkv_logits(cfg, params, tokens), _hf_logits(reference, tokens))
   cfg16, params16 = hf_safetensors.load_hf(str(tmp_path), dtype="bfloat16")
-  assert cfg16.dtype == "bfloat16" and params16.layers.q.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(params16.layers.q, np.float32), np.asarray(params.layers.q))
+  assert cfg16.dtype == "bfloat16" and params16.layers.qkv.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(params16.layers.qkv, np.float32), np.asarray(params.layers.qkv))
 
 
 def test_sliding_window_clamps_context(tmp_path):
@@ -321,7 +321,7 @@ def test_unknown_and_missing_tensors(tmp_path):
     hf_safetensors.load_hf(str(tmp_path))
   _edit_safetensors(tmp_path, lambda t: [t.pop("model.layers.0.mlp.extra.weight"),
                                          t.pop("model.layers.1.self_attn.k_proj.weight")])
-  with pytest.raises(ValueError, match=r"missing tensor for layers.k for layers \[1\]"):
+  with pytest.raises(ValueError, match=r"missing tensor for layers.qkv \(k\) for layers \[1\]"):
     hf_safetensors.load_hf(str(tmp_path))
 
 

@@ -187,7 +187,8 @@ def test_invalid_token_ids_are_rejected(tiny_llama, prompts, message):
 
 def test_non_finite_logits_raise_instead_of_returning_tokens(tiny_llama):
   _, m = tiny_llama
-  params = m.params.replace(layers=m.params.layers.replace(w_up=m.params.layers.w_up.at[1, 0, 0].set(np.nan)))
+  gate_up = m.params.layers.gate_up.at[1, 0, 1, 0].set(np.nan)  # layer 1's up projection
+  params = m.params.replace(layers=m.params.layers.replace(gate_up=gate_up))
   prompts = random_prompts(m.config.vocab_size, [6, 9], seed=1)
   with pytest.raises(ValueError, match=r"non-finite logits for sequence\(s\) 0, 1") as e:
     gen.generate(params, m.config, prompts, max_new_tokens=4)

@@ -132,13 +132,16 @@ def test_damaged_checkpoint_json_is_one_line(tiny_ckpt, tmp_path):
     load_lib.load_model(str(ckpt))
 
 
-def test_format_1_checkpoints_are_refused_in_one_line(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("fmt, message", [(1, "format 1 .*no checksums; convert the source again"),
+                                          (2, "format 2 .*projections apart; convert the source again")])
+def test_older_checkpoint_formats_are_refused_in_one_line(tiny_ckpt, tmp_path, fmt, message):
   ckpt = _copy(tiny_ckpt, tmp_path / "ckpt")
   marker = ckpt / checkpoint.MARKER
   meta = json.loads(marker.read_text())
-  marker.write_text(json.dumps({"format": 1, "config": meta["config"], "tokenizer": None}))
-  with pytest.raises(ValueError, match="format 1 .*no checksums; convert the source again"):
+  marker.write_text(json.dumps({"format": fmt, "config": meta["config"], "tokenizer": None}))
+  with pytest.raises(ValueError, match=message) as e:
     load_lib.load_model(str(ckpt))
+  assert "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------- atomic writes and leftovers
@@ -202,11 +205,11 @@ def _edit_safetensors(directory, edit):
 def test_non_finite_weights_are_refused_at_load(capsys, tiny_hf_dir, tmp_path):
   hf = _copy(tiny_hf_dir, tmp_path / "hf")
   _edit_safetensors(hf, lambda t: t["model.layers.1.self_attn.q_proj.weight"].__setitem__((3, 5), np.nan))
-  with pytest.raises(ValueError, match=r"params\.layers\.q holds 1 non-finite float32 value\(s\), the first nan "
+  with pytest.raises(ValueError, match=r"params\.layers\.qkv holds 1 non-finite float32 value\(s\), the first nan "
                                        r"at index \(1, 5, ") as e:
     load_lib.load_model(str(hf))
   assert "\n" not in str(e.value)
-  one_line_error(run(capsys, "generate", "hi", "--model", str(hf)), "params.layers.q", "non-finite")
+  one_line_error(run(capsys, "generate", "hi", "--model", str(hf)), "params.layers.qkv", "non-finite")
   _edit_safetensors(hf, lambda t: t["model.embed_tokens.weight"].__setitem__((7, 0), np.inf))
   with pytest.raises(ValueError, match=r"params\.embedding holds 1 non-finite float32 value\(s\), the first inf "
                                        r"at index \(7, 0\)"):

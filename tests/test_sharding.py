@@ -83,8 +83,8 @@ def test_logical_axes_map_to_mesh_axes():
 def test_parameters_split_over_heads_and_the_mlp():
   axes = sharding.param_axes(CFG)
   spec = lambda a: sharding.logical_to_spec(a, abstract_mesh(2, 2))
-  assert spec(axes.layers.q) == P(None, None, "model") and spec(axes.layers.o) == P(None, "model")
-  assert spec(axes.layers.w_gate) == P(None, None, "model") and spec(axes.layers.w_down) == P(None, "model")
+  assert spec(axes.layers.qkv) == P(None, None, "model") and spec(axes.layers.o) == P(None, "model")
+  assert spec(axes.layers.gate_up) == P(None, None, None, "model") and spec(axes.layers.w_down) == P(None, "model")
   assert spec(axes.layers.attn_norm) == P()
 
 
