@@ -19,19 +19,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+from generate_decode import LLAMA3_8B, copy_rate, median_ms
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
-L, E, HKV, G, D, F = 32, 4096, 8, 4, 128, 14336
-
-
-def timed(fn, *args, reps=20):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+L, E, HKV, D, F = (LLAMA3_8B[k] for k in ("num_layers", "embed", "kv_heads", "head_dim", "ffw_size"))
+G = LLAMA3_8B["q_heads"] // HKV
 
 
 def dot(x, w):
@@ -68,9 +60,7 @@ def main():
                             separate[2][:, :, :, None]], axis=3),
            jnp.stack(separate[3:], axis=2))
   weight_bytes = sum(w.nbytes for w in separate)
-  big = jnp.ones((1 << 30,), jnp.bfloat16)
-  rate = 2 * big.nbytes / timed(jax.jit(lambda a: a + 1), big)
-  del big
+  rate = copy_rate()
   floor = weight_bytes / rate
   records = []
   print(f"copy rate {rate / 1e12:.2f} TB/s; q, k, v, gate, up weights {weight_bytes / 2**30:.2f} GiB; "
@@ -80,8 +70,8 @@ def main():
     # Alternated, twice each: the copy rate moves a few percent from one timing to the next.
     ms = {"separate": [], "fused": []}
     for _ in range(2):
-      ms["separate"].append(1e3 * timed(scanned(separate_layer), x, separate))
-      ms["fused"].append(1e3 * timed(scanned(fused_layer), x, fused))
+      ms["separate"].append(median_ms(scanned(separate_layer), x, separate))
+      ms["fused"].append(median_ms(scanned(fused_layer), x, fused))
     for name, values in ms.items():
       t = statistics.median(values)
       print(f"B={batch:<4} {name:>9}: {t:7.3f} ms  ({t / 1e3 / floor:.2f}x the floor)  runs {values}")

@@ -60,19 +60,24 @@ def device_slug(kind: str) -> str:
 # ------------------------------------------------------------------------------------------------- jkv
 
 
+def median_ms(fn, *args, repeats=20) -> float:
+  """Median wall time of ``fn(*args)`` in ms, its outputs ready, over ``repeats`` calls after one warm-up call."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1e3 * statistics.median(times)
+
+
 def copy_rate() -> float:
   """Bytes read + written per second by a 4 GiB elementwise pass (the ceiling every floor below uses)."""
   import jax
   import jax.numpy as jnp
   x = jnp.ones((1 << 31,), jnp.bfloat16)
-  bump = jax.jit(lambda x: x + 1)
-  bump(x).block_until_ready()
-  times = []
-  for _ in range(10):
-    t = time.perf_counter()
-    bump(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  rate = 2 * x.nbytes / statistics.median(times)
+  rate = 2 * x.nbytes / (median_ms(jax.jit(lambda x: x + 1), x, repeats=10) / 1e3)
   x.delete()  # 4 GiB the batch runs below need
   return rate
 

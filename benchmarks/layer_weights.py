@@ -11,11 +11,11 @@ read at the copy rate:
 
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from generate_decode import copy_rate, median_ms
 
 L, E, F, B = 32, 4096, 14336, 8
 
@@ -25,24 +25,12 @@ def mlp(x, w_gate, w_up, w_down):
   return x + h @ w_down
 
 
-def timed(fn, *args, reps=20):
-  fn(*args).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn(*args).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
-
-
 def main():
   key = jax.random.key(0)
   ws = [jax.random.normal(k, shape, jnp.bfloat16) * 0.01
         for k, shape in zip(jax.random.split(key, 3), [(L, E, F), (L, E, F), (L, F, E)])]
   x = jax.random.normal(key, (B, E), jnp.bfloat16)
-  big = jnp.ones((1 << 30,), jnp.bfloat16)
-  rate = 2 * big.nbytes / timed(jax.jit(lambda a: a + 1), big)
-  del big
+  rate = copy_rate()
   weight_bytes = sum(w.nbytes for w in ws)
 
   scan = jax.jit(lambda x, g, u, d: jax.lax.scan(lambda x, w: (mlp(x, *w), None), x, (g, u, d))[0])
@@ -62,6 +50,7 @@ def main():
       x = mlp(x, g, u, d)
     return x
 
+  timed = lambda fn, *args: median_ms(fn, *args) / 1e3
   rows = {"scan": timed(scan, x, *ws), "unrolled": timed(unrolled, x, *ws), "separate": timed(separate, x, *separate_ws)}
   floor = weight_bytes / rate
   print(f"copy rate {rate / 1e12:.2f} TB/s; MLP weights {weight_bytes / 2**30:.2f} GiB; floor {1e3 * floor:.2f} ms")

@@ -48,7 +48,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from generate_decode import LLAMA3_8B, SMOKE, device_slug, now  # noqa: E402
+from generate_decode import LLAMA3_8B, SMOKE, device_slug, median_ms, now  # noqa: E402
 from records import save  # noqa: E402
 
 RECORD_KEY = lambda r: (r["part"], r.get("impl"), r.get("probe"), r["device"])  # a rerun replaces these records
@@ -68,17 +68,6 @@ DEFAULT_METHODS = ("dense", "kivi2", "specache1", "specache1_sync")
 
 def _first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-
-
-def _median_ms(fn, *args, repeats=20):
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------------- check
@@ -103,7 +92,7 @@ def check_part(smoke):
   kv_dev = jax.random.normal(jax.random.key(0), (layers, batch, heads, capacity, width), dtype)
   kv_host = jax.device_put(kv_dev, host_sharding)
   idx = jax.random.randint(jax.random.key(1), (batch, heads, k), 0, capacity, jnp.int32)
-  layer = jnp.int32(layers - 1)
+  layer = jnp.int32(layers - 1)  # the gathers take rows of several layers from it: here one, [1, B, H, k]
   want = np.asarray(jnp.take_along_axis(kv_dev[layers - 1], idx[..., None], axis=2))
   rows_bytes = batch * heads * k * width * jnp.dtype(dtype).itemsize
   records = []
@@ -114,7 +103,7 @@ def check_part(smoke):
       out = jax.jit(fn)(*args)
       if expect is not None:
         record["bit_exact"] = bool(np.array_equal(np.asarray(out), expect))
-      record["ms"] = _median_ms(jax.jit(fn), *args)
+      record["ms"] = median_ms(jax.jit(fn), *args)
       if nbytes:
         record["gb_per_s"] = nbytes / record["ms"] / 1e6
       record["out_memory_kind"] = out.sharding.memory_kind
@@ -124,22 +113,21 @@ def check_part(smoke):
     records.append(record)
 
   interpret = device.platform != "gpu"
-  probe("pallas_gather_pinned_host", lambda x, i: gather_rows_pallas(x, layer, i, interpret=interpret), kv_host, idx,
-        expect=want, nbytes=rows_bytes)
-  probe("pallas_gather_device", lambda x, i: gather_rows_pallas(x, layer, i, interpret=interpret), kv_dev, idx,
-        expect=want, nbytes=rows_bytes)
+  pallas_gather = lambda x, i: gather_rows_pallas(x, layer, i[None], interpret=interpret)[0]
+  probe("pallas_gather_pinned_host", pallas_gather, kv_host, idx, expect=want, nbytes=rows_bytes)
+  probe("pallas_gather_device", pallas_gather, kv_dev, idx, expect=want, nbytes=rows_bytes)
   # The CPU path's form (a gather in host memory with host-resident indices): does XLA take it on this device?
   flat = lambda i: (((layers - 1) * batch + jnp.arange(batch)[:, None, None]) * heads
                     + jnp.arange(heads)[None, :, None]) * capacity + i
   probe("xla_host_gather", lambda x, i: to_device(jnp.take(x.reshape(-1, width), to_host(flat(i)), axis=0,
                                                            mode="clip")), kv_host, idx, expect=want, nbytes=rows_bytes)
-  probe("host_rows_one_by_one", lambda x, i: gather_host_rows_one_by_one(x, layer, i), kv_host, idx, expect=want,
-        nbytes=rows_bytes)
+  probe("host_rows_one_by_one", lambda x, i: gather_host_rows_one_by_one(x, layer, i[None])[0], kv_host, idx,
+        expect=want, nbytes=rows_bytes)
   probe("xla_device_gather", lambda x, i: jnp.take_along_axis(x[layer], i[..., None], axis=2), kv_dev, idx,
         expect=want, nbytes=rows_bytes)
-  row = jnp.ones((batch, heads, 1, width), dtype)
+  row = jnp.ones((layers, batch, heads, 1, width), dtype)  # every layer's row of each sequence, as a step writes
   positions = jnp.arange(batch, dtype=jnp.int32) * 7
-  write = jax.jit(lambda x, r, p: host_write_rows(x, layer, r, p), donate_argnums=0, out_shardings=host_sharding)
+  write = jax.jit(host_write_rows, donate_argnums=0, out_shardings=host_sharding)
   record = dict(base, probe="host_write_rows_in_place")
   try:
     out = write(kv_host, row, positions)
