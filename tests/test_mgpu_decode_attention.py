@@ -10,13 +10,14 @@ lengths.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv_kernels import quantization
+from jkv_kernels import mma_layout, quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_segment_depth, default_splits,
@@ -24,23 +25,38 @@ from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_seg
                                                mgpu_decode_partial, pool_splits, shared_memory_bytes,
                                                slot_probabilities, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, check_mma_packing, field_plan, key_register_map, magic_half,
-                                    pack_mma_store, quad_word_position, read_mma_store, read_mma_tiles,
-                                    register_slots, value_register_map, word_positions)
+                                    quad_word_position, read_mma_tiles, register_slots, value_register_map,
+                                    word_positions)
+
+# The packing's functions compiled whole, as the methods run them (inside their jitted steps): run op by op, each
+# test's new shapes compiled every one of their small ops anew, most of this module's CPU time.
+pack_mma_store = jax.jit(mma_layout.pack_mma_store)
+read_mma_store = jax.jit(mma_layout.read_mma_store)
+merge_into_tiles = jax.jit(mma_layout.merge_into_tiles, static_argnames=("k_bits", "v_bits"))
+read_key_tiles = jax.jit(mma_layout.read_key_tiles, static_argnames=("bits", "group"))
+read_value_tiles = jax.jit(mma_layout.read_value_tiles, static_argnames=("bits", "group"))
 
 
 def make_store(seed, *, k_bits, v_bits, k_group, v_group, dtype, layers=2, batch=3, kv_heads=2, capacity=512,
                head_dim=128, lengths=None):
   """A KIVI-layout store of quantized normal keys and values, stacked over ``layers``."""
-  kk, kv = jax.random.split(jax.random.key(seed))
-  lead = (layers, batch, kv_heads)
+  arrays = _quantized_arrays(jax.random.key(seed), k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+                             dtype=dtype, lead=(layers, batch, kv_heads), head_dim=head_dim, capacity=capacity)
+  lengths = [capacity, capacity - 77, 100][:batch] if lengths is None else lengths
+  return QuantizedStore(*arrays, jnp.asarray(lengths, jnp.int32), k_bits, v_bits, k_group, v_group)
+
+
+@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "k_group", "v_group", "dtype", "lead", "head_dim",
+                                             "capacity"))
+def _quantized_arrays(key, *, k_bits, v_bits, k_group, v_group, dtype, lead, head_dim, capacity):
+  """``make_store``'s codes (packed), scales and zero-points, keys then values."""
+  kk, kv = jax.random.split(key)
   k = jax.random.normal(kk, (*lead, head_dim, capacity), jnp.float32)
   v = jax.random.normal(kv, (*lead, capacity, head_dim), jnp.float32)
   k_codes, k_scale, k_zero = quantization.quantize(k, bits=k_bits, axis=4, group_size=k_group, meta_dtype=dtype)
   v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=4, group_size=v_group, meta_dtype=dtype)
-  lengths = [capacity, capacity - 77, 100][:batch] if lengths is None else lengths
-  return QuantizedStore(quantization.pack(k_codes, bits=k_bits, axis=4), k_scale, k_zero,
-                        quantization.pack(v_codes, bits=v_bits, axis=4), v_scale, v_zero,
-                        jnp.asarray(lengths, jnp.int32), k_bits, v_bits, k_group, v_group)
+  return (quantization.pack(k_codes, bits=k_bits, axis=4), k_scale, k_zero,
+          quantization.pack(v_codes, bits=v_bits, axis=4), v_scale, v_zero)
 
 
 def largest_magic(bits):
@@ -115,7 +131,6 @@ def test_merging_tokens_into_tiles_replaces_them_and_keeps_the_rest(bits, k_grou
   """A block of new tokens merged into packed tiles at a per-sequence offset: read back, those tokens are the new
   block's and every other token (and key group) is the old tiles', for each width (1-bit words mix both halves
   of a value tile's tokens)."""
-  from jkv_kernels.mma_layout import merge_into_tiles, read_key_tiles, read_value_tiles
   config = dict(k_bits=bits, v_bits=bits, k_group=k_group, v_group=32, dtype=jnp.float16, layers=1, batch=2)
   old = make_store(40, capacity=64 * tiles, **config)
   new = make_store(41, capacity=tokens, **config)
