@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import struct
 
+from jkv import attention
 from jkv import generate as gen
 from jkv import memory
-from jkv.attention import decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, KVCache, abstract_bytes, is_array_info
 from jkv.cache_arrays import write_at, write_layer
 from jkv.evaluation import compare as compare_lib
@@ -28,6 +28,11 @@ METHODS = [("dense", {}), ("kivi", dict(bits=2, residual=32)), ("fakequant", dic
 V2_METHODS = [("zipcache", dict(interval=8, key_group=16, random_probes=0.3)),
               ("ott", dict(group_size=32, residual=8, aux_size=8, no_pool_layers=0)),
               ("specache", dict(residual=32, fetch_rows=8))]
+
+# ``decode_attention`` compiled whole, as the methods run it (inside their jitted steps): op by op, each call's
+# shapes compiled every one of its small ops anew.
+decode_attention = jax.jit(attention.decode_attention, static_argnames=("impl", "return_lse", "token_mass_rows",
+                                                                        "store_mass"))
 
 
 # ------------------------------------------------------------------------------------------------- a new method
