@@ -4,6 +4,7 @@ Layers are stacked: every per-layer array has a leading ``num_layers`` axis, so 
 Conversion (``jkv_convert``) fills this same tree, path by path, from the shapes ``abstract`` gives.
 """
 
+import functools
 from typing import Optional
 
 import jax
@@ -64,17 +65,20 @@ def abstract(cfg: ModelConfig) -> Params:
   )
 
 
+# Drawn in the target dtype (an 8B-parameter tree in fp32 first would need twice the memory), each leaf by one
+# compiled computation that writes it directly: op by op, a leaf of 7 GiB (gate_up at the Llama-3-8B shape) left
+# as many temporaries of its size behind in the allocator's pool, and the largest batch then ran out beside them.
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _random_leaf(key, scale, shape, dtype):
+  return (scale * jax.random.normal(key, shape, dtype)).astype(dtype)
+
+
 def init_random(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
   """Random parameters of the right shapes (benchmarks and tests); norms start at one."""
   tree = abstract(cfg)
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  # Drawn in the target dtype (an 8B-parameter tree in fp32 first would need twice the memory), each leaf by one
-  # compiled computation that writes it directly: op by op, a leaf of 7 GiB (gate_up at the Llama-3-8B shape) left
-  # as many temporaries of its size behind in the allocator's pool, and the largest batch then ran out beside them.
-  draw = jax.jit(lambda k, shape, dtype: (scale * jax.random.normal(k, shape, dtype)).astype(dtype),
-                 static_argnums=(1, 2))
-  out = [draw(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  out = [_random_leaf(k, scale, x.shape, x.dtype) for k, x in zip(keys, leaves)]
   params = jax.tree.unflatten(treedef, out)
   ones = lambda a: jnp.ones_like(a)
   return params.replace(

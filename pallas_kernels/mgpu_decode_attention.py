@@ -468,13 +468,13 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
               max_concurrent_steps, segment_depth, columns=None):
   """One Mosaic GPU kernel over grid (Hkv, B, S) for q [B, Hkv, T g or rows, D] in fp16 or bf16 (its rows padded
   to ``rows``, 8 or 16, the N of the key product and the width of the softmax, in the kernel or, zeros, already;
-  the padded rows' outputs are unspecified) and layer [1] int32
-  (clamped in the kernel, as each store's lengths are: no work around it) over ``stores``, store i in
-  ``splits[i]`` programs of ``step_tiles[i]`` tiles a step (S their sum; a program picks its store by its split
-  index: ZipCache's pools in one launch): the fp32 partials o [B, Hkv, S, D, N] (holding o [N, D] row-major:
-  ``_transpose_in_place``), l, m [B, Hkv, S, N] (m in log2 units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens
-  join the last split's softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first,
-  count) (``logit_columns``): also the store's slot weights of those columns, p = exp2(logit - m) as the value
+  the padded rows' outputs are unspecified) and layer [1] int32 (clamped in the kernel, as each store's lengths
+  are: no work around it) over ``stores``, store i in ``splits[i]`` programs of ``step_tiles[i]`` tiles a step (S
+  their sum; a program picks its store by its split index: ZipCache's pools in one launch): the fp32 partials
+  o [B, Hkv, S, D, N] (holding o [N, D] row-major: ``_transpose_in_place``), l, m [B, Hkv, S, N] (m in log2
+  units). ``segment``: None, or ``_segment_inputs``'s (q, k, v, allowed): its tokens join the last split's
+  softmax. ``segment_depth``: ``mgpu_decode_partial``'s. ``columns``: None, or (first, count)
+  (``logit_columns``): also the store's slot weights of those columns, p = exp2(logit - m) as the value
   product takes it (fp16, [B, Hkv, S * tiles, 64 count / 128, 128]: each tile's [64, count] row-major), and the
   warps' maxima m of each step (fp32 log2 units, [B, Hkv, S * steps, 4, count]: warp w's, of tokens 16 w .. 16 w
   + 15 of every tile of the step); steps the program skips, past the length, are not written. With a segment too,
