@@ -1048,6 +1048,12 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     counts = (splits,)
   counts = tuple(-(-store.k_codes.shape[3] // split_tiles(store, count, step))  # those that cover the capacity
                  for store, count, step in zip(stores, counts, steps))
+  for store, count, step in zip(stores, counts, steps):
+    # A one-tile step's hole bytes (64) fill half of TMA's 128-byte unit, and a split of more than one such step
+    # stopped on an H100 with a misaligned address (round 28): refused here rather than crashing the device.
+    if store.valid is not None and step * TILE < 128 and split_tiles(store, count, step) > step:
+      raise ValueError(f"step_tiles={step} with holes needs one step a split ({count} splits hold "
+                       f"{split_tiles(store, count, step)} tiles each): take step_tiles=2 or more")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   # Layer, lengths and q go in as they come (clamped, padded and rounded in the kernel): each small op around the
   # kernel is a launch of its own, a microsecond or two.

@@ -474,6 +474,9 @@ def test_bad_arguments_raise():
       mgpu_decode_attention(q, 0, store, splits=splits, step_tiles=step_tiles)
   with pytest.raises(ValueError, match="step_tiles=0"):
     mgpu_decode_attention(q, 0, store, step_tiles=0)
+  holed = dataclasses.replace(store, valid=jnp.ones((2, 2, 512), bool))
+  with pytest.raises(ValueError, match="step_tiles=1 with holes"):  # 8 tiles in 4 splits: two one-tile steps each
+    mgpu_decode_attention(q, 0, holed, splits=4, step_tiles=1)
   with pytest.raises(ValueError, match="max_concurrent_steps=0"):
     mgpu_decode_attention(q, 0, store, max_concurrent_steps=0)
   with pytest.raises(ValueError, match="segment_depth=3 must be 1 or 2"):
