@@ -889,13 +889,16 @@ def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = Fa
   tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
   be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1).
   ``segment``: a segment joins the store (``shared_memory_bytes``). ``per_sm``: the programs that must fit an SM
-  (several stores in one launch ask for ``PROGRAMS_PER_SM``: their programs share one shared-memory size)."""
+  (several stores in one launch ask for ``PROGRAMS_PER_SM``: their programs share one shared-memory size). A store
+  with holes takes 2 tiles rather than 1 where 2 fit a whole SM: holes in one-tile steps fault when a split holds
+  more than one (``mgpu_decode_partial`` refuses them), so one program per SM beats that (head_dim 256, 8 bits)."""
   tiles = store.k_codes.shape[3]
-  budget = SHARED_PER_SM // per_sm - 1024
   steps = [step for step in (4, 2, 1) if step <= tiles]
   depth = 1 if per_sm > 2 else 2  # a segment's slots (two do not fit three programs whatever the step)
-  return next((step for step in steps if shared_memory_bytes(store, step, stages, segment, depth) <= budget),
-              steps[-1])
+  fits = lambda step, programs: (shared_memory_bytes(store, step, stages, segment, depth)
+                                 <= SHARED_PER_SM // programs - 1024)
+  chosen = next((step for step in steps if fits(step, per_sm)), steps[-1])
+  return 2 if chosen == 1 and store.valid is not None and tiles > 1 and fits(2, 1) else chosen
 
 
 def reads_segment(k, v) -> bool:

@@ -427,6 +427,24 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
     assert shared_memory_bytes(packed, chosen, stages, segment, segment_depth=1) == program_bytes(chosen, 1)
 
 
+@pytest.mark.parametrize("k_bits,head_dim,segment,per_sm", [(8, 256, False, 2), (2, 256, True, 2), (8, 128, False, 3)])
+def test_a_store_with_holes_takes_two_tile_steps(k_bits, head_dim, segment, per_sm):
+  """Where two (or three) programs an SM leave room for one-tile steps only, a store with holes takes two-tile
+  steps, one program an SM, instead (holes in one-tile steps fault once a split holds two steps), and that lowers;
+  the same store without holes keeps its one-tile step."""
+  plain = _abstract_store(k_bits, k_bits, 32, 32, head_dim, jnp.bfloat16)
+  holed = _abstract_store(k_bits, k_bits, 32, 32, head_dim, jnp.bfloat16, holes="step")
+  assert default_step_tiles(plain, 2, segment, per_sm) == 1
+  assert default_step_tiles(holed, 2, segment, per_sm) == 2
+  assert shared_memory_bytes(holed, 2, 2, segment, 1 if per_sm > 2 else 2) <= 227 * 1024
+  if not segment and per_sm == 2:
+    s = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, splits=1))
+    text = fn.trace(s((2, 2, 1, 4, head_dim), jnp.bfloat16), s((), jnp.int32), holed).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
 @pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
     (1, 32768, 2, 32), (8, 32768, 2, 32), (8, 32768, 4, 32), (8, 4736, 2, 128), (33, 4608, 2, 32), (256, 4608, 2, 32),
     (256, 4608, 4, 32), (3, 320, 2, 32)])
