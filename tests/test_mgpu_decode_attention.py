@@ -656,6 +656,25 @@ class TestMgpuDecodeAttentionGpu:
       assert np.linalg.norm(no_holes - o_ref) / np.linalg.norm(o_ref) > 10 * O_TOLERANCE
       np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
+  def test_holes_where_two_programs_fit_only_one_tile_steps(self):
+    """8-bit codes at head_dim 256 with holes: two programs an SM leave room for one-tile steps only, which fault
+    with holes, so the default step is two tiles (one program an SM); over splits of several steps, and over one
+    split, held to the reference."""
+    store = make_store(40, k_bits=8, v_bits=8, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
+                       head_dim=256, lengths=[1024, 700, 300])
+    kh, kq = jax.random.split(jax.random.key(41))
+    valid = jax.random.bernoulli(kh, 0.8, (2, 3, 2, 1024))
+    store = dataclasses.replace(store, valid=valid)
+    packed = dataclasses.replace(pack_mma_store(store), valid=valid)
+    assert default_step_tiles(packed) == 2 and default_step_tiles(dataclasses.replace(packed, valid=None)) == 1
+    q = jax.random.normal(kq, (3, 2, 1, 4, 256), jnp.bfloat16)
+    o_ref, lse_ref = decode_attention_reference(q, 1, (store,), (), return_lse=True)
+    o_ref = np.asarray(o_ref, np.float64)
+    for splits in (None, 2, 1):
+      o, lse = mgpu_decode_attention(q, 1, packed, return_lse=True, splits=splits)
+      assert np.linalg.norm(np.asarray(o, np.float64) - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
+
   @pytest.mark.parametrize("k_bits,dtype,step_tiles,t_rows,q_per_kv,splits,logit_rows", [
       (1, jnp.bfloat16, None, 2, 4, None, (1,)), (2, jnp.float16, 1, 1, 4, 3, (0,)),
       (4, jnp.bfloat16, 2, 3, 5, None, (2, 0)), (2, jnp.bfloat16, None, 2, 4, 2, (0, 1)),
