@@ -36,9 +36,10 @@ pipeline, ``segment_depth`` slots deep, into swizzled shared memory and are the 
 ``wgmma`` from there (the values transposed), in the segment's own 16-bit type, with a mask per (token, query row)
 beside them; rows of the neighbouring head that a tile starts on are masked out.
 
-A store with holes (``MmaStore.valid``) brings a byte per slot through the same pipeline, and each thread masks
-its tokens' logits with its two bytes of a tile. A value channel scale factors out of the sum over tokens: it
-multiplies the store's part of o once, as the warps' partials are merged, before a segment's values join it.
+A store with holes (``MmaStore.valid``) brings a byte per slot (two in one-tile steps: ``hole_dtype``) through the
+same pipeline, and each thread masks its tokens' logits with its two slots of a tile. A value channel scale factors
+out of the sum over tokens: it multiplies the store's part of o once, as the warps' partials are merged, before a
+segment's values join it.
 
 With ``logit_rows`` the kernel also writes out the store's slot weights of those query rows: p as the value
 product takes it (fp16) and each warp's running max per step, 2 bytes a slot and query head rather than a 4-byte
@@ -487,17 +488,17 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
     segment_tiles = (segment[3].shape[2] - 8) // TILE  # allowed [B, Hm, 8 + 64 n, rows]
   # TMA moves at most 256 elements along an axis: every word axis travels as [n / width, width] rows.
   as_rows = lambda a: a.reshape(*a.shape[:-1], -1, min(128, a.shape[-1]))
-  # Holes travel as one byte per slot, [1, B, Hkv or 1, C / 64, 64], through the same pipeline as the codes: each
-  # thread reads the bytes of its two tokens of a tile. They are cut to this call's layer before they are converted
-  # (converting every layer's, in every layer's call, is L times the work), and holes that every head shares are
-  # converted once. The channel scale is read as it is stored, at the layer.
+  # Holes travel as one byte per slot (two in one-tile steps: ``hole_dtype``), [1, B, Hkv or 1, C / 64, 64], through
+  # the same pipeline as the codes: each thread reads the slots of its two tokens of a tile. They are cut to this
+  # call's layer before they are converted (converting every layer's, in every layer's call, is L times the work),
+  # and holes that every head shares are converted once. The channel scale is read as it is stored, at the layer.
   this_layer = lambda x: lax.dynamic_index_in_dim(x, layer[0], keepdims=True) if x.ndim == 4 else x[None]
   store_inputs = [
       (store.length.astype(jnp.int32), *map(as_rows, (store.k_codes, store.k_meta, store.v_codes, store.v_meta)),
-       *(() if store.valid is None else (this_layer(store.valid).astype(jnp.int8).reshape(
+       *(() if store.valid is None else (this_layer(store.valid).astype(hole_dtype(step)).reshape(
            1, batch, store.valid.shape[-2], -1, TILE),)),
        *(() if store.v_channel_scale is None else (store.v_channel_scale,)))
-      for store in stores]
+      for store, step in zip(stores, step_tiles)]
   offsets = np.cumsum((0,) + tuple(splits))  # store i's programs: splits [offsets[i], offsets[i + 1])
   blocks = tuple(range(head_dim // 64))  # a segment's channel blocks of 64: one value product each
   f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
@@ -862,6 +863,13 @@ def default_segment_depth(store: MmaStore, step_tiles: int, stages: int = STAGES
   return 1 if fit(1) > fit(2) else 2
 
 
+def hole_dtype(step_tiles: int):
+  """The type holes travel in: a byte per slot, or two where a step's bytes would be fewer than 128, since TMA
+  writes each pipeline slot at a 128-byte boundary (one tile's 64 bytes in the second slot: a misaligned address
+  on an H100)."""
+  return jnp.int8 if step_tiles * TILE >= 128 else jnp.int16
+
+
 def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: bool = False,
                         segment_depth: int = 2) -> int:
   """Shared memory of one program: ``stages`` pipeline slots of a step's codes and scale words (and hole bytes),
@@ -870,7 +878,7 @@ def shared_memory_bytes(store: MmaStore, step_tiles: int, stages: int, segment: 
   (the two pipelines run one after the other)."""
   word = lambda a: a.shape[-1] * 4  # bytes of one row of a [..., n, W] uint32 array: a tile, or a key group
   step = step_tiles * (word(store.k_codes) + word(store.v_codes) + word(store.v_meta)
-                       + (TILE if store.valid is not None else 0))  # a byte per slot for the holes
+                       + (TILE * jnp.dtype(hole_dtype(step_tiles)).itemsize if store.valid is not None else 0))
   step += max(1, TILE * step_tiles // store.k_group) * word(store.k_meta)
   head_dim, half = store.k_meta.shape[-1], jnp.dtype(META_DTYPE).itemsize
   fixed = 2 * ROWS * head_dim * half + head_dim * ROWS * 4 + 2 * ROWS * 4  # q's rows and fragments, o, l, m
@@ -889,16 +897,13 @@ def default_step_tiles(store: MmaStore, stages: int = STAGES, segment: bool = Fa
   tile count: a last step past it reads masked tokens (at most 3 tiles more), where a step that divides it could
   be smaller and slower (KIVI-2 at B = 194, L = 4608: 312 µs with 4 tiles a step, 341 with 2, 373 with 1).
   ``segment``: a segment joins the store (``shared_memory_bytes``). ``per_sm``: the programs that must fit an SM
-  (several stores in one launch ask for ``PROGRAMS_PER_SM``: their programs share one shared-memory size). A store
-  with holes takes 2 tiles rather than 1 where 2 fit a whole SM: holes in one-tile steps fault when a split holds
-  more than one (``mgpu_decode_partial`` refuses them), so one program per SM beats that (head_dim 256, 8 bits)."""
+  (several stores in one launch ask for ``PROGRAMS_PER_SM``: their programs share one shared-memory size)."""
   tiles = store.k_codes.shape[3]
+  budget = SHARED_PER_SM // per_sm - 1024
   steps = [step for step in (4, 2, 1) if step <= tiles]
   depth = 1 if per_sm > 2 else 2  # a segment's slots (two do not fit three programs whatever the step)
-  fits = lambda step, programs: (shared_memory_bytes(store, step, stages, segment, depth)
-                                 <= SHARED_PER_SM // programs - 1024)
-  chosen = next((step for step in steps if fits(step, per_sm)), steps[-1])
-  return 2 if chosen == 1 and store.valid is not None and tiles > 1 and fits(2, 1) else chosen
+  return next((step for step in steps if shared_memory_bytes(store, step, stages, segment, depth) <= budget),
+              steps[-1])
 
 
 def reads_segment(k, v) -> bool:
@@ -1051,12 +1056,6 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
     counts = (splits,)
   counts = tuple(-(-store.k_codes.shape[3] // split_tiles(store, count, step))  # those that cover the capacity
                  for store, count, step in zip(stores, counts, steps))
-  for store, count, step in zip(stores, counts, steps):
-    # A one-tile step's hole bytes (64) fill half of TMA's 128-byte unit, and a split of more than one such step
-    # stopped on an H100 with a misaligned address (round 28): refused here rather than crashing the device.
-    if store.valid is not None and step * TILE < 128 and split_tiles(store, count, step) > step:
-      raise ValueError(f"step_tiles={step} with holes needs one step a split ({count} splits hold "
-                       f"{split_tiles(store, count, step)} tiles each): take step_tiles=2 or more")
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   # Layer, lengths and q go in as they come (clamped, padded and rounded in the kernel): each small op around the
   # kernel is a launch of its own, a microsecond or two.

@@ -21,7 +21,7 @@ from jkv_kernels import mma_layout, quantization
 from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_segment_depth, default_splits,
-                                               default_step_tiles, logit_columns, mgpu_decode_attention,
+                                               default_step_tiles, hole_dtype, logit_columns, mgpu_decode_attention,
                                                mgpu_decode_partial, pool_splits, shared_memory_bytes,
                                                slot_probabilities, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, check_mma_packing, field_plan, key_register_map, magic_half,
@@ -427,20 +427,20 @@ def test_default_step_is_the_largest_that_fits_two_programs_per_sm(k_bits, v_bit
     assert shared_memory_bytes(packed, chosen, stages, segment, segment_depth=1) == program_bytes(chosen, 1)
 
 
-@pytest.mark.parametrize("k_bits,head_dim,segment,per_sm", [(8, 256, False, 2), (2, 256, True, 2), (8, 128, False, 3)])
-def test_a_store_with_holes_takes_two_tile_steps(k_bits, head_dim, segment, per_sm):
-  """Where two (or three) programs an SM leave room for one-tile steps only, a store with holes takes two-tile
-  steps, one program an SM, instead (holes in one-tile steps fault once a split holds two steps), and that lowers;
-  the same store without holes keeps its one-tile step."""
-  plain = _abstract_store(k_bits, k_bits, 32, 32, head_dim, jnp.bfloat16)
-  holed = _abstract_store(k_bits, k_bits, 32, 32, head_dim, jnp.bfloat16, holes="step")
-  assert default_step_tiles(plain, 2, segment, per_sm) == 1
-  assert default_step_tiles(holed, 2, segment, per_sm) == 2
-  assert shared_memory_bytes(holed, 2, 2, segment, 1 if per_sm > 2 else 2) <= 227 * 1024
-  if not segment and per_sm == 2:
+@pytest.mark.parametrize("step_tiles", [1, 2, 4])
+def test_holes_fill_whole_tma_units(step_tiles):
+  """A step's holes fill a whole number of TMA's 128-byte units whatever the step (a one-tile step's 64 bytes of
+  int8 put every second pipeline slot off that boundary: a misaligned address on an H100), shared memory counts
+  them at that size, and a split of several one-tile steps with holes lowers."""
+  holed = _abstract_store(8, 8, 32, 32, 256, jnp.bfloat16, holes="stacked")
+  plain = dataclasses.replace(holed, valid=None)
+  hole_bytes = step_tiles * 64 * jnp.dtype(hole_dtype(step_tiles)).itemsize
+  assert hole_bytes % 128 == 0
+  assert shared_memory_bytes(holed, step_tiles, 3) - shared_memory_bytes(plain, step_tiles, 3) == 3 * hole_bytes
+  if step_tiles == 1:
     s = jax.ShapeDtypeStruct
-    fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, splits=1))
-    text = fn.trace(s((2, 2, 1, 4, head_dim), jnp.bfloat16), s((), jnp.int32), holed).lower(
+    fn = jax.jit(lambda q, layer, store: mgpu_decode_attention(q, layer, store, splits=2, step_tiles=1))
+    text = fn.trace(s((2, 2, 1, 4, 256), jnp.bfloat16), s((), jnp.int32), holed).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
 
@@ -492,9 +492,6 @@ def test_bad_arguments_raise():
       mgpu_decode_attention(q, 0, store, splits=splits, step_tiles=step_tiles)
   with pytest.raises(ValueError, match="step_tiles=0"):
     mgpu_decode_attention(q, 0, store, step_tiles=0)
-  holed = dataclasses.replace(store, valid=jnp.ones((2, 2, 512), bool))
-  with pytest.raises(ValueError, match="step_tiles=1 with holes"):  # 8 tiles in 4 splits: two one-tile steps each
-    mgpu_decode_attention(q, 0, holed, splits=4, step_tiles=1)
   with pytest.raises(ValueError, match="max_concurrent_steps=0"):
     mgpu_decode_attention(q, 0, store, max_concurrent_steps=0)
   with pytest.raises(ValueError, match="segment_depth=3 must be 1 or 2"):
@@ -656,22 +653,25 @@ class TestMgpuDecodeAttentionGpu:
       assert np.linalg.norm(no_holes - o_ref) / np.linalg.norm(o_ref) > 10 * O_TOLERANCE
       np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
-  def test_holes_where_two_programs_fit_only_one_tile_steps(self):
-    """8-bit codes at head_dim 256 with holes: two programs an SM leave room for one-tile steps only, which fault
-    with holes, so the default step is two tiles (one program an SM); over splits of several steps, and over one
-    split, held to the reference."""
-    store = make_store(40, k_bits=8, v_bits=8, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
-                       head_dim=256, lengths=[1024, 700, 300])
+  @pytest.mark.parametrize("k_bits,head_dim,holes", [(4, 128, "step"), (4, 128, "stacked"), (8, 256, "stacked")])
+  def test_holes_in_one_tile_steps(self, k_bits, head_dim, holes):
+    """Holes in one-tile steps, over splits of 8 to 2 steps and one split of all 16, and the default (one-tile
+    steps too at head_dim 256, 8 bits): held to the reference. Until holes took two bytes a slot in one-tile steps,
+    a split of more than one step stopped with a misaligned address (round 28)."""
+    store = make_store(40, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
+                       head_dim=head_dim, lengths=[1024, 700, 300])
     kh, kq = jax.random.split(jax.random.key(41))
     valid = jax.random.bernoulli(kh, 0.8, (2, 3, 2, 1024))
     store = dataclasses.replace(store, valid=valid)
-    packed = dataclasses.replace(pack_mma_store(store), valid=valid)
-    assert default_step_tiles(packed) == 2 and default_step_tiles(dataclasses.replace(packed, valid=None)) == 1
-    q = jax.random.normal(kq, (3, 2, 1, 4, 256), jnp.bfloat16)
+    packed = dataclasses.replace(pack_mma_store(store), valid=valid if holes == "stacked" else valid[1])
+    q = jax.random.normal(kq, (3, 2, 1, 4, head_dim), jnp.bfloat16)
     o_ref, lse_ref = decode_attention_reference(q, 1, (store,), (), return_lse=True)
     o_ref = np.asarray(o_ref, np.float64)
-    for splits in (None, 2, 1):
-      o, lse = mgpu_decode_attention(q, 1, packed, return_lse=True, splits=splits)
+    cases = [(1, splits) for splits in (8, 4, 2, 1)] + [(None, None)]
+    if head_dim == 256:
+      assert default_step_tiles(packed) == 1
+    for step_tiles, splits in cases:
+      o, lse = mgpu_decode_attention(q, 1, packed, return_lse=True, step_tiles=step_tiles, splits=splits)
       assert np.linalg.norm(np.asarray(o, np.float64) - o_ref) / np.linalg.norm(o_ref) <= O_TOLERANCE
       np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
 
