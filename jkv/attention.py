@@ -126,7 +126,7 @@ def _prompt_attention(q, k, v, positions, *, flash: bool):
 
 # ------------------------------------------------------------------------------------------------- decode
 
-def _block_size(length: int, largest: int = 512) -> int:
+def block_size(length: int, largest: int = 512) -> int:
   """The largest power of two <= ``largest`` that divides ``length``."""
   return min(largest, length & -length)
 
@@ -191,7 +191,7 @@ def _segment_source(layer, k, v, mask, bound) -> _Source:
   """One full-precision segment: k, v [L, B, H, S, D] read at ``layer``, or [B, H, S, D]; mask [B, T, S] or
   [B, H, T, S]."""
   S = k.shape[-2]
-  block = _block_size(S)
+  block = block_size(S)
   mask = mask if mask.ndim == 4 else mask[:, None]
   if k.ndim == 4:
     k, v, layer = k[None], v[None], 0
@@ -219,7 +219,7 @@ def _store_source(layer, store: QuantizedStore) -> _Source:
   """A quantized store, dequantized a block at a time from the stacked arrays (blocks cover whole key groups)."""
   C = store.capacity
   Gk, pk = store.k_group, 32 // store.k_bits
-  block = Gk * max(1, _block_size(C // Gk, largest=max(1, 512 // Gk)))
+  block = Gk * max(1, block_size(C // Gk, largest=max(1, 512 // Gk)))
 
   def load(start):
     groups = lambda x: _layer_block(x, layer, 3, start // Gk, block // Gk)
@@ -241,10 +241,20 @@ def _mma_store_source(layer, store: MmaStore) -> _Source:
   """An MMA-packed store, dequantized a block of whole tiles (and whole key groups) at a time; slots at and past
   ``store.length`` and holes are not keys."""
   unit = max(TILE, store.k_group)
-  block = unit * _block_size(store.capacity // unit, largest=max(1, 512 // unit))
+  block = unit * block_size(store.capacity // unit, largest=max(1, 512 // unit))
   load = lambda start: read_mma_tiles(store, layer, start // TILE, block // TILE)
   valid = lambda start: store.slot_mask(layer, start, block)[:, :, None, :]
   return _Source(load, valid, store.capacity, block, jnp.max(store.length))
+
+
+def read_store(store, layer, dtype):
+  """Every slot of a store (``QuantizedStore`` or ``MmaStore``) at ``layer``, dequantized: keys, values
+  [B, H, C, D] in ``dtype``; slots past its length and holes included (the caller masks them)."""
+  if isinstance(store, MmaStore):
+    k, v = read_mma_tiles(store, layer, 0, store.capacity // TILE)
+    return k.astype(dtype), v.astype(dtype)
+  k, v, _ = store.read_layer(layer, dtype)
+  return k, v
 
 
 def _normalized_partial(o, lse):

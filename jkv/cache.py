@@ -34,6 +34,21 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     Rows a decode step carries after the real one. Generate then feeds [real, speculative] tokens at positions
     [n, n + 1]; the speculative token is the greedy output of the previous step's speculative row (a guess,
     never checked) and ``advance`` counts only the real row. Methods with 0 get one row per step, as before.
+``extend(state, layer, q, k, v, ctx) -> (out, state)``
+    One chunk of a prompt for one layer (chunked prefill, ``jkv.prefill``): ``prefill`` stored the first chunk, and
+    earlier calls the chunks before this one. Rows sit at positions ``ctx.positions`` [B, T]: ``ctx.lengths`` [B]
+    (the tokens held) + [0, T), and -1 past a prompt's end; a sequence whose prompt ended in an earlier chunk has
+    every row at -1, and its state must not change. Returns every row's attention over what the method holds of
+    the earlier chunks, as it holds them, plus the chunk itself causally in full precision, and the state with the
+    chunk's rows stored. The default is built of two parts a method provides: ``held_rows(state, layer, lengths)``,
+    every held token of the layer once as its attention reads it (dequantized where stored quantized), as 16-bit
+    rows the chunk's attention runs over (``jkv.chunk_attention.HeldRows``: a transient of one layer, [B, H, C, D]
+    at capacity C); and ``store_chunk(state, layer, q, k, v, ctx) -> state``, the rows stored as the method stores
+    a prompt, from ``ctx.lengths`` on. Every call writes within [0, ctx.lengths + 2T) of the token axis: the
+    planner leaves a chunk of room past the last one.
+``chunk_multiple()``
+    Chunks are a whole number of these tokens (default ``capacity_multiple``): a chunk ends where the method's
+    blocks end (KIVI's residual, OTT's groups, ZipCache's split into whole key groups).
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
@@ -73,6 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jkv.chunk_attention import HeldRows, chunk_attention
 from jkv.config import ModelConfig
 
 IMPLS = ("pallas", "interpret", "xla")
@@ -180,6 +196,24 @@ class CacheMethod(abc.ABC):
   @abc.abstractmethod
   def step(self, state, layer, q, k, v, ctx: StepContext):
     """Store what the method keeps of the new rows and attend; returns (out [B, H, T, g, D], state)."""
+
+  def chunk_multiple(self) -> int:
+    return self.capacity_multiple()
+
+  def extend(self, state, layer, q, k, v, ctx: StepContext):
+    """Attend one prompt chunk over the held tokens and itself, then store it; returns (out [B, H, T, g, D], state)
+    (module docstring)."""
+    held = self.held_rows(state, layer, ctx.lengths)
+    out = chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl)
+    return out, self.store_chunk(state, layer, q, k, v, ctx)
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    """Every token held at ``layer`` with ``lengths`` [B] tokens stored, as 16-bit rows (module docstring)."""
+    raise NotImplementedError(f"cache method {self.name!r} has no chunked prefill (held_rows)")
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    """Store one prompt chunk's rows after the held ones; returns the state (module docstring)."""
+    raise NotImplementedError(f"cache method {self.name!r} has no chunked prefill (store_chunk)")
 
   speculative_rows: ClassVar[int] = 0
 

@@ -1,9 +1,10 @@
-"""Batched generation: one jitted prefill, then decoding in jitted ``lax.scan`` chunks over a donated cache.
+"""Batched generation in phases: plan, placement, compilation, prefill (``jkv.prefill``), then decoding in jitted
+``lax.scan`` chunks over a donated cache.
 
 Prompts of different lengths share a batch: each sequence sits in slots [0, length) with its own length, so
-its tokens are those it would get alone. Prompt lengths are bucketed to powers of two and decoding runs in
-chunks of a static size, so a second call with the same shapes compiles nothing; the host looks at the
-end-of-sequence flags once per chunk, never per token.
+its tokens are those it would get alone. Prompt lengths are bucketed to powers of two (or whole prefill chunks)
+and decoding runs in chunks of a static size, so a second call with the same shapes compiles nothing; the host
+looks at the end-of-sequence flags once per chunk, never per token.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import memory
+from jkv import prefill as prefill_lib
 from jkv import sharding
 from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
@@ -24,9 +26,8 @@ from jkv.methods.dense import Dense
 from jkv.model import forward
 from jkv.params import Params
 from jkv.sampling import Greedy
+from jkv.prefill import bucket, round_up
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
-
-MIN_PROMPT_BUCKET = 16
 
 
 class CompileCounter:
@@ -64,14 +65,6 @@ class GenerateResult:
   texts: Optional[list] = None
 
 
-def bucket(n: int) -> int:
-  return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
-
-
-def round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
 def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_tokens: int, chunk: int,
                   capacity: Optional[int] = None) -> int:
   """Cache capacity for these prompts, or a one-line ValueError when they cannot fit."""
@@ -94,25 +87,6 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
   else:
     capacity = round_up(bucket(longest) + round_up(max_new_tokens, chunk), multiple)
   return capacity
-
-
-def padded_length(prompt_lens, capacity: int) -> int:
-  """Prompts are padded to a power-of-two bucket (few shapes, few compilations), within the capacity."""
-  return min(bucket(max(prompt_lens)), capacity)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
-                   compiler_options=MODEL_COMPILER_OPTIONS)
-def _prefill_rows(params, tokens, positions, cache, start, *, cfg):
-  """Prefill sequences [start, start + b) of the cache with tokens [b, T]; returns their last-token logits
-  [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a sub-batch at a time
-  (the activations of one call are bounded by b x T tokens). The sub-batch starts from a fresh empty state, not
-  a slice of the cache: with the cache's only use the in-place write, XLA needs no copy of it (reading a slice
-  first made it copy the whole donated cache, 27 GiB at B=98 on the H100)."""
-  part = KVCache.create(cache.method, cache.spec.with_batch(tokens.shape[0]), cache.impl)
-  last = jnp.sum(positions >= 0, axis=1, keepdims=True) - 1  # [b, 1]: each prompt's last token
-  logits, part = forward(params, tokens, positions, part, cfg=cfg, prefill=True, logit_rows=last)
-  return logits[:, 0], cache.put_rows(start, part)
 
 
 @functools.partial(jax.jit, static_argnames=("sampler",))
@@ -222,39 +196,6 @@ def check_prompts(prompts, vocab_size: int) -> list:
   return checked
 
 
-def _pad_prompts(prompts, length, pad_id):
-  B = len(prompts)
-  tokens = np.full((B, length), pad_id, np.int32)
-  positions = np.full((B, length), -1, np.int32)
-  for b, p in enumerate(prompts):
-    tokens[b, :len(p)] = p
-    positions[b, :len(p)] = np.arange(len(p))
-  return tokens, positions
-
-
-def prefill_starts(batch: int, rows: int) -> list:
-  """First sequence of each prefill sub-batch of ``rows`` sequences: the last one is moved back to end at the
-  batch's end (its overlap is prefilled twice, identically), so every call has the same shape."""
-  starts = list(range(0, batch - rows + 1, rows))
-  if starts[-1] + rows < batch:
-    starts.append(batch - rows)
-  return starts
-
-
-def _prefill(params, cfg, tokens, positions, cache, prefill_tokens):
-  """Prefill the whole batch in sub-batches of at most ``prefill_tokens`` prompt tokens (at least one sequence).
-  Returns the last-token logits [B, vocab] and the cache."""
-  B, T = tokens.shape
-  rows = sharding.batch_rows(prefill_tokens // T, B, sharding.cache_mesh(cache))
-  logits = None
-  for start in prefill_starts(B, rows):
-    part, cache = _prefill_rows(params, jnp.asarray(tokens[start:start + rows]),
-                                jnp.asarray(positions[start:start + rows]), cache, jnp.int32(start), cfg=cfg)
-    logits = jnp.zeros((B,) + part.shape[1:], part.dtype) if logits is None else logits
-    logits = logits.at[start:start + rows].set(part)
-  return logits, cache
-
-
 def _cut_at_eos(ids, eos_ids):
   for i, t in enumerate(ids):
     if t in eos_ids:
@@ -262,146 +203,233 @@ def _cut_at_eos(ids, eos_ids):
   return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+  """What a call runs, decided before anything is allocated: the prompts, the cache's capacity, the prefill plan and
+  the decode chunk."""
+
+  prompts: list  # lists of token ids
+  capacity: int
+  prefill: prefill_lib.PrefillPlan
+  chunk: int  # decode steps per jitted call
+  max_new_tokens: int
+  eos: tuple
+  pad_id: int
+  impl: str
+
+  @property
+  def batch(self) -> int:
+    return len(self.prompts)
+
+  @property
+  def lengths(self) -> list:
+    return [len(p) for p in self.prompts]
+
+
+def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_tokens: int, capacity=None,
+                    chunk: int = 32, eos_ids=None, pad_id: int = 0, attention_impl: str = "auto",
+                    prefill_tokens: Optional[int] = None, prefill_chunk: Optional[int] = None,
+                    mesh=None) -> GenerationPlan:
+  """Check the arguments (one-line ValueErrors) and plan the call (``generate``'s arguments)."""
+  prompts = check_prompts(prompts, cfg.vocab_size)
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if prefill_tokens is not None and prefill_tokens < 1:
+    raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+  impl = choose_impl(attention_impl)
+  chunk = min(chunk, max_new_tokens)
+  lengths = [len(p) for p in prompts]
+  cap = plan_capacity(cfg, method, lengths, max_new_tokens, chunk, capacity)
+  sharding.check_mesh(mesh, cfg, len(prompts))
+  prefill = prefill_lib.plan(cfg, method, lengths, cap, prefill_tokens=prefill_tokens, chunk=prefill_chunk,
+                             mesh=mesh)
+  eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
+  return GenerationPlan(prompts, prefill.capacity, prefill, chunk, max_new_tokens, eos, pad_id, impl)
+
+
+@dataclasses.dataclass
+class _Carry:
+  """The small arrays decoding carries from call to call, in one placement (``sharding.rows``)."""
+
+  last: jax.Array  # [B] the last sampled token of each sequence
+  spec: jax.Array  # [B, S] speculative tokens (S = the method's speculative_rows)
+  done: jax.Array  # [B] bool
+  bad: jax.Array  # [B] bool: met non-finite logits
+  counts: jax.Array  # [B, 2] int32: speculative tokens that were right, steps counted
+  key: jax.Array
+
+  def decode_args(self, params, cache, eos, pad):
+    return (params, cache, self.last, self.spec, self.done, self.bad, self.counts, self.key, eos, pad)
+
+
+class _Generation:
+  """One ``generate`` call's phases over its plan: placement, compilation, prefill, decoding, statistics."""
+
+  def __init__(self, params, cfg: ModelConfig, method: CacheMethod, plan: GenerationPlan, sampler, seed: int,
+               mesh):
+    self.cfg, self.plan, self.sampler, self.mesh = cfg, plan, sampler, mesh
+    self.spec = CacheSpec.for_model(cfg, plan.batch, plan.capacity)
+    tokens = prefill_lib.pad_prompts(plan.prompts, plan.prefill.width, plan.pad_id)
+    self.prefill = prefill_lib.Prefill(plan.prefill, cfg, tokens, plan.lengths)
+    # Placement: the parameters over the mesh, the cache allocated in its shards, the carried arrays committed.
+    self.params = sharding.shard_params(params, cfg, mesh)
+    self.params, self.cache = committed((self.params, sharding.create_cache(method, self.spec, plan.impl, mesh)))
+    B, S = plan.batch, method.speculative_rows
+    self.speculative = S
+    key, self.eos, self.pad, no, no_spec, zero_counts, self.first_ids = self._rows(committed((
+        jax.random.key(seed), jnp.asarray(plan.eos if plan.eos else (-1,), jnp.int32), jnp.int32(plan.pad_id),
+        jnp.zeros((B,), bool), jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32),
+        jnp.asarray(tokens[:, 0]))))
+    self.key, self.sub = jax.random.split(key)
+    self.carry = _Carry(self.first_ids, no_spec, no, no, zero_counts, self.key)
+
+  def _rows(self, tree):
+    return sharding.rows(tree, self.mesh)
+
+  def warm(self) -> None:
+    """Compile (or find compiled) every call before timing, so the timings are run time alone."""
+    B = self.plan.batch
+    self.prefill.warm(_warm, self.params, self.cache)
+    _warm(_first_tokens, self._rows((committed(jnp.zeros((B, self.cfg.vocab_size), jnp.float32)), self.sub)),
+          dict(sampler=self.sampler))
+    if self.speculative:
+      _warm(_pre_decode, (self.params, self.cache, self.first_ids), dict(cfg=self.cfg))
+    _warm(_decode_chunk, self.carry.decode_args(self.params, self.cache, self.eos, self.pad),
+          dict(cfg=self.cfg, sampler=self.sampler, steps=self.plan.chunk))
+
+  def run_prefill(self):
+    """The prompts into the cache and each sequence's first token; returns [B, 1] host ids."""
+    logits, self.cache = self.prefill(self.params, self.cache)
+    first, bad = self._rows(_first_tokens(*self._rows((committed(logits), self.sub)), sampler=self.sampler))
+    first.block_until_ready()
+    self.carry.last, self.carry.bad = first, bad
+    self.carry.done = jnp.isin(first, self.eos)
+    return np.asarray(first)[:, None]
+
+  def run_pre_decode(self) -> None:
+    guess, self.cache = speculative_start(self.params, self.cfg, self.cache, self.carry.last)
+    self.carry.spec = self._rows(guess)
+    if self.speculative:
+      jax.block_until_ready((guess, self.cache))
+
+  def run_decode(self, out: list) -> int:
+    """Decode chunks until every sequence stopped or ``max_new_tokens`` were produced; appends each chunk's host
+    ids to ``out`` and returns the tokens produced (whole chunks: the last may run past the limit)."""
+    produced, c = 1, self.carry
+    while produced < self.plan.max_new_tokens and not bool(np.all(np.asarray(c.done))):
+      self.cache, c.last, c.spec, c.done, c.bad, c.counts, c.key, chunk_out = _decode_chunk(
+          *c.decode_args(self.params, self.cache, self.eos, self.pad), cfg=self.cfg, sampler=self.sampler,
+          steps=self.plan.chunk)
+      # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
+      c.last, c.spec, c.done, c.bad, c.counts, c.key = self._rows((c.last, c.spec, c.done, c.bad, c.counts, c.key))
+      out.append(np.asarray(self._rows(chunk_out)))
+      produced += self.plan.chunk
+    jax.block_until_ready(self.cache)
+    return produced
+
+
 @sharding.under_mesh
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              method: CacheMethod = Dense(), max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0,
              capacity: Optional[int] = None, chunk: int = 32, eos_ids: Optional[Sequence[int]] = None,
              pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None,
-             mesh=None) -> GenerateResult:
+             prefill_chunk: Optional[int] = None, mesh=None) -> GenerateResult:
   """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids) in one batch.
 
   Decoding stops for a sequence at its first end-of-sequence token (``eos_ids``, default the model's) and for
   the batch once every sequence stopped. ``attention_impl`` picks the attention implementation ("auto": the
-  Pallas kernels on a GPU that runs them, XLA elsewhere; see ``jkv.attention.choose_impl``). Prefill runs in
-  sub-batches of at most ``prefill_tokens`` prompt tokens (default: what the device's free memory holds), so the
-  batch is bounded by the cache, not by prefill activations; the result is the same as one call (bit for bit on a
-  CPU; on a GPU up to the order in which a matmul adds its terms, which cuBLAS and XLA choose per shape).
+  Pallas kernels on a GPU that runs them, XLA elsewhere; see ``jkv.attention.choose_impl``).
+
+  Prefill (``jkv.prefill``) takes whole prompts wherever they fit a call of ``prefill_tokens`` prompt tokens
+  (default: what the device's free memory holds beside the cache), in sub-batches where the batch does not, and the
+  result is the same as one call (bit for bit on a CPU; on a GPU up to the order in which a matmul adds its terms,
+  which cuBLAS and XLA choose per shape). Where not even one prompt fits a call, or with ``prefill_chunk``, it is
+  chunked: C tokens of every prompt a call, each chunk attending the cache as the method holds it (so the context
+  is bounded by the cache, not by prefill's activations; the capacity then holds one chunk more).
 
   Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
-  tokens, the allocated bytes, prefill/decode times with compilation counted apart, and the device's peak
-  memory where jax reports it. A method that carries a speculative row (``CacheMethod.speculative_rows``) gets its
-  pre-decode pass before the first step, timed apart (``pre_decode_s``, once per call, like prefill; ``decode_s``
-  is the decode steps alone). ``method_stats`` holds what the method gathered while decoding
-  (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a speculative method,
-  ``speculative_token_match`` (how often the speculative token was the real next token). Non-finite logits raise
-  a one-line ValueError naming the sequences.
+  tokens, the allocated bytes, prefill/decode times with compilation counted apart, the prefill plan, and the
+  device's peak memory where jax reports it. A method that carries a speculative row
+  (``CacheMethod.speculative_rows``) gets its pre-decode pass before the first step, timed apart (``pre_decode_s``,
+  once per call, like prefill; ``decode_s`` is the decode steps alone). ``method_stats`` holds what the method
+  gathered while decoding (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a
+  speculative method, ``speculative_token_match`` (how often the speculative token was the real next token).
+  Non-finite logits raise a one-line ValueError naming the sequences.
 
   ``mesh`` (a ``jax.sharding.Mesh``, a spec such as ``"data=2,model=4"``, or None) runs it on a device mesh
   (``jkv.sharding``): parameters tensor-parallel over ``model``, the cache split over sequences (``data``) and KV
   heads (``model``), every cache call run per shard; the tokens are those of one device.
   """
-  prompts = check_prompts(prompts, cfg.vocab_size)
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  impl = choose_impl(attention_impl)
-  eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
-  lens = [len(p) for p in prompts]
-  chunk = min(chunk, max_new_tokens)
-  cap = plan_capacity(cfg, method, lens, max_new_tokens, chunk, capacity)
-  tokens, positions = _pad_prompts(prompts, padded_length(lens, cap), pad_id)
-  spec = CacheSpec.for_model(cfg, len(prompts), cap)
-  sharding.check_mesh(mesh, cfg, len(prompts))
-  if prefill_tokens is not None and prefill_tokens < 1:
-    raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+  plan = plan_generation(cfg, method, prompts, max_new_tokens=max_new_tokens, capacity=capacity, chunk=chunk,
+                         eos_ids=eos_ids, pad_id=pad_id, attention_impl=attention_impl,
+                         prefill_tokens=prefill_tokens, prefill_chunk=prefill_chunk, mesh=mesh)
   # Refused here, before anything is allocated, when the cache cannot fit; an allocation that fails later says
   # the same in one line (jkv.memory.guard).
-  with memory.guard(memory.CacheRequest(cfg, method, len(prompts), cap, tokens.shape[1], mesh)):
-    params = sharding.shard_params(params, cfg, mesh)
-    params, cache = committed((params, sharding.create_cache(method, spec, impl, mesh)))
-    if prefill_tokens is None:
-      jax.block_until_ready(cache)  # allocation is asynchronous: the free memory must count the cache
-      # One sequence's whole state (not split over a mesh: one sequence does not split over ``data``; an upper
-      # bound where ``model`` splits its heads).
-      prefill_tokens = memory.prefill_token_budget(cfg, state_bytes_per_token=-(
-          -memory.cache_bytes(method, cfg, 1, cap) // tokens.shape[1]))
-    rows = sharding.batch_rows(prefill_tokens // tokens.shape[1], len(prompts), mesh)
-    B = len(prompts)
-    S = method.speculative_rows
-    key, eos_arr, pad, no, no_spec, zero_counts, first_ids = sharding.rows(committed((
-        jax.random.key(seed), jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(pad_id), jnp.zeros((B,), bool),
-        jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32), jnp.asarray(tokens[:, 0]))), mesh)
-    key, sub = jax.random.split(key)
-    decode_args = lambda cache, last, spec, done, bad, counts, key: (params, cache, last, spec, done, bad, counts, key,
-                                                                     eos_arr, pad)
+  with memory.guard(memory.CacheRequest(cfg, method, plan.batch, plan.capacity, plan.prefill.chunk, mesh)):
+    run = _Generation(params, cfg, method, plan, sampler, seed, mesh)
     with CompileCounter() as compiles:
       t_compile = time.perf_counter()
-      # Compile (or find compiled) before timing, so the timings below are run time alone.
-      _warm(_prefill_rows, (params, jnp.asarray(tokens[:rows]), jnp.asarray(positions[:rows]), cache, jnp.int32(0)),
-            dict(cfg=cfg))
-      _warm(_first_tokens, sharding.rows((committed(jnp.zeros((B, cfg.vocab_size), jnp.float32)), sub), mesh),
-            dict(sampler=sampler))
-      if S:
-        _warm(_pre_decode, (params, cache, first_ids), dict(cfg=cfg))
-      _warm(_decode_chunk, decode_args(cache, first_ids, no_spec, no, no, zero_counts, key),
-            dict(cfg=cfg, sampler=sampler, steps=chunk))
+      run.warm()
       compile_s = time.perf_counter() - t_compile
-
       t0 = time.perf_counter()
-      logits, cache = _prefill(params, cfg, tokens, positions, cache, prefill_tokens)
-      first, bad = sharding.rows(_first_tokens(*sharding.rows((committed(logits), sub), mesh), sampler=sampler), mesh)
-      first.block_until_ready()
+      out = [run.run_prefill()]
       prefill_s = time.perf_counter() - t0
-
-      done = jnp.isin(first, eos_arr)
-      out = [np.asarray(first)[:, None]]
       t_pre = time.perf_counter()
-      guess, cache = speculative_start(params, cfg, cache, first)
-      guess = sharding.rows(guess, mesh)
-      if S:
-        jax.block_until_ready((guess, cache))
+      run.run_pre_decode()
       pre_decode_s = time.perf_counter() - t_pre
       t1 = time.perf_counter()
-      produced = 1
-      last, counts = first, zero_counts
-      while produced < max_new_tokens and not bool(np.all(np.asarray(done))):
-        cache, last, guess, done, bad, counts, key, chunk_out = _decode_chunk(
-            *decode_args(cache, last, guess, done, bad, counts, key), cfg=cfg, sampler=sampler, steps=chunk)
-        # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
-        last, guess, done, bad, counts, key = sharding.rows((last, guess, done, bad, counts, key), mesh)
-        out.append(np.asarray(sharding.rows(chunk_out, mesh)))
-        produced += chunk
-      jax.block_until_ready(cache)
+      produced = run.run_decode(out)
       decode_s = time.perf_counter() - t1
+  timings = dict(compile_s=compile_s, compiles=compiles.count, prefill_s=prefill_s, pre_decode_s=pre_decode_s,
+                 decode_s=max(decode_s, 1e-9))
+  return _result(run, out, produced, timings)
 
-  bad = np.flatnonzero(np.asarray(bad))
+
+def _result(run: _Generation, out: list, produced: int, timings: dict) -> GenerateResult:
+  """The tokens cut at each sequence's end and the call's statistics (``generate``'s docstring)."""
+  plan, cache = run.plan, run.cache
+  bad = np.flatnonzero(np.asarray(run.carry.bad))
   if bad.size:
     raise ValueError(f"the model produced non-finite logits for sequence(s) {', '.join(map(str, bad))}: its "
                      "weights or activations overflow (try --dtype float32) or are corrupt")
-  ids = np.concatenate(out, axis=1)[:, :max_new_tokens]
-  result_tokens = [_cut_at_eos(row.tolist(), eos) for row in ids]
+  ids = np.concatenate(out, axis=1)[:, :plan.max_new_tokens]
+  result_tokens = [_cut_at_eos(row.tolist(), plan.eos) for row in ids]
   decoded_steps = ids.shape[1] - 1
-  held = np.asarray(lens) + decoded_steps
+  held = np.asarray(plan.lengths) + decoded_steps
   kv = cache.held_bytes(held)  # counted for the tokens asked for: the last chunk may have run past them
   allocated = cache.allocated_bytes()
   mem = memory.device_memory()
-  run_decode_s = max(decode_s, 1e-9)
+  B = plan.batch
   stats = dict(
-      method=method.name,
+      method=cache.method.name,
       method_config=cache.method.settings(),  # as it ran: settings left to the device decided (KIVI's mma)
-      attention_impl=impl,
-      mesh=sharding.mesh_label(mesh),  # e.g. "data=2,model=4"; None on one device
+      attention_impl=plan.impl,
+      mesh=sharding.mesh_label(run.mesh),  # e.g. "data=2,model=4"; None on one device
       batch=B,
-      prompt_tokens=lens,
+      prompt_tokens=plan.lengths,
       new_tokens=[len(t) for t in result_tokens],
-      capacity=cap,
+      capacity=plan.capacity,
       kv_bytes=kv.device,  # what the cache holds on the device for these tokens
       kv_host_bytes=kv.host,  # what it holds in host memory (SpeCache's full-precision copy)
-      dense_kv_bytes=dense_kv_bytes(spec, held),
+      dense_kv_bytes=dense_kv_bytes(run.spec, held),
       allocated_kv_bytes=allocated.device,
       allocated_kv_host_bytes=allocated.host,
-      prefill_sub_batch=rows,
-      prefill_s=prefill_s,
-      pre_decode_s=pre_decode_s,  # a speculative method's pre-decode pass (once, before the first step)
-      decode_s=run_decode_s,  # the decode steps
+      prefill_sub_batch=plan.prefill.rows,  # sequences per prefill call
+      prefill_chunk=plan.prefill.chunk if plan.prefill.chunked else None,  # tokens per call when chunked
+      prefill_calls=plan.prefill.calls(),
+      prefill_s=timings["prefill_s"],
+      prefill_tokens_per_s=sum(plan.lengths) / max(timings["prefill_s"], 1e-9),
+      pre_decode_s=timings["pre_decode_s"],  # a speculative method's pre-decode pass (once, before the first step)
+      decode_s=timings["decode_s"],  # the decode steps
       decode_steps=produced - 1,  # steps run: whole chunks, so the last may run past max_new_tokens
-      decode_tokens_per_s=(B * decoded_steps / run_decode_s) if decoded_steps else 0.0,
-      compile_s=compile_s,  # tracing and compiling (near zero when every shape was seen before)
-      compiles=compiles.count,
+      decode_tokens_per_s=(B * decoded_steps / timings["decode_s"]) if decoded_steps else 0.0,
+      compile_s=timings["compile_s"],  # tracing and compiling (near zero when every shape was seen before)
+      compiles=timings["compiles"],
       peak_device_bytes=None if mem is None else mem["peak"],
   )
-  stats["method_stats"] = method.decode_stats(cache.state)
-  if S:
-    counts = np.asarray(counts).sum(axis=0)
+  stats["method_stats"] = cache.method.decode_stats(cache.state)
+  if run.speculative:
+    counts = np.asarray(run.carry.counts).sum(axis=0)
     # How often the speculative token was the real next token (the method never checks its guess; this shows how
     # good the guesses were).
     stats["method_stats"]["speculative_token_match"] = float(counts[0] / counts[1]) if counts[1] else None
@@ -410,34 +438,24 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
 def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: CacheMethod = Dense(),
            max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0, eos_ids: Optional[Sequence[int]] = None,
-           attention_impl: str = "auto"):
+           attention_impl: str = "auto", prefill_chunk: Optional[int] = None):
   """Yield generated token ids one at a time for a single prompt (the CLI's streaming path)."""
-  (prompt,) = check_prompts([prompt], cfg.vocab_size)
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
-  cap = plan_capacity(cfg, method, [len(prompt)], max_new_tokens, 1)
-  tokens, positions = _pad_prompts([prompt], padded_length([len(prompt)], cap), 0)
-  with memory.guard(memory.CacheRequest(cfg, method, 1, cap, tokens.shape[1])):
-    params, cache = committed((params, KVCache.create(method, CacheSpec.for_model(cfg, 1, cap),
-                                                      choose_impl(attention_impl))))
-    key, done, counts, eos_arr, pad = committed((
-        jax.random.key(seed), jnp.zeros((1,), bool), jnp.zeros((1, 2), jnp.int32),
-        jnp.asarray(eos if eos else (-1,), jnp.int32), jnp.int32(0)))
-    key, sub = jax.random.split(key)
-    logits, cache = _prefill(params, cfg, tokens, positions, cache, tokens.shape[1])
-    last, bad = _first_tokens(committed(logits), sub, sampler=sampler)
-    spec = None
+  plan = plan_generation(cfg, method, [prompt], max_new_tokens=max_new_tokens, chunk=1, eos_ids=eos_ids,
+                         attention_impl=attention_impl, prefill_chunk=prefill_chunk)
+  with memory.guard(memory.CacheRequest(cfg, method, 1, plan.capacity, plan.prefill.chunk)):
+    run = _Generation(params, cfg, method, plan, sampler, seed, None)
+    run.run_prefill()
+    c = run.carry
     for i in range(max_new_tokens):
-      if bool(bad[0]):
+      if bool(c.bad[0]):
         raise ValueError("the model produced non-finite logits: its weights or activations overflow "
                          "(try --dtype float32) or are corrupt")
-      tok = int(last[0])
-      if tok in eos:
+      tok = int(c.last[0])
+      if tok in plan.eos:
         return
       yield tok
       if i + 1 < max_new_tokens:
-        if spec is None:
-          spec, cache = speculative_start(params, cfg, cache, last)
-        cache, last, spec, done, bad, counts, key, _ = _decode_chunk(
-            params, cache, last, spec, done, bad, counts, key, eos_arr, pad, cfg=cfg, sampler=sampler, steps=1)
+        if i == 0:
+          run.run_pre_decode()
+        run.cache, c.last, c.spec, c.done, c.bad, c.counts, c.key, _ = _decode_chunk(
+            *c.decode_args(run.params, run.cache, run.eos, run.pad), cfg=cfg, sampler=sampler, steps=1)

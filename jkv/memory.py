@@ -122,19 +122,28 @@ def gather_pool(nbytes: int, devices) -> None:
     placeholder.delete()
 
 
-def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token: int = 0) -> int:
-  """Prompt tokens one prefill call may process: what the device's free memory holds of prefill activations
-  (call after the cache and weights are allocated), or 2**16 where the device does not report its memory.
+def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token: int = 0,
+                         fixed_bytes: int = 0) -> int:
+  """Prompt tokens one prefill call may process: what half the device's free memory holds of prefill activations,
+  or 2**16 where the device does not report its memory.
 
-  ``state_bytes_per_token``: what a sub-batch's own cache costs per prompt token besides. A prefill call fills a
-  fresh empty state of its sequences at the cache's whole capacity, then writes it into the cache (``jkv.generate``):
-  a temporary of one sequence's cache per sequence, which for short prompts in a long capacity outweighs the
-  activations (dense, the default model, 4064 tokens: 178 MiB per 64-token prompt, against 2.2 MB of activations)."""
+  ``fixed_bytes``: what is not allocated yet but will be beside the call (the cache, when planned before it is
+  allocated; a chunk's held rows, ``held_rows_bytes``). ``state_bytes_per_token``: what a sub-batch's own cache costs
+  per prompt token besides. A prefill call of a sub-batch fills a fresh empty state of its sequences at the cache's
+  whole capacity, then writes it into the cache (``jkv.prefill``): a temporary of one sequence's cache per sequence,
+  which for short prompts in a long capacity outweighs the activations (dense, the default model, 4064 tokens:
+  178 MiB per 64-token prompt, against 2.2 MB of activations)."""
   mem = device_memory(device)
   if mem is None:
     return 1 << 16
-  free = mem["limit"] - mem["in_use"] - RESERVE_BYTES
+  free = mem["limit"] - mem["in_use"] - RESERVE_BYTES - fixed_bytes
   return max(1, (free // 2) // (prefill_bytes_per_token(cfg) + state_bytes_per_token))
+
+
+def held_rows_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
+  """Bytes of one chunked-prefill call's held rows (``jkv.chunk_attention.HeldRows``): one layer's keys and values
+  of every sequence at capacity, in the model dtype."""
+  return 2 * batch * cfg.kv_heads * capacity * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
 def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:

@@ -105,7 +105,7 @@ def _logits(params, x, cfg):
 
 
 def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConfig, prefill: bool = False,
-            pre_decode: bool = False, logit_rows=None):
+            extend: bool = False, pre_decode: bool = False, logit_rows=None):
   """One model step over the cache.
 
   Args:
@@ -116,6 +116,8 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     cache: the KV cache; at prefill it must be empty.
     cfg: model config (static).
     prefill: store the prompt (attention is exact among its tokens) rather than step the cache.
+    extend: store a later chunk of the prompts (chunked prefill, ``CacheMethod.extend``): rows at positions
+      ``cache.lengths[:, None] + arange(T)``, -1 past a prompt's end.
     pre_decode: the method's pre-decode pass (``CacheMethod.pre_decode``): one row attends over the cache and is
       not stored; the lengths do not move.
     logit_rows: optional [B, K] int32 token indices: compute logits for those rows only (a long prompt's
@@ -130,6 +132,9 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     ctx = StepContext(lengths=jnp.sum(positions >= 0, axis=1).astype(jnp.int32), positions=positions,
                       impl=cache.impl)
     lengths = ctx.lengths
+  elif extend:
+    ctx = StepContext(lengths=cache.lengths, positions=positions, impl=cache.impl)
+    lengths = cache.lengths + jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
   else:
     ctx = StepContext(lengths=cache.lengths, positions=positions, impl=cache.impl)
     lengths = cache.lengths if pre_decode else method.advance(cache.lengths, tokens.shape[1])
@@ -144,6 +149,9 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
         attn = prompt_attention(q, k, v, positions, flash=cache.impl == "pallas")
       with jax.named_scope("cache_update"):
         state = method.prefill(state, i, q, k, v, ctx)
+    elif extend:
+      with jax.named_scope("cache_extend"):
+        attn, state = method.extend(state, i, q, k, v, ctx)
     elif pre_decode:
       with jax.named_scope("pre_decode"):
         attn, state = method.pre_decode(state, i, q, k, v, ctx)
@@ -156,7 +164,7 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
     return (x, state), None
 
   (x, state), _ = jax.lax.scan(body, (x, cache.state), (params.layers, jnp.arange(cfg.num_layers)))
-  if not (prefill or pre_decode):
+  if not (prefill or extend or pre_decode):
     with jax.named_scope("cache_end_step"):
       state = method.end_step(state, ctx)
   if logit_rows is not None:

@@ -336,6 +336,9 @@ class PerShard(CacheMethod):
   def capacity_multiple(self) -> int:
     return self.inner.capacity_multiple()
 
+  def chunk_multiple(self) -> int:
+    return self.inner.chunk_multiple()
+
   def abstract(self, spec: CacheSpec):
     return self.inner.abstract(spec)
 
@@ -378,6 +381,9 @@ class PerShard(CacheMethod):
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.step, state, layer, q, k, v, ctx, returns_out=True)
+
+  def extend(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self.inner.extend, state, layer, q, k, v, ctx, returns_out=True)
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)

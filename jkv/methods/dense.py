@@ -10,6 +10,7 @@ from flax import struct
 from jkv.attention import causal_mask, decode_attention
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext, dense_kv_bytes
 from jkv.cache_arrays import write_at, write_layer
+from jkv.chunk_attention import HeldRows
 from jkv.methods.registry import register
 
 TOKENS_AXES = ("layers", "batch", "kv_heads", "tokens", "head_dim")
@@ -54,6 +55,12 @@ class Dense(CacheMethod):
     out = decode_attention(q, layer, segments=((state.k, state.v, mask),), impl=ctx.impl,
                                  num_keys=jnp.max(ctx.lengths) + q.shape[2])
     return out, state
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    return HeldRows(state.k[layer], state.v[layer], lengths)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    return dense_store(state, layer, k, v, ctx.lengths)
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     return HeldBytes(device=dense_kv_bytes(spec, lengths))

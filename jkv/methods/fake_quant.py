@@ -14,6 +14,7 @@ import numpy as np
 
 from jkv.attention import causal_mask
 from jkv.cache import CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods import dense
 from jkv.methods.registry import register
@@ -73,6 +74,14 @@ class FakeQuant(CacheMethod):
     k_fake = self._fake(state.k[layer], self.key_axis, held)
     v_fake = self._fake(state.v[layer], self.value_axis, held)
     return gqa_attention_reference(q, k_fake, v_fake, causal_mask(ctx.positions, k_fake.shape[2])), state
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    """The dense cache fake-quantized whole, as each decode step reads it."""
+    fake = lambda x, axis: self._fake(x[layer], axis, lengths).astype(x.dtype)
+    return HeldRows(fake(state.k, self.key_axis), fake(state.v, self.value_axis), lengths)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    return dense.dense_store(state, layer, k, v, ctx.lengths)
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     """Bytes a real store of this layout would hold (the simulation itself keeps the dense cache): codes plus

@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer
+from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv_kernels.mma_layout import TILE, check_mma_packing, pack_key_tiles, pack_value_tiles
@@ -209,40 +210,77 @@ class Kivi(CacheMethod):
     Key groups at or past bK hold codes of exact-ring tokens or of padding; they are never read as
     quantized and the flush that reaches them rewrites them from the ring.
     """
-    lengths = ctx.lengths
+    return self._store_prompt(state, layer, k, v, None, ctx.lengths, ctx.impl)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    """A prompt chunk stored as a prompt that starts at the state's key boundary: the rings' exact rows from there
+    to the length, then the chunk's. Codes of those ring rows are written again, the same (per-token value groups
+    do not depend on neighbours; their key blocks were never quantized)."""
+    n = ctx.lengths
+    R, W, T = self.residual, self.residual + self.lam, k.shape[2]
+    start = self._flushed(n)  # n - start <= R
+    pos = start[:, None] + jnp.arange(R + T)[None]  # [B, R + T]
+    idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
+    rows = lambda ring, new: jnp.take_along_axis(jnp.concatenate([ring[layer], new.astype(ring.dtype)], axis=2),
+                                                 idx, axis=2)
+    end = n + jnp.sum(ctx.positions >= 0, axis=1).astype(n.dtype)
+    return self._store_prompt(state, layer, rows(state.k_ring, k), rows(state.v_ring, v), start, end, ctx.impl)
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    """What the next step's first row (position n = ``lengths``) reads of the n held tokens: keys before bK(n + 1)
+    and values before bV(n + 1) as the store gives them back, the rest exact from the rings. The store holds codes
+    of every whole key block before n (prefill and ``store_chunk`` quantize them all), flushed or not."""
+    b_k, b_v = self.key_boundary(lengths + 1), self.value_boundary(lengths + 1)
+    k, v = read_store(self.store(state, b_v), layer, state.k_ring.dtype)
+    p = jnp.arange(k.shape[2])[None]
+    ring = lambda x: x[layer][:, :, p[0] % (self.residual + self.lam)]
+    stored = lambda bound: (p < bound[:, None])[:, None, :, None]
+    return HeldRows(jnp.where(stored(b_k), k, ring(state.k_ring)), jnp.where(stored(b_v), v, ring(state.v_ring)),
+                    lengths)
+
+  def _flushed(self, n):
+    """The key boundary of the state between steps with n [B] tokens: keys before it are in the store, the rest in
+    the key ring exactly. With the MMA packing the block ending at n is flushed already (``end_step``)."""
+    return self.key_boundary(n + (self.lam if self.mma else 0))
+
+  def _store_prompt(self, state, layer, k, v, start, end, impl):
+    """Rows k, v [B, H, T, D] of positions start [B] + [0, T) (start a multiple of R: a key block's; None: 0),
+    which leave ``end`` [B] tokens held: every whole group quantized from ``start``, and the rings' slots of
+    positions at or past ``start`` from the rows (keys before bK as the store gives them back)."""
     B, H, T, D = k.shape
     R = self.residual
     T_pad = -(-T // R) * R
     k_pad = jnp.pad(k, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
-    kc, ks, kz = self._quantize_pack(k_pad, self.kb, -2, ctx.impl, fused=True)
-    vc, vs, vz = self._quantize_pack(v, self.vb, -1, ctx.impl, fused=True)
-    if self.mma:
-      state = self._write_prompt_tiles(state, layer, (kc, ks, kz), (vc, vs, vz))
+    kc, ks, kz = self._quantize_pack(k_pad, self.kb, -2, impl, fused=True)
+    vc, vs, vz = self._quantize_pack(v, self.vb, -1, impl, fused=True)
+    if start is None:  # one in-place update of the whole layer, where a per-sequence offset would be a scatter
+      write, offset = (lambda buf, x, unit, axis: write_layer(buf, layer, x)), jnp.zeros((B,), jnp.int32)
     else:
+      write, offset = (lambda buf, x, unit, axis: write_at(buf, layer, x, start // unit, axis=axis)), start
+    if self.mma:
+      k_words, k_meta = pack_key_tiles(kc, ks, kz, bits=self.kb)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
+      v_words, v_meta = pack_value_tiles(pad(vc), pad(vs), pad(vz), bits=self.vb)
       state = state.replace(
-          k_codes=write_layer(state.k_codes, layer, kc), k_scale=write_layer(state.k_scale, layer, ks),
-          k_zero=write_layer(state.k_zero, layer, kz), v_codes=write_layer(state.v_codes, layer, vc),
-          v_scale=write_layer(state.v_scale, layer, vs), v_zero=write_layer(state.v_zero, layer, vz))
-    # With the MMA packing the state between steps has the block ending at the length flushed (``end_step``).
-    b_k = self.key_boundary(lengths + (self.lam if self.mma else 0))
-    held = self.ring_positions(lengths)  # [B, W]
-    take = lambda x: jnp.take_along_axis(x, jnp.clip(held, 0, T - 1)[:, None, :, None], axis=2)
-    # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1).
-    block = self._dequantized_block(kc, ks, kz, b_k - R, state.k_ring.dtype)
-    k_ring = self._with_block(take(k), held, block, b_k - R, held < b_k[:, None])
-    return state.replace(k_ring=write_layer(state.k_ring, layer, k_ring),
-                         v_ring=write_layer(state.v_ring, layer, take(v)))
-
-  def _write_prompt_tiles(self, state, layer, keys, values):
-    """The prompt's codes (library layout: keys [B, H, D, T_pad/Pk], values [B, H, T, D/Pv]) packed into key and
-    value tiles from position 0. Tiles a sequence has not filled hold padding until their last token packs them."""
-    T = values[0].shape[2]
-    k_words, k_meta = pack_key_tiles(*keys, bits=self.kb)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
-    v_words, v_meta = pack_value_tiles(*map(pad, values), bits=self.vb)
-    return state.replace(
-        k_tiles=write_layer(state.k_tiles, layer, k_words), k_meta=write_layer(state.k_meta, layer, k_meta),
-        v_tiles=write_layer(state.v_tiles, layer, v_words), v_meta=write_layer(state.v_meta, layer, v_meta))
+          k_tiles=write(state.k_tiles, k_words, TILE, 2), k_meta=write(state.k_meta, k_meta, self.group_size, 2),
+          v_tiles=write(state.v_tiles, v_words, TILE, 2), v_meta=write(state.v_meta, v_meta, TILE, 2))
+    else:
+      Pk, G = 32 // self.kb, self.group_size
+      state = state.replace(
+          k_codes=write(state.k_codes, kc, Pk, 3), k_scale=write(state.k_scale, ks, G, 3),
+          k_zero=write(state.k_zero, kz, G, 3), v_codes=write(state.v_codes, vc, 1, 2),
+          v_scale=write(state.v_scale, vs, 1, 2), v_zero=write(state.v_zero, vz, 1, 2))
+    b_k = self._flushed(end)
+    held = self.ring_positions(end)  # [B, W]
+    rel = held - offset[:, None]
+    take = lambda x: jnp.take_along_axis(x, jnp.clip(rel, 0, T - 1)[:, None, :, None], axis=2)
+    # Positions before bK in the rings lie in the last quantized block [bK - R, bK) (W <= R + 1), within the rows.
+    block_start = jnp.maximum(b_k - R, offset)
+    block = self._dequantized_block(kc, ks, kz, block_start - offset, state.k_ring.dtype)
+    k_new = self._with_block(take(k), held, block, block_start, held < b_k[:, None])
+    fresh = (rel >= 0)[:, None, :, None]  # slots of earlier positions keep what the rings hold
+    return state.replace(k_ring=write_layer(state.k_ring, layer, jnp.where(fresh, k_new, state.k_ring[layer])),
+                         v_ring=write_layer(state.v_ring, layer, jnp.where(fresh, take(v), state.v_ring[layer])))
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     rows = k.shape[2]

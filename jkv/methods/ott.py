@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_at, write_layer, write_mma_tokens
+from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.kivi import KIVI_BITS
 from jkv.methods.registry import register
@@ -309,31 +310,70 @@ class Ott(CacheMethod):
   def prefill(self, state, layer, q, k, v, ctx: StepContext):
     """Quantize the prompt's first q(n) tokens with outliers selected (spec §3.7), the rest into the buffer."""
     del q
-    lengths = ctx.lengths
-    B, H, T, _ = k.shape
-    G, N = self.group_size, self.pool_size
+    B, H = k.shape[:2]
     state = state.replace(
         valid=write_layer(state.valid, layer, jnp.ones(state.valid.shape[1:], bool)),
         pool_pos=write_layer(state.pool_pos, layer, jnp.full(state.pool_pos.shape[1:], -1, jnp.int32)),
         pool_score=write_layer(state.pool_score, layer, jnp.full(state.pool_score.shape[1:], jnp.inf)),
         aux_count=write_layer(state.aux_count, layer, jnp.zeros((B, H), jnp.int32)),
         frozen=write_layer(state.frozen, layer, jnp.zeros((B, H), bool)))
+    return self._store_prompt(state, layer, k, v, jnp.zeros((B,), jnp.int32), ctx.lengths, ctx.impl)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    """A prompt chunk stored as a prompt that starts at the first token not yet quantized: the buffer's rows from
+    there to the length, then the chunk's; the pools carry on (one competition per chunk with ``oneshot``, one per
+    block with ``sequential``, as prefill runs them)."""
+    n = ctx.lengths
+    W, T = self.window, k.shape[2]
+    start = self.quantized(n)  # the buffer holds [start, n), at most G + R tokens
+    pos = start[:, None] + jnp.arange(W + T)[None]
+    idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
+    rows = lambda buf, new: jnp.take_along_axis(jnp.concatenate([buf[layer], new.astype(buf.dtype)], axis=2), idx,
+                                                axis=2)
+    end = n + jnp.sum(ctx.positions >= 0, axis=1).astype(n.dtype)
+    return self._store_prompt(state, layer, rows(state.k_fp, k), rows(state.v_fp, v), start, end, ctx.impl)
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    """The n = ``lengths`` held tokens as the state holds them: the store before q(n) dequantized, each hole
+    filled by the pooled token taken from it (every hole's token is in the outlier or auxiliary pool), the buffer
+    after. (The next step's block event may quantize one more block of the buffer first.)"""
     n_q = self.quantized(lengths)
+    k, v = read_store(self._store(state, n_q), layer, state.k_fp.dtype)
+    B, H, C, _ = k.shape
+    if self.pool_slots:
+      pos = state.pool_pos[layer]  # [B, H, N + A]
+      at = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], jnp.where(pos >= 0, pos, C))
+      k = k.at[at].set(state.pool_k[layer], mode="drop")
+      v = v.at[at].set(state.pool_v[layer], mode="drop")
+    p = jnp.arange(C)
+    buffered = (p[None] >= n_q[:, None])[:, None, :, None]
+    buf = lambda x: x[layer][:, :, p % self.window]
+    return HeldRows(jnp.where(buffered, buf(state.k_fp), k), jnp.where(buffered, buf(state.v_fp), v), lengths)
+
+  def _store_prompt(self, state, layer, k, v, start, end, impl):
+    """Rows k, v [B, H, T, D] of positions start [B] + [0, T) (start: the first token not yet quantized, a
+    multiple of G), which leave ``end`` [B] tokens held: tokens [start, q(end)) quantized with outliers selected,
+    the buffer's slots of positions at or past ``start`` from the rows."""
+    B, H, T, _ = k.shape
+    G, N = self.group_size, self.pool_size
+    count = self.quantized(end) - start
     T_pad = -(-T // G) * G
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
     k_pad, v_pad = pad(k), pad(v)
-    zeros = jnp.zeros((B,), jnp.int32)
     if self.prefill_selection == "oneshot" or N == 0:
-      state = self._compress(state, layer, k_pad, v_pad, zeros, n_q, ctx.impl)
+      state = self._compress(state, layer, k_pad, v_pad, start, count, impl)
     else:
       def block(j, state):
         rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * G, G, axis=2)
-        count = jnp.where((j + 1) * G <= n_q, G, 0)
-        return self._compress_if_any(state, layer, rows(k_pad), rows(v_pad), zeros + j * G, count, ctx.impl)
+        due = jnp.where((j + 1) * G <= count, G, 0)
+        return self._compress_if_any(state, layer, rows(k_pad), rows(v_pad), start + j * G, due, impl)
       state = jax.lax.fori_loop(0, T_pad // G, block, state)
-    slots = jnp.clip(self._fp_positions(lengths), 0, T - 1)[:, None, :, None]
-    return state.replace(k_fp=write_layer(state.k_fp, layer, jnp.take_along_axis(k, slots, axis=2)),
-                         v_fp=write_layer(state.v_fp, layer, jnp.take_along_axis(v, slots, axis=2)))
+    rel = self._fp_positions(end) - start[:, None]
+    fresh = (rel >= 0)[:, None, :, None]  # slots of earlier positions keep what the buffer holds
+    take = lambda x, buf: jnp.where(fresh, jnp.take_along_axis(x, jnp.clip(rel, 0, T - 1)[:, None, :, None], axis=2),
+                                    buf[layer])
+    return state.replace(k_fp=write_layer(state.k_fp, layer, take(k, state.k_fp)),
+                         v_fp=write_layer(state.v_fp, layer, take(v, state.v_fp)))
 
   # ---------------------------------------------------------------------------------------------- decode
 
@@ -460,22 +500,25 @@ class Ott(CacheMethod):
 
   # ---------------------------------------------------------------------------------------------- attention
 
+  def _store(self, state, n_q):
+    """The store as attention reads it: its first n_q [B] slots, holes masked."""
+    D = state.k_fp.shape[-1]
+    valid = state.valid if self.pool_size else None
+    if self.mma:
+      return MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, n_q, self.bits, self.bits,
+                      self.group_size, self.value_group_for(D), valid=valid)
+    return QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
+                          v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
+                          k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
+                          v_group=self.value_group_for(D), valid=valid)
+
   def _attend(self, state, layer, q, q_positions, held, impl):
     """One softmax over the store (holes masked), the pools and the buffer (spec §3.6), for held [B] tokens
     (the step's rows included)."""
     n_q = self.quantized(held)
     fp_pos = self._fp_positions(held)  # [B, W]
     fp_mask = ((fp_pos >= n_q[:, None]) & (fp_pos >= 0))[:, None, :] & (fp_pos[:, None, :] <= q_positions[:, :, None])
-    D = q.shape[-1]
-    valid = state.valid if self.pool_size else None
-    if self.mma:
-      store = MmaStore(state.k_tiles, state.k_meta, state.v_tiles, state.v_meta, n_q, self.bits, self.bits,
-                       self.group_size, self.value_group_for(D), valid=valid)
-    else:
-      store = QuantizedStore(k_codes=state.k_codes, k_scale=state.k_scale, k_zero=state.k_zero,
-                             v_codes=state.v_codes, v_scale=state.v_scale, v_zero=state.v_zero, length=n_q,
-                             k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
-                             v_group=self.value_group_for(D), valid=valid)
+    store = self._store(state, n_q)
     segments = [(state.k_fp, state.v_fp, fp_mask)]
     if self.pool_slots:
       pool_pos = state.pool_pos[layer][:, :, None, :]  # [B, H, 1, N + A]

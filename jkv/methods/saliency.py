@@ -60,7 +60,7 @@ def position_priority(key, positions):
   return u.reshape(positions.shape)
 
 
-def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float):
+def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float, offset=0):
   """Probe rows of right-padded prompts (spec §3.4, A5): the last n_rec positions of each prompt, plus the n_rand
   earlier positions of lowest priority (distinct, drawn without replacement; shared by every batch row and head).
 
@@ -68,6 +68,8 @@ def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float):
     key: PRNG key (one per layer).
     lengths: [B] int32 valid tokens per prompt.
     num_tokens: T, the padded prompt length (static).
+    offset: [B] int32 (or 0): the position of each prompt's first token (a later chunk's), which the random
+      draws follow.
 
   Returns:
     rows [B, P] int32 positions and ok [B, P] bool (False: padding of the probe list), P static.
@@ -81,8 +83,9 @@ def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float):
   recent_ok = slot < n_rec[:, None]
   pos = jnp.arange(num_tokens)
   eligible = pos[None] < (lengths - n_rec)[:, None]
-  u = position_priority(key, pos)
-  random_rows = jnp.argsort(jnp.where(eligible, u[None], 2.0), axis=1)[:, :max_rand].astype(jnp.int32)
+  u = position_priority(key, jnp.broadcast_to(jnp.asarray(offset, jnp.int32).reshape(-1, 1) + pos[None],
+                                                eligible.shape))
+  random_rows = jnp.argsort(jnp.where(eligible, u, 2.0), axis=1)[:, :max_rand].astype(jnp.int32)
   random_ok = jnp.arange(max_rand)[None] < n_rand[:, None]
   rows = jnp.concatenate([recent_rows, random_rows], axis=1)
   ok = jnp.concatenate([recent_ok, random_ok], axis=1)

@@ -76,6 +76,7 @@ from flax import struct
 from jkv.attention import decode_attention, mma_left_open
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_layer
+from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.kivi import Kivi, KiviState
 from jkv.methods.registry import register
@@ -106,6 +107,14 @@ def host_write_rows(buf, rows, positions):
   run as host compute)."""
   for b in range(rows.shape[1]):
     buf = jax.lax.dynamic_update_slice(buf, to_host(rows[:, b:b + 1].astype(buf.dtype)), (0, b, 0, positions[b], 0))
+  return buf
+
+
+def host_write_chunk(buf, layer, rows, start):
+  """Write rows [B, H, T, W] (device) into the host array buf [L, B, H, C, W] at ``layer``, positions start [B] +
+  [0, T): one in-place ``dynamic_update_slice`` per sequence, as ``host_write_rows``."""
+  for b in range(rows.shape[0]):
+    buf = jax.lax.dynamic_update_slice(buf, to_host(rows[b][None, None].astype(buf.dtype)), (layer, b, 0, start[b], 0))
   return buf
 
 
@@ -349,6 +358,17 @@ class SpeCache(CacheMethod):
     real = (ctx.positions >= 0)[:, None, :, None]
     rows = jnp.where(real, jnp.concatenate([k, v], axis=-1), 0)
     return state.replace(low=low, host_kv=host_write_layer(state.host_kv, layer, rows))
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    """A prompt chunk into the low-bit copy (KIVI's ``store_chunk``) and into host memory after the held rows."""
+    low = self.low_bit.store_chunk(state.low, layer, q, k, v, ctx)
+    rows = jnp.where((ctx.positions >= 0)[:, None, :, None], jnp.concatenate([k, v], axis=-1), 0)
+    return state.replace(low=low, host_kv=host_write_chunk(state.host_kv, layer, rows, ctx.lengths))
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    """The low-bit copy as the next step reads it (KIVI's ``held_rows``): a chunk attends what is on the device
+    (nothing is fetched for a chunk; the first rows are fetched after prefill, by the pre-decode pass)."""
+    return self.low_bit.held_rows(state.low, layer, lengths)
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,

@@ -42,9 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open
+from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_at, write_at_where, write_layer, write_mma_tokens
+from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.registry import register
 from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
@@ -317,32 +318,72 @@ class ZipCache(CacheMethod):
       raise ValueError("zipcache prefill needs the prompt's queries (its probes score the tokens)")
     B, H, T, D = k.shape
     n = ctx.lengths
-    rows, ok = prefill_probes(self._layer_key(layer), n, T, self.recent_probes, self.random_probes)
+    real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
+    v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
+    # Divide by c as stored, as decode does (else a batch and a sequence alone could quantize differently on a GPU).
+    channel_scale = as_stored(jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)), self.meta)  # [B, H, D]
+    zeros = jnp.zeros_like(n)
+    state = state.replace(
+        high=state.high.replace(prompt_rows=write_layer(state.high.prompt_rows, layer, zeros)),
+        low=state.low.replace(prompt_rows=write_layer(state.low.prompt_rows, layer, zeros)),
+        v_channel_scale=write_layer(state.v_channel_scale, layer, channel_scale),
+        window_len=write_layer(state.window_len, layer, zeros),
+        window_mass=write_layer(state.window_mass, layer, jnp.zeros((B, H, self.interval), jnp.float32)),
+        window_seen=write_layer(state.window_seen, layer, jnp.zeros((B, self.interval), jnp.int32)))
+    return self._store_prompt(state, layer, q, k, v, n, zeros, ctx.impl)
+
+  def store_chunk(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext) -> ZipCacheState:
+    """A prompt chunk scored by its own probes (over the chunk, as a prompt's over the prompt) and split into
+    both pools after the rows the earlier chunks wrote. Whole chunks split into whole key groups of each pool
+    (``chunk_multiple``), so the pools hold the prompt as one prefill lays it out: real rows, then the last group's
+    holes. The channel scale stays the first chunk's, as decode's windows keep the prompt's."""
+    return self._store_prompt(state, layer, q, k, v, jnp.sum(ctx.positions >= 0, axis=1).astype(jnp.int32),
+                              ctx.lengths, ctx.impl)
+
+  def chunk_multiple(self) -> int:
+    """The fewest tokens, a multiple of ``key_group``, whose salient share ceil(r C) is one too (160 at r = 0.6,
+    key_group = 32): every whole chunk then fills whole key groups of both pools."""
+    G, limit = self.key_group, 1 << 16
+    for size in range(G, limit + 1, G):
+      if self._salient(size) % G == 0:
+        return size
+    raise ValueError(f"zipcache salient_ratio={self.salient_ratio} splits no chunk of up to {limit} tokens into whole "
+                     f"key groups of {G}: chunked prefill needs a ratio such as 0.5, 0.6 or 0.3125")
+
+  def held_rows(self, state: ZipCacheState, layer, lengths) -> HeldRows:
+    """Both pools' real rows dequantized, then the window's tokens, gathered to the front (their order is free)."""
+    stores = self._stores(state, layer)
+    dtype = state.k_window.dtype
+    parts = [read_store(store, layer, dtype) for store in stores] + [(state.k_window[layer], state.v_window[layer])]
+    window = state.k_window.shape[3]
+    real = jnp.concatenate([store.slot_mask(layer)[:, 0] for store in stores]
+                           + [jnp.arange(window)[None] < state.window_len[layer][:, None]], axis=1)  # [B, S]
+    order = jnp.argsort(~real, axis=1, stable=True)[:, None, :, None]  # real rows first
+    gather = lambda i: jnp.take_along_axis(jnp.concatenate([part[i] for part in parts], axis=2), order, axis=2)
+    return HeldRows(gather(0), gather(1), jnp.sum(real, axis=1).astype(jnp.int32))
+
+  def _store_prompt(self, state: ZipCacheState, layer, q, k, v, n, offset, impl) -> ZipCacheState:
+    """Tokens [0, n) (n [B]) of rows q, k, v of positions offset [B] + [0, T), scored by their probes, split and
+    appended to both pools after their real rows (``prompt_rows``, a group's end: prefill starts them at 0)."""
+    T = k.shape[2]
+    rows, ok = prefill_probes(self._layer_key(layer), n, T, self.recent_probes, self.random_probes, offset)
     mass, seen = probe_mass(q, k, rows, ok)
     score = saliency_scores(mass, seen, n, saliency=self.saliency, normalize_by=self.normalize_by)
     n_high_table = self._salient(np.arange(T + 1))
     n_high = jnp.asarray(n_high_table, jnp.int32)[n]
     rows_high, rows_low = self._rows(int(n_high_table.max())), self._rows(T - int(n_high_table[T]))
     high_src, low_src = split_by_score(score, n_high, n, rows_high, rows_low)
-    real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
-    v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
-    # Divide by c as stored, as decode does (else a batch and a sequence alone could quantize differently on a GPU).
-    channel_scale = as_stored(jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)), self.meta)  # [B, H, D]
-    zeros = jnp.zeros_like(n)
+    channel_scale = state.v_channel_scale[layer]
 
-    def fill(pool, src, bits, real_rows, width):
+    def fill(pool, src, bits, real, width):
+      start = pool.prompt_rows[layer]
       if width:
-        pool = self._append(pool, layer, k, v, src, channel_scale, zeros, bits, ctx.impl)
-      return pool.replace(prompt_rows=write_layer(pool.prompt_rows, layer, real_rows),
-                          fill=write_layer(pool.fill, layer, self._rows(real_rows)))
+        pool = self._append(pool, layer, k, v, src, channel_scale, start, bits, impl, due=n > 0)
+      return pool.replace(prompt_rows=write_layer(pool.prompt_rows, layer, start + real),
+                          fill=write_layer(pool.fill, layer, self._rows(start + real)))
 
-    return state.replace(
-        high=fill(state.high, high_src, self.high_bits, n_high, rows_high),
-        low=fill(state.low, low_src, self.low_bits, n - n_high, rows_low),
-        v_channel_scale=write_layer(state.v_channel_scale, layer, channel_scale),
-        window_len=write_layer(state.window_len, layer, zeros),
-        window_mass=write_layer(state.window_mass, layer, jnp.zeros((B, H, self.interval), jnp.float32)),
-        window_seen=write_layer(state.window_seen, layer, jnp.zeros((B, self.interval), jnp.int32)))
+    return state.replace(high=fill(state.high, high_src, self.high_bits, n_high, rows_high),
+                         low=fill(state.low, low_src, self.low_bits, n - n_high, rows_low))
 
   # ---------------------------------------------------------------------------------------------- decode
 

@@ -1,0 +1,196 @@
+"""The prefill phase: a batch of prompts into an empty cache, returning each prompt's last-token logits.
+
+One of three ways, chosen by ``plan`` from how many prompt tokens one call may take (``prefill_tokens``; default
+what half the device's free memory holds beside the cache):
+
+- the whole batch in one call, in place;
+- sub-batches of whole prompts: each call prefills a fresh state of its sequences and writes it into the cache (a
+  temporary of those sequences' cache), the same result as one call;
+- chunked prefill, where not even one whole prompt fits a call, or when asked (``chunk``): the prompts go through
+  the model C tokens at a time, the whole batch in place. The first chunk is the method's ``prefill``; each later
+  one its ``extend``: attention over what the cache holds of the earlier chunks, as the method holds them, plus the
+  chunk itself exactly. Activations are O(B C) rather than O(B T), so the cache, not prefill, bounds the context.
+
+Whole prompts are the default wherever they fit: the papers prefill a prompt whole, with exact attention among its
+tokens, and a chunked prompt's later tokens attend the compressed earlier ones (docs/long_context.md measures the
+difference per method). A chunk ends where the method's blocks end (``CacheMethod.chunk_multiple``).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import memory
+from jkv import sharding
+from jkv.cache import CacheMethod, KVCache
+from jkv.config import ModelConfig
+from jkv.model import forward
+from jkv.xla_options import MODEL_COMPILER_OPTIONS
+
+MIN_PROMPT_BUCKET = 16
+MIN_CHUNK = 256  # smaller chunks leave the tensor cores idle; every method's blocks fit in one at its defaults
+
+
+def bucket(n: int) -> int:
+  return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  """How ``batch`` prompts are prefilled: ``rows`` sequences of ``chunk`` tokens a call, the prompts padded to
+  ``width`` tokens, into a cache of ``capacity`` tokens per sequence."""
+
+  batch: int
+  width: int  # tokens per prompt as padded: a power-of-two bucket, or whole chunks
+  rows: int  # sequences per call (the batch: in place)
+  chunk: int  # tokens per sequence per call (width: whole prompts)
+  capacity: int  # the cache's capacity: chunked, at least a chunk past the last one (CacheMethod.extend)
+
+  @property
+  def chunked(self) -> bool:
+    return self.chunk < self.width
+
+  def calls(self) -> int:
+    return len(prefill_starts(self.batch, self.rows)) if self.rows < self.batch else self.width // self.chunk
+
+
+def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity: int, *,
+         prefill_tokens: Optional[int] = None, chunk: Optional[int] = None, mesh=None) -> PrefillPlan:
+  """The prefill plan for prompts of these lengths in a cache of ``capacity`` tokens (``jkv.generate``'s plan),
+  before the cache is allocated.
+
+  ``prefill_tokens``: prompt tokens one call may take (default: what half the device's free memory holds beside
+  the cache, and beside a sub-batch's fresh state or the chunk's held rows). ``chunk``: chunked prefill with chunks
+  of this many tokens (rounded up to ``chunk_multiple``) whatever fits; whole prompts where one chunk holds them.
+  Chunked, the capacity grows to a chunk past the last one."""
+  B, longest = len(lengths), max(lengths)
+  width = min(bucket(longest), capacity)
+  multiple = method.chunk_multiple()
+  whole = PrefillPlan(B, width, B, width, capacity)
+  if chunk is not None:
+    if chunk < 1:
+      raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+    return _chunked(B, longest, capacity, round_up(chunk, multiple), multiple) if chunk < longest else whole
+  budget = lambda **extra: prefill_tokens or memory.prefill_token_budget(cfg, **extra)
+  in_cache = memory.cache_bytes(method, cfg, B, capacity, mesh)
+  if B * width <= budget(fixed_bytes=in_cache):
+    return whole
+  per_sequence = -(-memory.cache_bytes(method, cfg, 1, capacity) // width)  # a sub-batch's fresh state
+  rows = budget(fixed_bytes=in_cache, state_bytes_per_token=per_sequence) // width
+  if rows >= 1:
+    return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
+  held = memory.held_rows_bytes(cfg, B, capacity)  # (a chunk's more at the grown capacity: within the halving)
+  size = budget(fixed_bytes=in_cache + held) // B // multiple * multiple
+  return _chunked(B, longest, capacity, max(size, round_up(MIN_CHUNK, multiple)), multiple)
+
+
+def _chunked(batch: int, longest: int, capacity: int, chunk: int, multiple: int) -> PrefillPlan:
+  """Chunks of ``chunk`` tokens (a multiple of ``multiple``; fewer where one chunk would hold the longest prompt),
+  with the capacity grown to hold a chunk past the last one, in whole multiples."""
+  chunk = min(chunk, round_up(longest, multiple))
+  width = round_up(longest, chunk)
+  if width > chunk:
+    capacity = round_up(max(capacity, width + chunk), multiple)
+  return PrefillPlan(batch, width, batch, chunk, capacity)
+
+
+def prefill_starts(batch: int, rows: int) -> list:
+  """First sequence of each prefill sub-batch of ``rows`` sequences: the last one is moved back to end at the
+  batch's end (its overlap is prefilled twice, identically), so every call has the same shape."""
+  starts = list(range(0, batch - rows + 1, rows))
+  if starts[-1] + rows < batch:
+    starts.append(batch - rows)
+  return starts
+
+
+def pad_prompts(prompts, width: int, pad_id: int) -> np.ndarray:
+  """Prompts (lists of ids) right-padded with ``pad_id`` to [B, width] int32."""
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  return tokens
+
+
+def prompt_positions(lengths, start, width: int):
+  """[B, width] int32: positions start + [0, width) of prompts of these lengths [B], -1 past each one's end."""
+  pos = start + jnp.arange(width, dtype=jnp.int32)[None]
+  return jnp.where(pos < lengths[:, None], pos, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
+def _prefill_rows(params, tokens, lengths, cache, start, *, cfg):
+  """Prefill sequences [start, start + b) of the cache with tokens [b, T] of prompts of lengths [b]; returns their
+  last-token logits [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a
+  sub-batch at a time (the activations of one call are bounded by b x T tokens). The sub-batch starts from a fresh
+  empty state, not a slice of the cache: with the cache's only use the in-place write, XLA needs no copy of it
+  (reading a slice first made it copy the whole donated cache, 27 GiB at B=98 on the H100)."""
+  part = KVCache.create(cache.method, cache.spec.with_batch(tokens.shape[0]), cache.impl)
+  positions = prompt_positions(lengths, 0, tokens.shape[1])
+  logits, part = forward(params, tokens, positions, part, cfg=cfg, prefill=True, logit_rows=(lengths - 1)[:, None])
+  return logits[:, 0], cache.put_rows(start, part)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "first"), donate_argnames=("cache", "logits"),
+                   compiler_options=MODEL_COMPILER_OPTIONS)
+def _prefill_chunk(params, tokens, start, lengths, logits, cache, *, cfg, first):
+  """Tokens [B, C]: positions start + [0, C) of prompts of lengths [B], into the whole batch's cache in place (the
+  method's ``prefill`` for the ``first`` chunk, ``extend`` after). logits [B, vocab]: each prompt's last-token
+  logits, replaced for the prompts whose last token is in this chunk."""
+  C = tokens.shape[1]
+  last = lengths - 1 - start
+  new, cache = forward(params, tokens, prompt_positions(lengths, start, C), cache, cfg=cfg, prefill=first,
+                       extend=not first, logit_rows=jnp.clip(last, 0, C - 1)[:, None])
+  here = (last >= 0) & (last < C)
+  return jnp.where(here[:, None], new[:, 0], logits), cache
+
+
+class Prefill:
+  """A plan's calls, compiled (``warm``) and run (``__call__``) on right-padded tokens [B, width] of prompts of
+  these lengths."""
+
+  def __init__(self, plan: PrefillPlan, cfg: ModelConfig, tokens: np.ndarray, lengths: Sequence[int]):
+    self.plan, self.cfg, self.tokens = plan, cfg, tokens
+    self.lengths = np.asarray(lengths, np.int32)
+
+  def _zero_logits(self):
+    return jnp.zeros((self.plan.batch, self.cfg.vocab_size), jnp.float32)
+
+  def warm(self, warm, params, cache) -> None:
+    """Compile (or find compiled) every call the plan makes, with ``warm(fn, args, static)``."""
+    p = self.plan
+    if p.rows < p.batch:
+      warm(_prefill_rows, (params, jnp.asarray(self.tokens[:p.rows]), jnp.asarray(self.lengths[:p.rows]), cache,
+                           jnp.int32(0)), dict(cfg=self.cfg))
+      return
+    args = (params, jnp.asarray(self.tokens[:, :p.chunk]), jnp.int32(0), jnp.asarray(self.lengths),
+            self._zero_logits(), cache)
+    for first in (True, False) if p.chunked else (True,):
+      warm(_prefill_chunk, args, dict(cfg=self.cfg, first=first))
+
+  def __call__(self, params, cache):
+    """Returns the last-token logits [B, vocab] float32 and the cache."""
+    p = self.plan
+    if p.rows < p.batch:
+      logits = None
+      for start in prefill_starts(p.batch, p.rows):
+        rows = slice(start, start + p.rows)
+        part, cache = _prefill_rows(params, jnp.asarray(self.tokens[rows]), jnp.asarray(self.lengths[rows]), cache,
+                                    jnp.int32(start), cfg=self.cfg)
+        logits = jnp.zeros((p.batch,) + part.shape[1:], part.dtype) if logits is None else logits
+        logits = logits.at[rows].set(part)
+      return logits, cache
+    logits, lengths = self._zero_logits(), jnp.asarray(self.lengths)
+    for start in range(0, p.width, p.chunk):
+      logits, cache = _prefill_chunk(params, jnp.asarray(self.tokens[:, start:start + p.chunk]), jnp.int32(start),
+                                     lengths, logits, cache, cfg=self.cfg, first=start == 0)
+    return logits, cache
