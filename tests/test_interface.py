@@ -14,6 +14,7 @@ from flax import struct
 from jkv import attention
 from jkv import generate as gen
 from jkv import memory
+from jkv import prefill as prefill_lib
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, KVCache, abstract_bytes, is_array_info
 from jkv.cache_arrays import write_at, write_layer
 from jkv.evaluation import compare as compare_lib
@@ -197,11 +198,12 @@ def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options, record_p
   cfg = m.config
   prompts = random_prompts(cfg.vocab_size, [5, 17, 32, 9, 28], seed=9)
   method = make_method(name, **options)
-  tokens, positions = gen._pad_prompts(prompts, 32, 0)
+  tokens = prefill_lib.pad_prompts(prompts, 32, 0)
   results = []
-  for budget in (10_000, 64):
+  for rows in (5, 2):
     cache = KVCache.create(method, CacheSpec.for_model(cfg, 5, 64), "xla")
-    results.append(gen._prefill(m.params, cfg, tokens, positions, cache, budget))
+    plan = prefill_lib.PrefillPlan(batch=5, width=32, rows=rows, chunk=32, capacity=64)
+    results.append(prefill_lib.Prefill(plan, cfg, tokens, [len(p) for p in prompts])(m.params, cache))
   (logits_one, cache_one), (logits_sub, cache_sub) = results
   bound = 0.0 if jax.default_backend() == "cpu" else reordering_bound(cfg, tokens.shape[1])
   # In the JUnit report (--junitxml): how far apart the GPU's two programs came, against the bound.
@@ -226,13 +228,13 @@ def test_sub_batched_prefill_equals_one_call(tiny_llama, name, options, record_p
 
 
 def test_prefill_starts_cover_the_batch_with_one_shape():
-  assert gen.prefill_starts(5, 2) == [0, 2, 3]
-  assert gen.prefill_starts(6, 3) == [0, 3]
-  assert gen.prefill_starts(1, 1) == [0]
+  assert prefill_lib.prefill_starts(5, 2) == [0, 2, 3]
+  assert prefill_lib.prefill_starts(6, 3) == [0, 3]
+  assert prefill_lib.prefill_starts(1, 1) == [0]
   for batch in range(1, 12):
     for rows in range(1, batch + 1):
       covered = set()
-      for s in gen.prefill_starts(batch, rows):
+      for s in prefill_lib.prefill_starts(batch, rows):
         assert 0 <= s and s + rows <= batch
         covered |= set(range(s, s + rows))
       assert covered == set(range(batch))

@@ -20,6 +20,7 @@ import pytest
 from jkv import generate as gen
 from jkv import memory
 from jkv import params as params_lib
+from jkv import prefill as prefill_lib
 from jkv import sharding
 from jkv.cache import CacheSpec, KVCache, is_array_info
 from jkv.config import ModelConfig
@@ -263,8 +264,8 @@ def test_compiled_prefill_and_decode_hold_no_copy_of_the_cache(name, options):
   assert max(prefill_bound, decode_bound) < max(leaves)
 
   S = jax.ShapeDtypeStruct
-  prefill = gen._prefill_rows.lower(params, S((rows, T), jnp.int32), S((rows, T), jnp.int32), cache,
-                                    S((), jnp.int32), cfg=cfg).compile().memory_analysis()
+  prefill = prefill_lib._prefill_rows.lower(params, S((rows, T), jnp.int32), S((rows,), jnp.int32), cache,
+                                            S((), jnp.int32), cfg=cfg).compile().memory_analysis()
   decode = compiled_decode_step(cfg, cache, B).memory_analysis()
   for what, analysis, limit in (("prefill", prefill, prefill_bound), ("decode", decode, decode_bound)):
     assert analysis.alias_size_in_bytes == cache_bytes, what
@@ -298,23 +299,20 @@ def test_the_compiled_decode_step_copies_no_cache_array(name, options):
 
 
 def test_the_default_prefill_sub_batch_counts_its_own_fresh_state(tiny_llama, monkeypatch):
-  """With the device's memory known, the prefill sub-batch is what half the free memory holds of each sequence's
-  activations and its fresh state at the cache's capacity (``prefill_token_budget``), not of activations alone."""
+  """With the device's memory known, where the whole batch's activations do not fit, the prefill sub-batch is what
+  half the free memory beside the cache holds of each sequence's activations and its fresh state at the cache's
+  capacity (``prefill_token_budget``), not of activations alone. The plan is made before the cache is allocated,
+  so the device reports the cache's bytes as free and the budget takes them out."""
   _, m = tiny_llama
-  cfg, method, prompts = m.config, make_method("dense"), random_prompts(m.config.vocab_size, [9] * 40)
-  cap = gen.plan_capacity(cfg, method, [9], 1000, 32)
+  cfg, method, prompts = m.config, make_method("dense"), random_prompts(m.config.vocab_size, [9] * 200)
+  new_tokens = 1000 - 9 - 32
+  cap = gen.plan_capacity(cfg, method, [9], new_tokens, 32)
   per_sequence = 16 * memory.prefill_bytes_per_token(cfg) + memory.cache_bytes(method, cfg, 1, cap)
   need = memory.cache_bytes(method, cfg, len(prompts), cap)
+  assert 200 * 16 * memory.prefill_bytes_per_token(cfg) > 10 * per_sequence  # the whole batch does not fit
   monkeypatch.setattr(memory, "RESERVE_BYTES", 0)
-  reads = []
-
-  def device_memory(device=None):  # the guard reads it before the cache is allocated, the budget after
-    reads.append(device)
-    in_use = GIB + (need if len(reads) > 1 else 0)
-    return dict(limit=GIB + need + 20 * per_sequence, in_use=in_use, peak=in_use)
-  monkeypatch.setattr(memory, "device_memory", device_memory)
-  # Every token ends a sequence: the sub-batch is planned and prefill runs as asked, then no decode step runs (959
-  # steps of 40 sequences took 9 s and decide nothing here).
-  out = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=1000 - 9 - 32,
-                     eos_ids=range(cfg.vocab_size))
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: dict(
+      limit=GIB + need + 21 * per_sequence, in_use=GIB, peak=GIB))  # half holds 10.5 sequences
+  # Every token ends a sequence: the sub-batch is planned and prefill runs as asked, then no decode step runs.
+  out = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=new_tokens, eos_ids=range(cfg.vocab_size))
   assert out.stats["prefill_sub_batch"] == 10 and out.stats["decode_steps"] == 0

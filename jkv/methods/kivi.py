@@ -227,16 +227,18 @@ class Kivi(CacheMethod):
     return self._store_prompt(state, layer, rows(state.k_ring, k), rows(state.v_ring, v), start, end, ctx.impl)
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
-    """What the next step's first row (position n = ``lengths``) reads of the n held tokens: keys before bK(n + 1)
-    and values before bV(n + 1) as the store gives them back, the rest exact from the rings. The store holds codes
-    of every whole key block before n (prefill and ``store_chunk`` quantize them all), flushed or not."""
-    b_k, b_v = self.key_boundary(lengths + 1), self.value_boundary(lengths + 1)
+    """What the next step's first row (position n = ``lengths``) reads of the n held tokens, as its step would: the
+    store before bV(n + 1), the rings after, whose keys before bK(n + 1) are as the store gives them back. A key
+    block that step would flush first (the state's, [_flushed(n), bK(n + 1))) is read from the store's codes, which
+    prefill and ``store_chunk`` write for every whole block."""
+    b_k, b_v, flushed = self.key_boundary(lengths + 1), self.value_boundary(lengths + 1), self._flushed(lengths)
     k, v = read_store(self.store(state, b_v), layer, state.k_ring.dtype)
     p = jnp.arange(k.shape[2])[None]
     ring = lambda x: x[layer][:, :, p[0] % (self.residual + self.lam)]
-    stored = lambda bound: (p < bound[:, None])[:, None, :, None]
-    return HeldRows(jnp.where(stored(b_k), k, ring(state.k_ring)), jnp.where(stored(b_v), v, ring(state.v_ring)),
-                    lengths)
+    rows = lambda where: where[:, None, :, None]
+    key_stored = (p < b_v[:, None]) | ((p >= flushed[:, None]) & (p < b_k[:, None]))
+    return HeldRows(jnp.where(rows(key_stored), k, ring(state.k_ring)),
+                    jnp.where(rows(p < b_v[:, None]), v, ring(state.v_ring)), lengths)
 
   def _flushed(self, n):
     """The key boundary of the state between steps with n [B] tokens: keys before it are in the store, the rest in

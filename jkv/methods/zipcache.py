@@ -341,11 +341,12 @@ class ZipCache(CacheMethod):
                               ctx.lengths, ctx.impl)
 
   def chunk_multiple(self) -> int:
-    """The fewest tokens, a multiple of ``key_group``, whose salient share ceil(r C) is one too (160 at r = 0.6,
-    key_group = 32): every whole chunk then fills whole key groups of both pools."""
-    G, limit = self.key_group, 1 << 16
+    """The fewest tokens C, a multiple of ``key_group``, whose salient share r C is whole and a multiple of it too
+    (160 at r = 0.6, key_group = 32): every whole chunk then fills whole key groups of both pools, and k chunks hold
+    ceil(r k C) = k r C salient tokens, as one prompt of k C tokens (the pools' capacities count on that)."""
+    G, limit, r = self.key_group, 1 << 16, exact_fraction(self.salient_ratio)
     for size in range(G, limit + 1, G):
-      if self._salient(size) % G == 0:
+      if (r.numerator * size) % r.denominator == 0 and (r.numerator * size // r.denominator) % G == 0:
         return size
     raise ValueError(f"zipcache salient_ratio={self.salient_ratio} splits no chunk of up to {limit} tokens into whole "
                      f"key groups of {G}: chunked prefill needs a ratio such as 0.5, 0.6 or 0.3125")

@@ -1,0 +1,270 @@
+"""Chunked prefill: the chunk's attention (jkv.chunk_attention) against the one reference, each method's held rows
+against its own decode-path attention, chunks stored against the same rows stored whole, the prefill plan, and
+generate chunked against whole where the method holds a prompt exactly."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv import generate as gen
+from jkv import memory
+from jkv import prefill as prefill_lib
+from jkv.attention import decode_attention
+from jkv.cache import CacheSpec, KVCache, StepContext
+from jkv.chunk_attention import HeldRows, chunk_attention
+from jkv.methods import make_method
+from jkv_kernels.attention_reference import gqa_attention_reference
+from conftest import has_pallas_gpu, random_prompts
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+  return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+def _chunk_reference(q, k, v, positions, held):
+  """Attention over [held rows; the chunk] with one mask: held rows [0, count), chunk rows causally among the real
+  ones; the fp32 reference."""
+  B, H, T, g, D = q.shape
+  S = held.k.shape[2]
+  keys = jnp.concatenate([held.k, k], axis=2)
+  values = jnp.concatenate([held.v, v], axis=2)
+  past = jnp.broadcast_to((jnp.arange(S)[None] < held.count[:, None])[:, None, :], (B, T, S))
+  own = (jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]) & (positions >= 0)[:, None, :]
+  return gqa_attention_reference(q, keys, values, jnp.concatenate([past, own], axis=2))
+
+
+def _chunk_case(rng, B, H, T, g, D, S, dtype):
+  q = _normal(rng, (B, H, T, g, D), dtype)
+  k, v = _normal(rng, (B, H, T, D), dtype), _normal(rng, (B, H, T, D), dtype)
+  held = HeldRows(_normal(rng, (B, H, S, D), dtype), _normal(rng, (B, H, S, D), dtype),
+                  jnp.asarray(rng.integers(1, S + 1, B), jnp.int32))
+  real = jnp.asarray(rng.integers(1, T + 1, B), jnp.int32)  # ragged: the last chunk of a shorter prompt
+  positions = jnp.where(jnp.arange(T)[None] < real[:, None], held.count[:, None] + jnp.arange(T)[None], -1)
+  return q, k, v, positions, held
+
+
+def _real_rows(x, positions):
+  """x [B, H, T, ...] with the rows past each prompt's end zeroed (their output is unspecified)."""
+  return jnp.where((positions >= 0)[:, None, :, None, None], x.astype(jnp.float32), 0.0)
+
+
+@pytest.mark.parametrize("B, H, T, g, D, S, dtype, tol", [
+    (1, 2, 16, 1, 64, 64, jnp.float32, 1e-5),
+    (2, 2, 48, 4, 64, 96, jnp.float32, 1e-5),
+    (2, 1, 32, 3, 128, 200, jnp.bfloat16, 2e-2),
+])
+def test_chunk_attention_equals_the_reference(B, H, T, g, D, S, dtype, tol):
+  """The XLA path's two online softmaxes (held rows, then the chunk causally) merged, against one masked softmax over
+  both, on fresh random inputs with ragged held counts and chunk ends."""
+  rng = np.random.default_rng(B * 100 + T)
+  q, k, v, positions, held = _chunk_case(rng, B, H, T, g, D, S, dtype)
+  out = jax.jit(chunk_attention, static_argnames=("impl", "block"))(q, k, v, positions, held, impl="xla", block=32)
+  ref = _chunk_reference(q, k, v, positions, held)
+  assert out.dtype == dtype and out.shape == q.shape
+  a, b = _real_rows(out, positions), _real_rows(ref, positions)
+  assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < tol
+
+
+# ------------------------------------------------------------------------------------------------- methods
+
+B, H, G, D, L = 2, 2, 2, 64, 2
+METHODS = [
+    ("kivi", dict(mma=True)), ("kivi", dict(mma=True, quantize_before_attend=True)),
+    ("kivi", dict(bits=4, residual=64, mma=False)), ("ott", dict(no_pool_layers=0, prefill_selection="sequential")),
+    ("ott", dict(no_pool_layers=1, mma=True)), ("zipcache", {}), ("zipcache", dict(mma=True)),
+    ("specache", dict(mma=True)), ("dense", {}), ("fakequant", {}),
+]
+
+
+def _store(method, spec, layer, q, k, v, lengths, chunks):
+  """The rows stored by one prefill of the first ``chunks[0]`` tokens, then ``store_chunk`` per later chunk, at
+  ``layer`` of a fresh state; ``lengths`` [B] are the prompts' lengths."""
+  T = k.shape[2]
+  pos = jnp.where(jnp.arange(T)[None] < lengths[:, None], jnp.arange(T)[None], -1)
+  state, start = method.init(spec), 0
+  for i, size in enumerate(chunks):
+    part = lambda x: x[:, :, start:start + size]
+    held = jnp.clip(lengths, 0, start)
+    ctx = StepContext(lengths=jnp.minimum(lengths, size) if i == 0 else held, positions=pos[:, start:start + size],
+                      impl="xla")
+    state = (method.prefill if i == 0 else method.store_chunk)(state, layer, part(q), part(k), part(v), ctx)
+    start += size
+  return state
+
+
+def _method_case(name, options, capacity=768):
+  method = make_method(name, **options)
+  spec = CacheSpec(L, B, capacity, H, D, G, jnp.float32)
+  return method.for_impl(spec, "xla"), spec
+
+
+@pytest.mark.parametrize("name, options", METHODS)
+def test_held_rows_are_what_the_methods_decode_attention_reads(name, options):
+  """Attention over a method's held rows (every held token once, as 16-bit rows) equals the method's own attention
+  over its state (stores, holes, pools, windows, through ``decode_attention``) for query rows that see every held
+  token: after a prefill and a chunk, ragged (the second sequence's prompt ends inside the first chunk)."""
+  method, spec = _method_case(name, options)
+  rng = np.random.default_rng(7)
+  chunk = method.chunk_multiple() * max(1, 256 // method.chunk_multiple())
+  T = 2 * chunk
+  q, k, v = _normal(rng, (B, H, T, G, D)), _normal(rng, (B, H, T, D)), _normal(rng, (B, H, T, D))
+  lengths = jnp.asarray([T - 3, chunk - 37], jnp.int32)
+  layer = 1
+  state = _store(method, spec, layer, q, k, v, lengths, [chunk, chunk])
+  held = method.held_rows(state, layer, lengths)
+  assert held.k.dtype == spec.dtype and np.array_equal(np.asarray(held.count), np.asarray(lengths))
+  probe = _normal(rng, (B, H, 3, G, D))
+  S = held.k.shape[2]
+  mask = jnp.broadcast_to((jnp.arange(S)[None] < held.count[:, None])[:, None, :], (B, 3, S))
+  got = gqa_attention_reference(probe, held.k, held.v, mask)
+  want = _decode_path(method, state, layer, probe, lengths)
+  assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+
+
+def _decode_path(method, state, layer, q, n):
+  """The method's attention, by its decode path, of query rows at position n - 1 (they see exactly the held
+  tokens) over a state holding n tokens."""
+  positions = jnp.broadcast_to((n - 1)[:, None], q.shape[:1] + q.shape[2:3])
+  if method.name == "kivi":  # its step reads the store and rings at bV(n + 1); the slot of n is masked
+    return method._attend(state, layer, q, positions, n + 1, "xla")
+  if method.name == "specache":
+    return method.low_bit._attend(state.low, layer, q, positions, n + 1, "xla")
+  if method.name == "ott":
+    return method._attend(state, layer, q, positions, n, "xla")
+  if method.name == "zipcache":
+    window = jnp.arange(state.k_window.shape[3])[None] < state.window_len[layer][:, None]
+    return decode_attention(q, layer, stores=method._stores(state, layer),
+                            segments=((state.k_window, state.v_window, window[:, None, :]),), impl="xla")
+  k, v = state.k[layer], state.v[layer]
+  if method.name == "fakequant":
+    k, v = method._fake(k, method.key_axis, n), method._fake(v, method.value_axis, n)
+  mask = jnp.broadcast_to((jnp.arange(k.shape[2])[None] < n[:, None])[:, None, :], (q.shape[0], q.shape[2],
+                                                                                      k.shape[2]))
+  return gqa_attention_reference(q, k, v, mask)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("kivi", dict(mma=False)), ("kivi", dict(mma=True)), ("kivi", dict(quantize_before_attend=True)),
+    ("ott", dict(no_pool_layers=0, prefill_selection="sequential")),
+    ("ott", dict(no_pool_layers=0, prefill_selection="sequential", mma=True, group_size=32, residual=64)),
+    ("specache", {}), ("dense", {}), ("fakequant", {}), ("zipcache", dict(salient_ratio=1.0)),
+])
+def test_rows_stored_in_chunks_hold_what_they_hold_stored_whole(name, options):
+  """The same K/V stored by one prefill, or by a prefill and chunks, leave the same held rows, in a batch where one
+  prompt ends inside the second chunk and another inside the first (whose state the later chunks leave alone):
+  KIVI's state is a function of the length; OTT's block events with sequential selection are the same events;
+  SpeCache's host copy gets every row; ZipCache with every token salient splits nothing (its channel scale is the
+  first chunk's, so its keys are compared)."""
+  method, spec = _method_case(name, options, capacity=1024)
+  rng = np.random.default_rng(3)
+  chunk = method.chunk_multiple() * max(1, 192 // method.chunk_multiple())
+  T = 3 * chunk
+  q, k, v = _normal(rng, (B, H, T, G, D)), _normal(rng, (B, H, T, D)), _normal(rng, (B, H, T, D))
+  lengths = jnp.asarray([T - 5, chunk - 11], jnp.int32)
+  layer = 1
+  whole = method.held_rows(_store(method, spec, layer, q, k, v, lengths, [T]), layer, lengths)
+  chunked_state = _store(method, spec, layer, q, k, v, lengths, [chunk] * 3)
+  chunked = method.held_rows(chunked_state, layer, lengths)
+  compared = (0,) if name == "zipcache" else (0, 1)
+  for i in compared:
+    for b in range(B):
+      n = int(lengths[b])
+      np.testing.assert_array_equal(np.asarray(chunked[i][b, :, :n]), np.asarray(whole[i][b, :, :n]))
+  if name == "specache":
+    host = np.asarray(chunked_state.host_kv[layer])
+    for b in range(B):
+      n = int(lengths[b])
+      np.testing.assert_array_equal(host[b, :, :n], np.concatenate([k, v], axis=-1)[b, :, :n])
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+
+
+def test_the_plan_takes_whole_prompts_where_they_fit_and_chunks_where_none_does(tiny_llama):
+  _, m = tiny_llama
+  cfg, kivi = m.config, make_method("kivi", residual=64)
+  whole = prefill_lib.plan(cfg, kivi, [300, 20], 1024, prefill_tokens=10_000)
+  assert (whole.rows, whole.chunk, whole.width, whole.capacity) == (2, 512, 512, 1024) and not whole.chunked
+  sub = prefill_lib.plan(cfg, kivi, [300, 20], 1024, prefill_tokens=600)
+  assert (sub.rows, sub.chunk) == (1, 512) and not sub.chunked
+  chunked = prefill_lib.plan(cfg, kivi, [1500, 20], 2048, prefill_tokens=1200)
+  assert chunked.chunked and chunked.rows == 2 and chunked.chunk == 576  # 600 a sequence, in whole residuals
+  assert chunked.width == 1728 and chunked.capacity == 2304  # a chunk past the last one
+  tiny = prefill_lib.plan(cfg, kivi, [1500, 20], 2048, prefill_tokens=1)
+  assert tiny.chunk == prefill_lib.MIN_CHUNK  # not chunks of a token
+  asked = prefill_lib.plan(cfg, kivi, [300, 20], 1024, chunk=100)  # rounded up to the residual
+  assert asked.chunk == 128 and asked.chunked and asked.calls() == 3
+  one = prefill_lib.plan(cfg, kivi, [300, 20], 1024, chunk=4096)  # one chunk holds the prompt: whole
+  assert not one.chunked and one.rows == 2
+  with pytest.raises(ValueError, match="prefill chunk must be >= 1"):
+    prefill_lib.plan(cfg, kivi, [300], 1024, chunk=0)
+  assert make_method("zipcache").chunk_multiple() == 160  # ceil(0.6 C) and C in whole key groups of 32
+  with pytest.raises(ValueError, match="splits no chunk"):
+    make_method("zipcache", salient_ratio=0.1234567).chunk_multiple()
+
+
+def test_the_default_plan_chunks_when_not_one_prompt_fits_the_free_memory(tiny_llama, monkeypatch):
+  """With the device's memory known and too small for one prompt's activations beside the cache, the default plan
+  chunks the whole batch, in chunks that fit half the free memory beside the chunk's held rows."""
+  _, m = tiny_llama
+  cfg, method = m.config, make_method("kivi", residual=64)
+  per_token = memory.prefill_bytes_per_token(cfg)
+  cache = memory.cache_bytes(method, cfg, 2, 2048)
+  held = memory.held_rows_bytes(cfg, 2, 2048)
+  monkeypatch.setattr(memory, "RESERVE_BYTES", 0)
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: dict(
+      limit=cache + held + 2 * 700 * per_token + (1 << 30), in_use=1 << 30, peak=1 << 30))
+  plan = prefill_lib.plan(cfg, method, [1500, 900], 2048)
+  assert plan.chunked and plan.rows == 2 and plan.chunk == 320  # 350 tokens a sequence, in whole residuals
+  assert plan.capacity >= plan.width + plan.chunk
+
+
+# ------------------------------------------------------------------------------------------------- generate
+
+
+def test_generate_chunked_equals_whole_where_the_cache_is_exact(tiny_llama):
+  """Dense holds every token exactly, so a chunked prefill gives the same tokens as a whole one, on a ragged batch
+  whose shorter prompt ends in the first chunk (the later chunks leave its cache alone)."""
+  _, m = tiny_llama
+  prompts = random_prompts(m.config.vocab_size, [300, 70], seed=4)
+  whole = gen.generate(m.params, m.config, prompts, max_new_tokens=6, eos_ids=())
+  chunked = gen.generate(m.params, m.config, prompts, max_new_tokens=6, eos_ids=(), prefill_chunk=96)
+  assert chunked.stats["prefill_chunk"] == 96 and chunked.stats["prefill_calls"] == 4
+  assert whole.stats["prefill_chunk"] is None and whole.stats["prefill_calls"] == 1
+  assert chunked.tokens == whole.tokens
+
+
+@pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
+class TestChunkAttentionGpu:
+  """cuDNN's two calls merged by their log-sum-exps, compiled on the GPU, against the fp32 reference."""
+
+  @pytest.mark.parametrize("B, H, T, g, D, S, dtype", [
+      (1, 8, 512, 4, 128, 4096, jnp.bfloat16), (2, 2, 300, 3, 64, 1000, jnp.float16),
+      (2, 8, 1024, 4, 128, 2048, jnp.bfloat16)])
+  def test_cudnn_equals_the_reference(self, B, H, T, g, D, S, dtype):
+    rng = np.random.default_rng(S + T)
+    q, k, v, positions, held = _chunk_case(rng, B, H, T, g, D, S, dtype)
+    out = jax.jit(chunk_attention, static_argnames=("impl",))(q, k, v, positions, held, impl="pallas")
+    ref = _chunk_reference(q, k, v, positions, held)
+    a, b = _real_rows(out, positions), _real_rows(ref, positions)
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
+
+  def test_generate_chunked_equals_whole_for_dense(self, tiny_llama):
+    """On the GPU (the cuDNN path in bf16) a dense chunked prefill's first-token logits match the whole prompt's
+    within bf16 rounding."""
+    _, m = tiny_llama
+    cfg = dataclasses.replace(m.config, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
+    prompts = random_prompts(cfg.vocab_size, [1000, 300], seed=5)
+    logits = []
+    for chunk in (None, 256):
+      plan = prefill_lib.plan(cfg, make_method("dense"), [len(p) for p in prompts], 2048, chunk=chunk,
+                              prefill_tokens=1 << 16)
+      cache = KVCache.create(make_method("dense"), CacheSpec.for_model(cfg, 2, plan.capacity), "pallas")
+      tokens = prefill_lib.pad_prompts(prompts, plan.width, 0)
+      logits.append(np.asarray(prefill_lib.Prefill(plan, cfg, tokens, [1000, 300])(params, cache)[0]))
+    scale = np.abs(logits[0]).max()
+    assert np.abs(logits[1] - logits[0]).max() < 0.05 * scale
