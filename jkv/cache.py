@@ -44,11 +44,12 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     every held token of the layer once as its attention reads it (dequantized where stored quantized), as 16-bit
     rows the chunk's attention runs over (``jkv.chunk_attention.HeldRows``: a transient of one layer, [B, H, C, D]
     at capacity C); and ``store_chunk(state, layer, q, k, v, ctx) -> state``, the rows stored as the method stores
-    a prompt, from ``ctx.lengths`` on. Every call writes within [0, ctx.lengths + 2T) of the token axis: the
-    planner leaves a chunk of room past the last one.
+    a prompt, from ``ctx.lengths`` on.
 ``chunk_multiple()``
-    Chunks are a whole number of these tokens (default ``capacity_multiple``): a chunk ends where the method's
-    blocks end (KIVI's residual, OTT's groups, ZipCache's split into whole key groups).
+    Chunks are a whole number of these tokens (default ``capacity_multiple``, of which it is a multiple): a chunk
+    ends where the method's blocks end (KIVI's residual, OTT's groups, ZipCache's split into whole key groups).
+    An ``extend`` call writes nothing past ctx.lengths + T + chunk_multiple on the token axis (KIVI rewrites up to
+    R held rows with the chunk; padding rows land past a prompt's end): the planner leaves that much room.
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);

@@ -14,9 +14,11 @@ def write_at(buf, layer, x, start, axis):
   ``axis`` indexes x (batch first); every other axis is written from 0. Measured both ways: on a GPU one
   scatter (a vmapped ``dynamic_update_slice``) is fastest, where B separate updates per write made a KIVI-2
   decode step 3x slower (Llama-3-8B shape, B=8); on CPU XLA copies the whole buffer for that scatter, and one
-  in-place ``dynamic_update_slice`` per sequence made dense decoding 7x faster.
+  in-place ``dynamic_update_slice`` per sequence made dense decoding 7x faster. One sequence is one update
+  everywhere: a scatter of one sequence's prompt chunk (16k rows) made XLA on an H200 transpose the whole stacked
+  dense cache for it (23 GiB at 378k tokens).
   """
-  if jax.default_backend() != "cpu":
+  if jax.default_backend() != "cpu" and x.shape[0] > 1:
     def one(b_buf, b_x, b_start):  # b_buf [L, ...], b_x [...]
       idx = [0] * b_x.ndim
       idx[axis - 1] = b_start

@@ -79,7 +79,7 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
   if chunk is not None:
     if chunk < 1:
       raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
-    return _chunked(B, longest, capacity, round_up(chunk, multiple), multiple) if chunk < longest else whole
+    return _chunked(B, longest, capacity, round_up(chunk, multiple), multiple, even=False) if chunk < longest else whole
   budget = lambda **extra: prefill_tokens or memory.prefill_token_budget(cfg, **extra)
   in_cache = memory.cache_bytes(method, cfg, B, capacity, mesh)
   if B * width <= budget(fixed_bytes=in_cache):
@@ -90,16 +90,17 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
     return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
   held = memory.held_rows_bytes(cfg, B, capacity)  # (a chunk's more at the grown capacity: within the halving)
   size = budget(fixed_bytes=in_cache + held) // B // multiple * multiple
-  return _chunked(B, longest, capacity, max(size, round_up(MIN_CHUNK, multiple)), multiple)
+  return _chunked(B, longest, capacity, max(size, round_up(MIN_CHUNK, multiple)), multiple, even=True)
 
 
-def _chunked(batch: int, longest: int, capacity: int, chunk: int, multiple: int) -> PrefillPlan:
-  """Chunks of ``chunk`` tokens (a multiple of ``multiple``; fewer where one chunk would hold the longest prompt),
-  with the capacity grown to hold a chunk past the last one, in whole multiples."""
-  chunk = min(chunk, round_up(longest, multiple))
-  width = round_up(longest, chunk)
-  if width > chunk:
-    capacity = round_up(max(capacity, width + chunk), multiple)
+def _chunked(batch: int, longest: int, capacity: int, size: int, multiple: int, *, even: bool) -> PrefillPlan:
+  """Chunks of ``size`` tokens (a multiple of ``multiple``), or with ``even`` as few of at most that size as cover
+  the longest prompt and as even as whole multiples let them be; the capacity grown to hold ``multiple`` tokens
+  past the last chunk (what a call may write past its rows: ``CacheMethod.extend``)."""
+  calls = -(-longest // size)
+  chunk = round_up(-(-longest // calls), multiple) if even else size
+  width = calls * chunk
+  capacity = round_up(max(capacity, width + (multiple if calls > 1 else 0)), multiple)
   return PrefillPlan(batch, width, batch, chunk, capacity)
 
 

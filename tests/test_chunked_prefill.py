@@ -191,8 +191,11 @@ def test_the_plan_takes_whole_prompts_where_they_fit_and_chunks_where_none_does(
   sub = prefill_lib.plan(cfg, kivi, [300, 20], 1024, prefill_tokens=600)
   assert (sub.rows, sub.chunk) == (1, 512) and not sub.chunked
   chunked = prefill_lib.plan(cfg, kivi, [1500, 20], 2048, prefill_tokens=1200)
-  assert chunked.chunked and chunked.rows == 2 and chunked.chunk == 576  # 600 a sequence, in whole residuals
-  assert chunked.width == 1728 and chunked.capacity == 2304  # a chunk past the last one
+  # 600 a sequence: three chunks, as even as whole residuals let them be; room for a residual past the last one
+  assert chunked.chunked and chunked.rows == 2 and chunked.chunk == 512 and chunked.calls() == 3
+  assert chunked.width == 1536 and chunked.capacity == 2048
+  grown = prefill_lib.plan(cfg, kivi, [1500, 20], 1536, prefill_tokens=1200)
+  assert grown.capacity == 1600
   tiny = prefill_lib.plan(cfg, kivi, [1500, 20], 2048, prefill_tokens=1)
   assert tiny.chunk == prefill_lib.MIN_CHUNK  # not chunks of a token
   asked = prefill_lib.plan(cfg, kivi, [300, 20], 1024, chunk=100)  # rounded up to the residual
@@ -219,7 +222,7 @@ def test_the_default_plan_chunks_when_not_one_prompt_fits_the_free_memory(tiny_l
       limit=cache + held + 2 * 700 * per_token + (1 << 30), in_use=1 << 30, peak=1 << 30))
   plan = prefill_lib.plan(cfg, method, [1500, 900], 2048)
   assert plan.chunked and plan.rows == 2 and plan.chunk == 320  # 350 tokens a sequence, in whole residuals
-  assert plan.capacity >= plan.width + plan.chunk
+  assert plan.capacity >= plan.width + method.chunk_multiple()
 
 
 # ------------------------------------------------------------------------------------------------- generate

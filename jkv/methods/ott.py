@@ -251,6 +251,11 @@ class Ott(CacheMethod):
   def capacity_multiple(self) -> int:
     return self.group_size
 
+  def chunk_multiple(self) -> int:
+    """Two groups: a chunk stored with the buffer's rows before it (``store_chunk``) writes whole groups up to
+    2G - 2 tokens past its own end."""
+    return 2 * self.group_size
+
   def quantized(self, n):
     """q(n) = G*floor(max(0, n - 1 - R)/G): tokens held quantized by a sequence of n tokens between steps.
 

@@ -1,0 +1,207 @@
+"""One long sequence on one GPU: chunked prefill's attention, prefill tokens/s and decode ms/step against its floor.
+
+A randomly initialized Llama-3-8B-shaped model (``generate_decode.LLAMA3_8B``, bf16) with its ``max_position``
+raised to the context asked (RoPE is defined at any position; a real checkpoint keeps its own limit), random prompt
+tokens, greedy decoding with end-of-sequence disabled. Parts, each one command within a 10-minute device call:
+
+    --part kernel    the chunk's attention (``jkv.chunk_attention``: cuDNN over the held rows, then the chunk causally,
+                     merged) at C = ``--chunk`` query tokens over ``--contexts`` held tokens, in TFLOP/s, beside a
+                     KIVI-2 store's held rows (the dequantization of one layer, the transient each chunk builds) and a
+                     correctness check against the XLA path on a smaller shape
+    --part prefill   ``jkv.generate`` on one prompt of ``--context`` tokens for each of ``--methods``: prefill s and
+                     tokens/s (with the plan it chose: whole, or the chunk), decode ms/step against the floor (every
+                     weight and the cache's held bytes once, at the copy rate measured in the same run), peak memory
+
+Records are merged into benchmarks/results/long_context.json (``--out`` to choose); ``--table`` renders them into
+benchmarks/README.md.
+
+    python benchmarks/long_context.py --part kernel --contexts 131072 1048576
+    python benchmarks/long_context.py --part prefill --context 131072 --methods kivi2_mma dense
+    python benchmarks/long_context.py --part prefill --smoke      # a tiny model, any machine
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+from generate_decode import LLAMA3_8B, SMOKE, copy_rate, median_ms, now
+from records import save, write_readme_section
+
+HERE = pathlib.Path(__file__).resolve().parent
+METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True}),
+           "kivi4_mma": ("kivi", {"bits": 4, "mma": True}), "kivi2": ("kivi", {"bits": 2, "mma": False}),
+           "ott2": ("ott", {}), "zipcache": ("zipcache", {}), "specache1": ("specache", {"bits": 1})}
+RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
+                        r.get("prefill_tokens_asked"), r["device"])
+
+
+def _base(part, impl, batch, context):
+  import jax
+  return dict(part=part, impl=impl, batch=batch, context=context, devices=1, device=jax.devices()[0].device_kind,
+              jax_version=jax.__version__, date=now(), model="random Llama-3-8B shape", synthetic_fill=False)
+
+
+# ------------------------------------------------------------------------------------------------- kernel
+
+
+def kernel_part(contexts, chunk, smoke):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jkv.cache import CacheSpec
+  from jkv.chunk_attention import HeldRows, chunk_attention
+  from jkv.methods import make_method
+  H, g, D = (2, 2, 64) if smoke else (8, 4, 128)
+  impl = "xla" if smoke else "pallas"
+  dtype = jnp.bfloat16
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+
+  # Correctness where both paths fit: cuDNN's against XLA's on the same inputs.
+  S0, T0 = 2048, 512
+  q, k, v = normal(1, H, T0, g, D), normal(1, H, T0, D), normal(1, H, T0, D)
+  held = HeldRows(normal(1, H, S0, D), normal(1, H, S0, D), jnp.asarray([S0 - 77], jnp.int32))
+  positions = jnp.asarray(S0 - 77 + np.arange(T0), jnp.int32)[None]
+  fast = jax.jit(chunk_attention, static_argnames=("impl",))(q, k, v, positions, held, impl=impl)
+  ref = jax.jit(chunk_attention, static_argnames=("impl",))(q, k, v, positions, held, impl="xla")
+  error = float(jnp.linalg.norm((fast - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+  print(f"check: {impl} against xla, relative error {error:.2e}", flush=True)
+
+  records = []
+  kivi = make_method("kivi", bits=2, mma=not smoke)
+  for S in contexts:
+    C = min(chunk, S)
+    q, k, v = normal(1, H, C, g, D), normal(1, H, C, D), normal(1, H, C, D)
+    held = HeldRows(normal(1, H, S, D), normal(1, H, S, D), jnp.asarray([S], jnp.int32))
+    positions = jnp.asarray(S + np.arange(C), jnp.int32)[None]
+    attend = jax.jit(lambda q, k, v, p, h: chunk_attention(q, k, v, p, h, impl=impl))
+    ms = median_ms(attend, q, k, v, positions, held, repeats=5)
+    flops = 4 * C * g * H * D * (S + C / 2)
+    # A quarter of the buffer held (the early chunks of a prompt, in a buffer at capacity): is the rest skipped?
+    quarter = held._replace(count=jnp.asarray([S // 4], jnp.int32))
+    quarter_ms = median_ms(attend, q, k, v, positions, quarter, repeats=5)
+    del held, quarter
+    # One layer of a KIVI-2 store at S tokens (random codes, like any store's bytes), dequantized into held rows.
+    spec = CacheSpec(1, 1, S, H, D, g, dtype)
+    kivi_run = kivi.for_impl(spec, impl)
+    state = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 2**16, x.shape), x.dtype)
+                         if jnp.issubdtype(x.dtype, jnp.integer) else jnp.asarray(0.01 * rng.normal(size=x.shape),
+                                                                                    x.dtype),
+                         kivi_run.init(spec))
+    rows = jax.jit(lambda s, n: kivi_run.held_rows(s, 0, n))
+    held_ms = median_ms(rows, state, jnp.asarray([S], jnp.int32), repeats=5)
+    del state
+    record = dict(_base("kernel", "chunk_attention_cudnn" if impl == "pallas" else "chunk_attention_xla", 1, S),
+                  chunk=C, heads=H * g, kv_heads=H, head_dim=D, ms=ms, tflops=flops / ms / 1e9,
+                  kivi2_held_rows_ms=held_ms, quarter_held_ms=quarter_ms, check_relative_error=error)
+    print(f"S={S:>8} C={C}: chunk attention {ms:8.2f} ms ({record['tflops']:.0f} TFLOP/s); KIVI-2 held rows "
+          f"{held_ms:.2f} ms ({100 * held_ms / ms:.1f}% of it); a quarter held {quarter_ms:.2f} ms", flush=True)
+    records.append(record)
+  return records
+
+
+# ------------------------------------------------------------------------------------------------- prefill
+
+
+def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke):
+  import jax
+  import numpy as np
+  from jkv import generate as gen
+  from jkv import memory
+  from jkv import params as params_lib
+  from jkv.config import ModelConfig
+  from jkv.methods import make_method
+  shape = SMOKE if smoke else LLAMA3_8B
+  cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens)))
+  params = params_lib.init_random(cfg, jax.random.key(0))
+  weight_bytes = memory.tree_bytes(params)
+  rate = 1e10 if smoke else copy_rate()
+  print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
+  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
+  records = []
+  for label in labels:
+    name, options = METHODS[label]
+    t = time.perf_counter()
+    try:
+      res = gen.generate(params, cfg, [prompt], method=make_method(name, **options), max_new_tokens=new_tokens,
+                         eos_ids=(), chunk=min(16, new_tokens), prefill_chunk=prefill_chunk,
+                         prefill_tokens=prefill_tokens)
+    except (MemoryError, ValueError) as e:  # the one-line errors: recorded, the next method runs
+      print(f"{label}: {type(e).__name__}: {e}", flush=True)
+      records.append(dict(_base("prefill", label, 1, context), error=f"{type(e).__name__}: {e}",
+                          prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens))
+      continue
+    s = res.stats
+    ms = 1e3 * s["decode_s"] / s["decode_steps"]
+    floor = 1e3 * (weight_bytes + s["kv_bytes"]) / rate
+    record = dict(
+        _base("prefill", label, 1, context), method_config=s["method_config"], prefill_s=s["prefill_s"],
+        prefill_tokens_per_s=s["prefill_tokens_per_s"], prefill_chunk=s["prefill_chunk"],
+        prefill_calls=s["prefill_calls"], prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens,
+        decode_ms_per_step=ms, floor_ms_per_step=floor, ratio_to_floor=ms / floor, new_tokens=new_tokens,
+        kv_bytes=s["kv_bytes"], kv_host_bytes=s["kv_host_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
+        capacity=s["capacity"], peak_device_bytes=s["peak_device_bytes"], compile_s=s["compile_s"],
+        weight_bytes=weight_bytes, copy_rate=rate, wall_s=time.perf_counter() - t)
+    print(f"{label:>10} {context} tokens: prefill {s['prefill_s']:.2f} s ({s['prefill_tokens_per_s']:.0f} tok/s, "
+          f"chunk {s['prefill_chunk']}, {s['prefill_calls']} calls), decode {ms:.2f} ms/step (floor {floor:.2f}, "
+          f"{ms / floor:.2f}x), kv {s['kv_bytes'] / 2**30:.2f} GiB, peak "
+          f"{(s['peak_device_bytes'] or 0) / 2**30:.1f} GiB, compile {s['compile_s']:.0f} s", flush=True)
+    records.append(record)
+  return records
+
+
+# ------------------------------------------------------------------------------------------------- results
+
+
+def markdown_table(records) -> str:
+  fmt = lambda r, k, f: format(r[k], f) if r.get(k) is not None else "–"
+  gib = lambda r, k: f"{r[k] / 2**30:.2f}" if r.get(k) is not None else "–"
+  lines = ["| part | impl | context | prefill s | prefill tok/s | chunk | decode ms/step | floor | x floor | KV GiB | "
+           "peak GiB | result | device | date |", "|" + " --- |" * 14]
+  for r in records:
+    if r["part"] == "kernel":
+      result = f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows {r['kivi2_held_rows_ms']:.2f} ms"
+    else:
+      result = r.get("error", "ran")
+    lines.append(f"| {r['part']} | {r['impl']} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
+                 f"{fmt(r, 'prefill_tokens_per_s', '.0f')} | {r.get('prefill_chunk') or '–'} | "
+                 f"{fmt(r, 'decode_ms_per_step', '.2f')} | {fmt(r, 'floor_ms_per_step', '.2f')} | "
+                 f"{fmt(r, 'ratio_to_floor', '.2f')} | {gib(r, 'kv_bytes')} | {gib(r, 'peak_device_bytes')} | "
+                 f"{result} | {r['device']} | {r['date'][:10]} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--part", choices=["kernel", "prefill"], default="prefill")
+  parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576], help="kernel: held tokens")
+  parser.add_argument("--chunk", type=int, default=8192, help="kernel: the chunk's tokens")
+  parser.add_argument("--context", type=int, default=131072, help="prefill: the prompt's tokens")
+  parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["kivi2_mma", "dense"])
+  parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
+  parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
+  parser.add_argument("--smoke", action="store_true", help="a tiny model, small shapes (any machine)")
+  parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "long_context.json")
+  parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
+  args = parser.parse_args()
+  if args.table:
+    write_readme_section("long_context", markdown_table(json.loads(args.out.read_text())),
+                         "## Long context: one sequence")
+    return
+  if args.part == "kernel":
+    records = kernel_part([1024, 4096] if args.smoke else args.contexts, 256 if args.smoke else args.chunk,
+                          args.smoke)
+  else:
+    records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
+                           args.prefill_chunk, args.prefill_tokens, args.smoke)
+  if not args.smoke:
+    save(args.out, records, RECORD_KEY)
+  print(markdown_table(records))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
