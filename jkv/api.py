@@ -117,7 +117,8 @@ class Model:
                max_new_tokens: int = 64, chat: bool = True, temperature: float = 0.0,
                top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
                attention_impl: str = "auto", capacity: Optional[int] = None,
-               prefill_tokens: Optional[int] = None, mesh=None, **method_options) -> Generation:
+               prefill_tokens: Optional[int] = None, prefill_chunk: Optional[int] = None, mesh=None,
+               **method_options) -> Generation:
     """Generate for a batch of prompts with the KV cache method ``method`` and its options.
 
     Args:
@@ -131,7 +132,10 @@ class Model:
       seed: the sampling seed.
       attention_impl: "auto" (the Pallas kernels on a GPU of compute capability >= 8.0, XLA elsewhere),
         "pallas", "xla" or "interpret".
-      capacity, prefill_tokens: cache capacity and prefill sub-batch size (default: planned from the prompts).
+      capacity, prefill_tokens: cache capacity and prompt tokens per prefill call (default: planned from the
+        prompts and the free memory).
+      prefill_chunk: chunked prefill in chunks of this many tokens, each attending the cache as the method holds
+        it (default: whole prompts wherever one fits a call; ``jkv.prefill``).
       mesh: run on a device mesh: a spec such as ``"data=2,model=4"`` (sequences over data; heads, the MLP and
         the cache's KV heads over model), a ``jax.sharding.Mesh`` from ``jkv.sharding.make_mesh``, or None (one
         device). The tokens are the same as on one device.
@@ -145,7 +149,7 @@ class Model:
     res = generate_lib.generate(self.params, self.config, ids, method=method, max_new_tokens=max_new_tokens,
                                 sampler=make_sampler(temperature, top_k, top_p), seed=seed, capacity=capacity,
                                 eos_ids=eos, attention_impl=attention_impl, prefill_tokens=prefill_tokens,
-                                mesh=mesh)
+                                prefill_chunk=prefill_chunk, mesh=mesh)
     texts = None
     if self.tokenizer is not None:
       texts = [self.tokenizer.decode_whole(t, skip_special_tokens=True)[0] for t in res.tokens]

@@ -337,7 +337,7 @@ def cmd_generate(args):
     try:
       for t in gen.stream(model.params, model.config, ids[0], method=method, max_new_tokens=args.max_new_tokens,
                           sampler=sampler, seed=args.seed, eos_ids=tok.eos_ids,
-                          attention_impl=args.attention_impl):
+                          attention_impl=args.attention_impl, prefill_chunk=args.prefill_chunk):
         piece = decoder.push(t)
         wrote = wrote or bool(piece)
         print(piece, end="", flush=True)
@@ -350,7 +350,8 @@ def cmd_generate(args):
   _progress(f"generating with {method.name} ...")
   res = gen.generate(model.params, model.config, ids, method=method, max_new_tokens=args.max_new_tokens,
                      sampler=sampler, seed=args.seed, capacity=args.capacity, eos_ids=tok.eos_ids,
-                     attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens, mesh=mesh)
+                     attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens,
+                     prefill_chunk=args.prefill_chunk, mesh=mesh)
   if not is_lead_process():
     return 0
   # Whole characters: a sequence that stopped inside one holds back its last tokens (counted in held_back_tokens).
@@ -464,7 +465,10 @@ def build_parser():
                  help="cache capacity in tokens (default: fitted to the prompts and --max-new-tokens)")
   g.add_argument("--prefill-tokens", type=positive_int, default=None,
                  help="prompt tokens one prefill call may process: a batch is prefilled in sub-batches within "
-                      "it (default: what the device's free memory holds)")
+                      "it, and in chunks where not one prompt fits (default: what the device's free memory holds)")
+  g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
+                 help="prefill the prompts in chunks of this many tokens (rounded up to the method's block), each "
+                      "attending the cache as the method holds it (default: whole prompts where they fit a call)")
   g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
   g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
   g.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -34,6 +34,13 @@ def _add_ppl_args(p, plan: ppl_lib.WindowPlan, cli):
                  help=f"windows decoded together (default: {plan.batch_size})")
   g.add_argument("--seed", type=cli.seed, default=plan.seed,
                  help=f"seed choosing the windows and pass keys (default: {plan.seed})")
+  _add_prefill_chunk(g, cli)
+
+
+def _add_prefill_chunk(g, cli):
+  g.add_argument("--prefill-chunk", type=cli.positive_int, default=None, metavar="TOKENS",
+                 help="prefill each context (and pass-key prompt) in chunks of this many tokens, rounded up to the "
+                      "method's block (default: whole, as the papers do)")
 
 
 def _add_passkey_args(p, grid: passkey_lib.PasskeyGrid, cli, prefix=""):
@@ -51,7 +58,7 @@ def _add_passkey_args(p, grid: passkey_lib.PasskeyGrid, cli, prefix=""):
 
 def _plan(args) -> ppl_lib.WindowPlan:
   plan = ppl_lib.WindowPlan(context=args.context, scored=args.scored, num_windows=args.windows, seed=args.seed,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
   plan.validate()
   return plan
 
@@ -59,7 +66,8 @@ def _plan(args) -> ppl_lib.WindowPlan:
 def _grid(args, prefix="") -> passkey_lib.PasskeyGrid:
   get = lambda name: getattr(args, prefix + name)
   grid = passkey_lib.PasskeyGrid(lengths=tuple(get("lengths")), depths=tuple(get("depths")), trials=get("trials"),
-                                 seed=args.seed, batch_size=get("batch_size"), chat=args.chat)
+                                 seed=args.seed, batch_size=get("batch_size"), chat=args.chat,
+                                 prefill_chunk=args.prefill_chunk)
   grid.validate()
   return grid
 
@@ -227,6 +235,7 @@ def add_commands(sub, cli):
   cli.add_model_args(k)
   cli.add_method_args(k)
   _add_passkey_args(k, passkey_lib.PasskeyGrid(), cli)
+  _add_prefill_chunk(k, cli)
   k.add_argument("--seed", type=cli.seed, default=0, help="seed choosing the pass keys (default: 0)")
   k.add_argument("--plot", default=None, metavar="PNG", help="write the accuracy heat map here (default: none)")
   k.add_argument("--json", action="store_true", help=cli.JSON_HELP)

@@ -53,6 +53,7 @@ class PasskeyGrid:
   batch_size: int = 5  # prompts generated together (all prompts of one length have the same shape)
   max_batch_tokens: int = 8192  # fewer prompts per batch at long lengths (prefill attention is O(T^2) memory)
   chat: bool = False  # wrap the prompt in the model's chat template
+  prefill_chunk: Optional[int] = None  # chunked prefill in chunks of this many tokens (None: the plan's default)
 
   def validate(self, cfg: Optional[ModelConfig] = None, tokenizer=None) -> None:
     """Raise ValueError (one line) for a grid that cannot run; every length is checked before any runs.
@@ -179,7 +180,8 @@ def run_passkey(params: Params, cfg: ModelConfig, tokenizer, *, method: CacheMet
       ids = [p.ids for p in prompts]
       ids += ids[-1:] * (sharding.round_batch(len(ids), mesh) - len(ids))
       res = gen.generate(params, cfg, ids, method=method, max_new_tokens=MAX_NEW_TOKENS,
-                         chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl, mesh=mesh)
+                         chunk=MAX_NEW_TOKENS, eos_ids=(), attention_impl=attention_impl,
+                         prefill_chunk=grid.prefill_chunk, mesh=mesh)
       tokens += len(batch) * (MAX_NEW_TOKENS - 1)
       decode_s += res.stats["decode_s"]
       stats.append(res.stats["method_stats"])

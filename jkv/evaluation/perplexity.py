@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from jkv import generate as gen
 from jkv import memory
+from jkv import prefill as prefill_lib
 from jkv import sharding
 from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes
@@ -45,14 +46,15 @@ class WindowPlan:
   num_windows: int = 6
   seed: int = 0
   batch_size: int = 3  # windows decoded together in one batch
+  prefill_chunk: Optional[int] = None  # chunked prefill of each context in chunks of this many tokens (None: whole)
 
   @property
   def window(self) -> int:
     return self.context + self.scored + 1
 
   def validate(self) -> None:
-    for name in ("context", "scored", "num_windows", "batch_size"):
-      if getattr(self, name) < 1:
+    for name in ("context", "scored", "num_windows", "batch_size", "prefill_chunk"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"perplexity {name} must be >= 1, got {getattr(self, name)}")
 
   def starts(self, num_tokens: int) -> np.ndarray:
@@ -134,8 +136,10 @@ def _score(params, cache, inputs, targets, *, cfg):
 
 @sharding.under_mesh
 def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method: CacheMethod,
-               context: int, attention_impl: str = "auto", mesh=None) -> tuple[np.ndarray, dict]:
-  """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch.
+               context: int, attention_impl: str = "auto", prefill_chunk: Optional[int] = None,
+               mesh=None) -> tuple[np.ndarray, dict]:
+  """NLL [N, S] of tokens windows[:, context + 1:], for windows [N, context + S + 1] decoded as one batch; the
+  contexts prefilled whole, or in chunks of ``prefill_chunk`` tokens (``jkv.prefill``).
 
   Returns the NLLs and a dict: timings (``decode_s`` of the scan, ``compile_s`` of this call's compilations),
   ``held``, the ``HeldBytes`` of the whole batch's cache at the end (context + scored tokens per window), and
@@ -150,11 +154,17 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
     raise ValueError(f"windows of {W} tokens leave nothing to score after a context of {context}")
   cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
   sharding.check_mesh(mesh, cfg, B)
+  plan = prefill_lib.plan(cfg, method, [context] * B, cap, chunk=prefill_chunk, prefill_tokens=B * cap, mesh=mesh)
   params = sharding.shard_params(params, cfg, mesh)
-  with memory.guard(memory.CacheRequest(cfg, method, B, cap, context, mesh)):
-    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, cap), choose_impl(attention_impl), mesh)
+  with memory.guard(memory.CacheRequest(cfg, method, B, plan.capacity, plan.chunk, mesh)):
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, plan.capacity), choose_impl(attention_impl),
+                                  mesh)
     with gen.CompileCounter() as compiles:
-      cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
+      if plan.chunked:
+        tokens = prefill_lib.pad_prompts(windows[:, :context], plan.width, 0)
+        _, cache = prefill_lib.Prefill(plan, cfg, tokens, [context] * B)(params, cache)
+      else:
+        cache = _prefill(params, jnp.asarray(windows[:, :context]), cache, cfg=cfg)
       jax.block_until_ready(cache)
       before = compiles.seconds
       t0 = time.perf_counter()
@@ -196,7 +206,7 @@ def perplexity(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *, me
     if real < B:  # pad the last batch with repeats of its first window: the same shapes, nothing to compile
       batch = np.concatenate([batch, np.repeat(batch[:1], B - real, axis=0)])
     nll, t = window_nll(params, cfg, batch, method=method, context=plan.context, attention_impl=attention_impl,
-                        mesh=mesh)
+                        prefill_chunk=plan.prefill_chunk, mesh=mesh)
     nlls.append(nll[:real])
     held.append((t["held"], B))
     stats.append(t["method_stats"])
