@@ -409,14 +409,17 @@ def cmd_info(args):
   # --mesh, every device of the mesh holds that much: its share of the weights and of the cache.
   mem = memory.available_memory()  # a CPU's is the machine's
   device_bytes = int(args.device_gib * 2**30) if args.device_gib else (mem["limit"] if mem else None)
+  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
   batch = None if device_bytes is None else memory.largest_batch(
-      cfg, method, spec.capacity, n, device_bytes=device_bytes,
-      weight_bytes=sharding.param_bytes_per_device(cfg, mesh), mesh=mesh)
+      cfg, method, spec.capacity, n, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh)
+  # The longest single sequence: its cache beside the weights and a chunked prefill (jkv.prefill).
+  longest = None if device_bytes is None else memory.longest_context(
+      cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh)
   info = dict(config=dataclasses.asdict(cfg), method=method.name, method_config=dataclasses.asdict(method),
               tokens=n, kv_bytes=held.device, kv_host_bytes=held.host, dense_kv_bytes=dense,
               kv_bytes_per_token=held.device / n, dense_kv_bytes_per_token=dense / n,
               compression=dense / max(held.device, 1), device_bytes=device_bytes, largest_batch=batch,
-              mesh=sharding.mesh_label(mesh))
+              longest_context=longest, model_context=cfg.max_position, mesh=sharding.mesh_label(mesh))
   from jkv.evaluation import frontier  # what the committed frontier measured within this method's bytes
   measured = args.model == "default" and args.dtype == "float32"
   info["frontier"] = frontier.advice(held.device / dense) if measured else []
@@ -432,6 +435,10 @@ def cmd_info(args):
     print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB{per}"
                                          if batch is not None else "unknown (this device reports no memory "
                                                                    "size; give --device-gib)"))
+    if longest is not None:
+      limit = (f"; this model's own context is {cfg.max_position}" if cfg.max_position < longest else "")
+      print(f"{'longest context':>16}: {longest} tokens in one sequence, prefilled in chunks, in "
+            f"{device_bytes / 2**30:.1f} GiB{per}{limit}")
     for line in info["frontier"]:
       print(f"{'frontier':>16}: {line}")
   return 0

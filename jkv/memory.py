@@ -194,6 +194,32 @@ def largest_capacity(cfg: ModelConfig, method: CacheMethod, batch: int, prompt_t
   return lo * step
 
 
+def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int, weight_bytes: int, mesh=None,
+                    limit: int = 1 << 27) -> int:
+  """The most tokens one sequence can hold on a device of ``device_bytes`` (each device of ``mesh``) beside
+  ``weight_bytes``: its cache at that capacity (a multiple of the method's ``chunk_multiple``), a chunked prefill's
+  held rows (one layer's keys and values in the model dtype, ``held_rows_bytes``), ``RESERVE_BYTES``, and twice the
+  activations of a chunk of ``jkv.prefill.MIN_CHUNK`` tokens (the plan leaves half the free memory to them); 0 when
+  not even one chunk fits. The model's own context limit is not applied (a random model's RoPE runs at any
+  position; a real checkpoint's ``max_position`` still bounds what ``generate`` takes). A binary search up to
+  ``limit`` tokens."""
+  from jkv.prefill import MIN_CHUNK  # jkv.prefill plans with this module's budgets
+  step = method.chunk_multiple()
+  model_shards = sharding.axis_size(mesh, "model")  # the held rows split with the KV heads
+
+  def fits(n: int) -> bool:
+    tokens = n * step
+    need = (cache_bytes(method, cfg, 1, tokens, mesh) + held_rows_bytes(cfg, 1, tokens) // model_shards
+            + RESERVE_BYTES + 2 * MIN_CHUNK * prefill_bytes_per_token(cfg))
+    return need + weight_bytes <= device_bytes
+
+  lo, hi = 0, limit // step
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo * step
+
+
 class DeviceMemoryError(MemoryError):
   """A batch whose cache cannot fit the device, refused before anything is allocated, or an allocation that failed
   later (then XLA's error, with its allocator report, is the ``__cause__``). The message is one line: what was
@@ -259,6 +285,8 @@ class CacheRequest:
       fits = f"not one sequence fits {beside}"
     else:
       fits = f"at most {batch} sequences of {self.capacity} tokens fit, or {self.batch} of {capacity} tokens ({beside})"
+    if self.batch == 1:
+      fits += f"; one sequence prefilled in chunks holds at most {longest_context(self.cfg, self.method, **fit)} tokens"
     device = ("each device" if self.mesh is not None else "the device") + f" ({jax.local_devices()[0].device_kind})"
     return DeviceMemoryError(
         f"out of device memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}; {fits}",

@@ -15,6 +15,7 @@ from jkv import prefill as prefill_lib
 from jkv.attention import decode_attention
 from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.chunk_attention import HeldRows, chunk_attention
+from jkv.config import ModelConfig
 from jkv.methods import make_method
 from jkv_kernels.attention_reference import gqa_attention_reference
 from conftest import has_pallas_gpu, random_prompts
@@ -223,6 +224,25 @@ def test_the_default_plan_chunks_when_not_one_prompt_fits_the_free_memory(tiny_l
   plan = prefill_lib.plan(cfg, method, [1500, 900], 2048)
   assert plan.chunked and plan.rows == 2 and plan.chunk == 320  # 350 tokens a sequence, in whole residuals
   assert plan.capacity >= plan.width + method.chunk_multiple()
+
+
+def test_longest_context_is_the_last_capacity_that_fits():
+  """The longest single sequence on an 80 GiB device at the Llama-3-8B shape: its cache, a chunk's held rows, the
+  reserve and a minimal chunk's activations fit beside the weights, and one more chunk multiple does not; KIVI-2's
+  is several times dense's (its cache is about 5x smaller)."""
+  cfg = ModelConfig(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
+                    kv_heads=8, head_dim=128, max_position=8192, dtype="bfloat16")
+  device, weights = 80 << 30, 15 << 30
+  found = {}
+  for name, options in (("dense", {}), ("kivi", dict(bits=2, mma=True))):
+    method = make_method(name, **options)
+    n = memory.longest_context(cfg, method, device_bytes=device, weight_bytes=weights)
+    need = lambda t: (memory.cache_bytes(method, cfg, 1, t) + memory.held_rows_bytes(cfg, 1, t) + memory.RESERVE_BYTES
+                      + 2 * prefill_lib.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+    step = method.chunk_multiple()
+    assert n % step == 0 and need(n) <= device < need(n + step)
+    found[name] = n
+  assert found["dense"] > 400_000 and found["kivi"] > 4 * found["dense"]
 
 
 # ------------------------------------------------------------------------------------------------- generate
