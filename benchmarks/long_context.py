@@ -185,11 +185,13 @@ def main():
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
   parser.add_argument("--smoke", action="store_true", help="a tiny model, small shapes (any machine)")
-  parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "long_context.json")
+  parser.add_argument("--out", type=pathlib.Path,
+                      help="JSON to merge the records into (default: results/long_context.json; none with --smoke)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
+  out = args.out or (None if args.smoke else HERE / "results" / "long_context.json")
   if args.table:
-    write_readme_section("long_context", markdown_table(json.loads(args.out.read_text())),
+    write_readme_section("long_context", markdown_table(json.loads(out.read_text())),
                          "## Long context: one sequence")
     return
   if args.part == "kernel":
@@ -198,8 +200,8 @@ def main():
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
                            args.prefill_chunk, args.prefill_tokens, args.smoke)
-  if not args.smoke:
-    save(args.out, records, RECORD_KEY)
+  if out is not None:
+    save(out, records, RECORD_KEY)
   print(markdown_table(records))
 
 

@@ -29,6 +29,8 @@ RUNS = {
     # The three layouts test_generate_decode checks (KIVI-4's rows run the same code at other bits).
     "generate_decode": (["generate_decode.py", "--smoke", "--methods", "dense", "kivi2", "kivi2_mma"], 1),
     "profile": (["profile_decode_step.py", "--smoke", "--method", "specache1"], 1),
+    "long context": (["long_context.py", "--part", "prefill", "--smoke", "--methods", "kivi2_mma", "--prefill-chunk",
+                      "512"], 1),
     "run and table": (["sharded_decode.py", "--smoke", "--mesh", "data=2", "--new-tokens", "8"], 2),
     "mesh model=2": (["sharded_decode.py", "--smoke", "--profile", "--mesh", "model=2", "--batch", "4", "--steps", "2"],
                      2),
@@ -43,6 +45,7 @@ def _runs_of(item):
   if item.originalname == "test_sharded_decode_profile_on_a_mesh":
     return [f"mesh {item.callspec.params['mesh']}"]
   return {"test_generate_decode": ["generate_decode"], "test_profile_decode_step": ["profile"],
+          "test_long_context": ["long context"],
           "test_sharded_decode_run_and_table": ["run and table"],
           "test_sharded_decode_profile_of_one_shard": ["one shard"]}.get(item.originalname, [])
 
@@ -200,3 +203,14 @@ def test_mgpu_builds_imports_each_build_as_its_own_package(tmp_path, monkeypatch
   rows = mgpu_builds.table(records).splitlines()[2:]
   assert rows == ["| 8 | 32768 | mgpu_kivi2 | a | {} | 110.0 | 100.0-130.0 | 3 |",
                   "| 8 | 32768 | mgpu_kivi2 | b | {} | 90.0 | 80.0-95.0 | 3 |"]
+
+
+def test_long_context(smoke):
+  """One prompt of 1500 tokens prefilled in chunks of 512 (three calls, the capacity a chunk past the last one),
+  then decoded, recorded with the fields the long-context table reads."""
+  (record,), out = smoke["long context"].result()
+  assert record["part"] == "prefill" and record["impl"] == "kivi2_mma" and record["context"] == 1500
+  assert record["prefill_chunk"] == 512 and record["prefill_calls"] == 3 and not record["synthetic_fill"]
+  assert record["capacity"] >= 3 * 512 + 128 and record["prefill_tokens_per_s"] > 0
+  assert record["decode_ms_per_step"] > 0 and record["floor_ms_per_step"] > 0
+  assert "kivi2_mma" in out

@@ -96,10 +96,15 @@ def _store(method, spec, layer, q, k, v, lengths, chunks):
   return state
 
 
-def _method_case(name, options, capacity=768):
+def _method_case(name, options, capacity: int, chunks: int, about: int, seed: int):
+  """The method as it runs on the XLA path, its cache spec, a chunk of about ``about`` tokens in whole blocks, and
+  fresh random q, k, v of ``chunks`` such chunks."""
   method = make_method(name, **options)
   spec = CacheSpec(L, B, capacity, H, D, G, jnp.float32)
-  return method.for_impl(spec, "xla"), spec
+  method = method.for_impl(spec, "xla")
+  chunk = method.chunk_multiple() * max(1, about // method.chunk_multiple())
+  rng, T = np.random.default_rng(seed), chunks * chunk
+  return method, spec, chunk, (_normal(rng, (B, H, T, G, D)), _normal(rng, (B, H, T, D)), _normal(rng, (B, H, T, D)))
 
 
 @pytest.mark.parametrize("name, options", METHODS)
@@ -107,17 +112,14 @@ def test_held_rows_are_what_the_methods_decode_attention_reads(name, options):
   """Attention over a method's held rows (every held token once, as 16-bit rows) equals the method's own attention
   over its state (stores, holes, pools, windows, through ``decode_attention``) for query rows that see every held
   token: after a prefill and a chunk, ragged (the second sequence's prompt ends inside the first chunk)."""
-  method, spec = _method_case(name, options)
-  rng = np.random.default_rng(7)
-  chunk = method.chunk_multiple() * max(1, 256 // method.chunk_multiple())
+  method, spec, chunk, (q, k, v) = _method_case(name, options, capacity=768, chunks=2, about=256, seed=7)
   T = 2 * chunk
-  q, k, v = _normal(rng, (B, H, T, G, D)), _normal(rng, (B, H, T, D)), _normal(rng, (B, H, T, D))
   lengths = jnp.asarray([T - 3, chunk - 37], jnp.int32)
   layer = 1
   state = _store(method, spec, layer, q, k, v, lengths, [chunk, chunk])
   held = method.held_rows(state, layer, lengths)
   assert held.k.dtype == spec.dtype and np.array_equal(np.asarray(held.count), np.asarray(lengths))
-  probe = _normal(rng, (B, H, 3, G, D))
+  probe = _normal(np.random.default_rng(8), (B, H, 3, G, D))
   S = held.k.shape[2]
   mask = jnp.broadcast_to((jnp.arange(S)[None] < held.count[:, None])[:, None, :], (B, 3, S))
   got = gqa_attention_reference(probe, held.k, held.v, mask)
@@ -159,11 +161,8 @@ def test_rows_stored_in_chunks_hold_what_they_hold_stored_whole(name, options):
   KIVI's state is a function of the length; OTT's block events with sequential selection are the same events;
   SpeCache's host copy gets every row; ZipCache with every token salient splits nothing (its channel scale is the
   first chunk's, so its keys are compared)."""
-  method, spec = _method_case(name, options, capacity=1024)
-  rng = np.random.default_rng(3)
-  chunk = method.chunk_multiple() * max(1, 192 // method.chunk_multiple())
+  method, spec, chunk, (q, k, v) = _method_case(name, options, capacity=1024, chunks=3, about=192, seed=3)
   T = 3 * chunk
-  q, k, v = _normal(rng, (B, H, T, G, D)), _normal(rng, (B, H, T, D)), _normal(rng, (B, H, T, D))
   lengths = jnp.asarray([T - 5, chunk - 11], jnp.int32)
   layer = 1
   whole = method.held_rows(_store(method, spec, layer, q, k, v, lengths, [T]), layer, lengths)

@@ -16,6 +16,7 @@ import pytest
 import jkv
 from jkv import cli
 from jkv import generate as gen
+from jkv import prefill as prefill_lib
 from jkv import load as load_lib
 from jkv import memory
 from jkv import sharding
@@ -108,7 +109,7 @@ def test_a_later_allocation_failure_is_the_same_error(tiny_llama, monkeypatch):
   """XLA ran out beside a cache that fit (prefill activations): one line, XLA's report kept as the cause."""
   _, m = tiny_llama
   fake_device(monkeypatch, limit=64 * GIB, in_use=GIB)
-  monkeypatch.setattr(gen, "_prefill", raising(jax.errors.JaxRuntimeError(XLA_OOM)))
+  monkeypatch.setattr(prefill_lib.Prefill, "__call__", raising(jax.errors.JaxRuntimeError(XLA_OOM)))
   with pytest.raises(memory.DeviceMemoryError) as e:
     gen.generate(m.params, m.config, [[3, 4, 5]], max_new_tokens=4)
   assert "\n" not in str(e.value)
@@ -116,7 +117,7 @@ def test_a_later_allocation_failure_is_the_same_error(tiny_llama, monkeypatch):
   assert "BufferAssignment" in str(e.value.__cause__)
   assert e.value.largest_batch > 1
   # Other XLA errors pass through untouched.
-  monkeypatch.setattr(gen, "_prefill", raising(jax.errors.JaxRuntimeError("INTERNAL: not memory")))
+  monkeypatch.setattr(prefill_lib.Prefill, "__call__", raising(jax.errors.JaxRuntimeError("INTERNAL: not memory")))
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
     gen.generate(m.params, m.config, [[3, 4, 5]], max_new_tokens=4)
 
@@ -145,7 +146,7 @@ def test_every_command_refuses_in_one_line(capsys, monkeypatch, argv):
 @pytest.mark.usefixtures("default_model_once")
 def test_a_later_failure_is_one_line_and_the_report_only_with_verbose(capsys, monkeypatch):
   fake_device(monkeypatch, limit=80 * GIB, in_use=GIB)
-  monkeypatch.setattr(gen, "_prefill", raising(jax.errors.JaxRuntimeError(XLA_OOM)))
+  monkeypatch.setattr(prefill_lib.Prefill, "__call__", raising(jax.errors.JaxRuntimeError(XLA_OOM)))
   line = out_of_memory_line(run(capsys, "generate", "hi", "--max-new-tokens", "4"))
   assert "XLA ran out beside it (Out of memory while trying to allocate 2.55GiB)" in line
   rc, out, err = run(capsys, "generate", "hi", "--max-new-tokens", "4", "--verbose")
