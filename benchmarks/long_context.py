@@ -21,7 +21,6 @@ benchmarks/README.md.
 """
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -163,7 +162,8 @@ def markdown_table(records) -> str:
            "peak GiB | result | device | date |", "|" + " --- |" * 14]
   for r in records:
     if r["part"] == "kernel":
-      result = f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows {r['kivi2_held_rows_ms']:.2f} ms"
+      result = (f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows "
+                f"{r['kivi2_held_rows_ms']:.2f} ms")
     else:
       result = r.get("error", "ran")
     lines.append(f"| {r['part']} | {r['impl']} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "

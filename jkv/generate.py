@@ -20,7 +20,7 @@ from jkv import memory
 from jkv import prefill as prefill_lib
 from jkv import sharding
 from jkv.attention import choose_impl
-from jkv.cache import CacheMethod, CacheSpec, KVCache, dense_kv_bytes
+from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes
 from jkv.config import ModelConfig
 from jkv.methods.dense import Dense
 from jkv.model import forward

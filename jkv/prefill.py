@@ -18,7 +18,6 @@ difference per method). A chunk ends where the method's blocks end (``CacheMetho
 
 import dataclasses
 import functools
-import math
 from typing import Optional, Sequence
 
 import jax
@@ -71,7 +70,7 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
   ``prefill_tokens``: prompt tokens one call may take (default: what half the device's free memory holds beside
   the cache, and beside a sub-batch's fresh state or the chunk's held rows). ``chunk``: chunked prefill with chunks
   of this many tokens (rounded up to ``chunk_multiple``) whatever fits; whole prompts where one chunk holds them.
-  Chunked, the capacity grows to a chunk past the last one."""
+  Chunked, the capacity grows to hold a chunk multiple past the last chunk."""
   B, longest = len(lengths), max(lengths)
   width = min(bucket(longest), capacity)
   multiple = method.chunk_multiple()
