@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jkv.cache import CacheMethod, CacheSpec, HeldBytes, KVCache, StepContext, allocate, is_array_info
+from jkv.chunk_attention import HeldRows
 from jkv.config import ModelConfig
 from jkv.params import Layers, Params
 from jkv.params import abstract as param_shapes
@@ -384,6 +385,15 @@ class PerShard(CacheMethod):
 
   def extend(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.extend, state, layer, q, k, v, ctx, returns_out=True)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self.inner.store_chunk, state, layer, q, k, v, ctx, returns_out=False)
+
+  def held_rows(self, state, layer, lengths) -> HeldRows:
+    heads, rows = self._heads(4), P(self.rules.batch)
+    run = shard_map(lambda s, i, n: tuple(self.inner.held_rows(s, i, n)), mesh=self.mesh,
+                    in_specs=(self._specs(), P(), rows), out_specs=(heads, heads, rows))
+    return HeldRows(*run(state, layer, lengths))
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
