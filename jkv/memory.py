@@ -28,6 +28,10 @@ from jkv.config import ModelConfig
 # more headroom) it ran. 6 GiB covers that.
 RESERVE_BYTES = 6 << 30
 
+# The smallest prefill chunk planned (``jkv.prefill``): smaller ones leave the tensor cores idle; every method's
+# blocks fit in one at its defaults.
+MIN_CHUNK = 256
+
 
 def prefill_bytes_per_token(cfg: ModelConfig) -> int:
   """Peak live activation bytes per prompt token within one layer of prefill (an upper estimate).
@@ -199,11 +203,10 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
   """The most tokens one sequence can hold on a device of ``device_bytes`` (each device of ``mesh``) beside
   ``weight_bytes``: its cache at that capacity (a multiple of the method's ``chunk_multiple``), a chunked prefill's
   held rows (one layer's keys and values in the model dtype, ``held_rows_bytes``), ``RESERVE_BYTES``, and twice the
-  activations of a chunk of ``jkv.prefill.MIN_CHUNK`` tokens (the plan leaves half the free memory to them); 0 when
+  activations of a chunk of ``MIN_CHUNK`` tokens (the prefill plan leaves half the free memory to them); 0 when
   not even one chunk fits. The model's own context limit is not applied (a random model's RoPE runs at any
   position; a real checkpoint's ``max_position`` still bounds what ``generate`` takes). A binary search up to
   ``limit`` tokens."""
-  from jkv.prefill import MIN_CHUNK  # jkv.prefill plans with this module's budgets
   step = method.chunk_multiple()
   model_shards = sharding.axis_size(mesh, "model")  # the held rows split with the KV heads
 

@@ -32,7 +32,6 @@ from jkv.model import forward
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 MIN_PROMPT_BUCKET = 16
-MIN_CHUNK = 256  # smaller chunks leave the tensor cores idle; every method's blocks fit in one at its defaults
 
 
 def bucket(n: int) -> int:
@@ -89,7 +88,7 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
     return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
   held = memory.held_rows_bytes(cfg, B, capacity)  # (a chunk's more at the grown capacity: within the halving)
   size = budget(fixed_bytes=in_cache + held) // B // multiple * multiple
-  return _chunked(B, longest, capacity, max(size, round_up(MIN_CHUNK, multiple)), multiple, even=True)
+  return _chunked(B, longest, capacity, max(size, round_up(memory.MIN_CHUNK, multiple)), multiple, even=True)
 
 
 def _chunked(batch: int, longest: int, capacity: int, size: int, multiple: int, *, even: bool) -> PrefillPlan:

@@ -197,7 +197,7 @@ def test_the_plan_takes_whole_prompts_where_they_fit_and_chunks_where_none_does(
   grown = prefill_lib.plan(cfg, kivi, [1500, 20], 1536, prefill_tokens=1200)
   assert grown.capacity == 1600
   tiny = prefill_lib.plan(cfg, kivi, [1500, 20], 2048, prefill_tokens=1)
-  assert tiny.chunk == prefill_lib.MIN_CHUNK  # not chunks of a token
+  assert tiny.chunk == memory.MIN_CHUNK  # not chunks of a token
   asked = prefill_lib.plan(cfg, kivi, [300, 20], 1024, chunk=100)  # rounded up to the residual
   assert asked.chunk == 128 and asked.chunked and asked.calls() == 3
   one = prefill_lib.plan(cfg, kivi, [300, 20], 1024, chunk=4096)  # one chunk holds the prompt: whole
@@ -237,7 +237,7 @@ def test_longest_context_is_the_last_capacity_that_fits():
     method = make_method(name, **options)
     n = memory.longest_context(cfg, method, device_bytes=device, weight_bytes=weights)
     need = lambda t: (memory.cache_bytes(method, cfg, 1, t) + memory.held_rows_bytes(cfg, 1, t) + memory.RESERVE_BYTES
-                      + 2 * prefill_lib.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+                      + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
     step = method.chunk_multiple()
     assert n % step == 0 and need(n) <= device < need(n + step)
     found[name] = n
