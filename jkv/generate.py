@@ -345,7 +345,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   result is the same as one call (bit for bit on a CPU; on a GPU up to the order in which a matmul adds its terms,
   which cuBLAS and XLA choose per shape). Where not even one prompt fits a call, or with ``prefill_chunk``, it is
   chunked: C tokens of every prompt a call, each chunk attending the cache as the method holds it (so the context
-  is bounded by the cache, not by prefill's activations; the capacity then holds one chunk more).
+  is bounded by the cache, not by prefill's activations; the capacity then holds a few blocks more).
 
   Stats report the KV bytes the method holds on the device and in host memory, the dense bytes for the same
   tokens, the allocated bytes, prefill/decode times with compilation counted apart, the prefill plan, and the

@@ -51,7 +51,7 @@ class PrefillPlan:
   width: int  # tokens per prompt as padded: a power-of-two bucket, or whole chunks
   rows: int  # sequences per call (the batch: in place)
   chunk: int  # tokens per sequence per call (width: whole prompts)
-  capacity: int  # the cache's capacity: chunked, at least a chunk past the last one (CacheMethod.extend)
+  capacity: int  # the cache's capacity: chunked, a chunk multiple past the last chunk (CacheMethod.extend)
 
   @property
   def chunked(self) -> bool:
