@@ -13,7 +13,7 @@ of as a change.
     python benchmarks/mgpu_ab.py --before /tmp/before/pallas_kernels --round 6 --change <name> [--repeats 3] \
         [--shapes 8x32768 256x4608]
 
-writes ``results/mgpu_rounds/<round>_{before,after}_<change>.json`` (``mgpu_decode.py --rounds`` tabulates them;
+writes ``results/mgpu_changes/<n>_{before,after}_<change>.json`` (``mgpu_decode.py --rounds`` tabulates them;
 under $OUT too on the device machine). The after build is this tree's pallas_kernels. The first process of each
 build also runs ``mgpu_decode.py``'s check against the reference.
 """
@@ -87,7 +87,7 @@ def main():
   parser.add_argument("--change", required=True, help="the change's name (words joined by _)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--shapes", type=shape_arg, nargs="+", default=[(8, 32768)], metavar="BxL")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results" / "mgpu_rounds")
+  parser.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results" / "mgpu_changes")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
   args = parser.parse_args()
   for label, path in (("--before", args.before), ("--after", args.after)):

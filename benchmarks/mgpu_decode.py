@@ -44,7 +44,7 @@ benchmarks/results/mgpu_decode_<device>.json (under $OUT too on the device machi
     python benchmarks/mgpu_decode.py              # on an H100
     python benchmarks/mgpu_decode.py --check-only
     python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants \\
-        --out benchmarks/results/mgpu_rounds/<n>_before_<change>.json     # a round's A/B (then _after_)
+        --out benchmarks/results/mgpu_changes/<n>_before_<change>.json     # a round's A/B (then _after_)
     python benchmarks/mgpu_decode.py --rounds                         # the rounds' table
     python benchmarks/mgpu_decode.py --batches 8 --seq-lens 32768 --no-variants --trace   # kernel against glue
     python benchmarks/mgpu_decode.py --batches 8 64 --seq-lens 32768 4096 --no-variants --in-program 20
@@ -463,13 +463,13 @@ def main():
                       help="also time each default row as N calls inside one compiled program (lax.scan)")
   parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
-  parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_rounds and exit")
+  parser.add_argument("--rounds", action="store_true", help="print the table of results/mgpu_changes and exit")
   args = parser.parse_args()
   device = jax.devices()[0]
   slug = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
   out = args.out or HERE / "results" / f"mgpu_decode_{slug}.json"
   if args.rounds:
-    print(rounds_table(HERE / "results" / "mgpu_rounds"))
+    print(rounds_table(HERE / "results" / "mgpu_changes"))
     return
   if args.table:
     records = json.loads(out.read_text())

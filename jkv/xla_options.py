@@ -14,7 +14,7 @@ results in benchmarks/results/profile_decode_step_*):
   rows before every projection: five pad fusions a layer, 1.03 ms of a 26.8 ms KIVI-2 step (cuBLAS takes any row
   count: unpadded, its products took 0.36 ms longer, and the activation and a transpose the pads had absorbed
   0.57 ms). Off: 26.38 ms against 26.79 in the profiler at B=307, 4608 tokens; in ``generate`` 26.36 against
-  26.53 ms (KIVI-2, 307 sequences) and 21.60 against 21.91 (dense, 66; benchmarks/results/round26/).
+  26.53 ms (KIVI-2, 307 sequences) and 21.60 against 21.91 (dense, 66; the records of commit 0f424c6).
 
 Options unknown to a backend are ignored by it, and the pass the third names runs on CUDA GPUs only: a CPU compile
 sees them and does nothing.
