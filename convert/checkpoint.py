@@ -16,6 +16,7 @@ reads straight into the tree ``jkv.params.abstract(cfg)`` describes: no random i
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -48,8 +49,9 @@ def is_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, MARKER))
 
 
-def leftover(path: str) -> Optional[str]:
-  """One line naming what an interrupted save left at ``path`` (or beside it) and what to delete, else None."""
+def leftover(path: str, command: str = "jkv convert") -> Optional[str]:
+  """One line naming what an interrupted save (by ``command``) left at ``path`` (or beside it) and what to delete,
+  else None."""
   path = os.path.abspath(path)
   found = None
   if os.path.isdir(path) and (path.endswith(PARTIAL) or _holds_orbax_tmp(path)):
@@ -58,7 +60,7 @@ def leftover(path: str) -> Optional[str]:
     found = path + PARTIAL
   if found is None:
     return None
-  return (f"{found} is left over from an interrupted `jkv convert`; delete it (rm -r {shlex.quote(found)}) "
+  return (f"{found} is left over from an interrupted `{command}`; delete it (rm -r {shlex.quote(found)}) "
           "and run again")
 
 
@@ -67,22 +69,38 @@ def _holds_orbax_tmp(path: str) -> bool:
   return any(ORBAX_TMP in name for d in dirs for name in os.listdir(d))
 
 
-def check_target(directory: str) -> None:
-  """Raise FileExistsError / PermissionError (one line) unless ``save(directory, ...)`` can write there.
+def check_target(directory: str, what: str = "checkpoint", command: str = "jkv convert") -> None:
+  """Raise FileExistsError / PermissionError (one line) unless ``save(directory, ...)`` (or another writer of a
+  ``what`` through ``atomic_directory``, run by ``command``) can write there.
 
   Cheap and side-effect free, so that callers can run it before the work that produces the checkpoint.
   """
   directory = os.path.abspath(directory)
-  problem = leftover(directory)
+  problem = leftover(directory, command)
   if problem:
     raise FileExistsError(problem)
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-    raise FileExistsError(f"checkpoint directory {directory} exists and is not empty")
+    raise FileExistsError(f"{what} directory {directory} exists and is not empty")
   parent = os.path.dirname(directory)
   while not os.path.exists(parent):  # save creates missing parents: the nearest existing one must be writable
     parent = os.path.dirname(parent)
   if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
-    raise PermissionError(f"cannot write a checkpoint at {directory}: {parent} is not a writable directory")
+    raise PermissionError(f"cannot write a {what} at {directory}: {parent} is not a writable directory")
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str):
+  """Yields ``<directory>.jkv-partial`` to write into; when the block ends, one rename makes it ``directory`` (which
+  may exist empty), so what was written exists whole or not at all. Any failure, an interrupt included, removes the
+  partial directory before the exception propagates."""
+  partial = os.path.abspath(directory) + PARTIAL
+  os.makedirs(partial)
+  try:
+    yield partial
+    os.rename(partial, directory)  # replaces an empty directory too (POSIX rename)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
 
 
 def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer: Optional[Tokenizer] = None,
@@ -94,24 +112,15 @@ def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer:
   """
   directory = os.path.abspath(directory)
   check_target(directory)
-  partial = directory + PARTIAL
-  os.makedirs(partial)
-  try:
+  with atomic_directory(directory) as partial:
     progress(f"saving to {partial} ...")
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(os.path.join(partial, PARAMS), params)
     meta = {"format": FORMAT, "config": dataclasses.asdict(cfg),
-            "tokenizer": None if tokenizer is None else tokenizer.to_dict(), "files": _file_digests(partial)}
-    with open(os.path.join(partial, MARKER), "w") as f:
-      json.dump({**meta, "sha256": _json_digest(meta)}, f)
-      f.flush()
-      os.fsync(f.fileno())
+            "tokenizer": None if tokenizer is None else tokenizer.to_dict(), "files": file_digests(partial, PARAMS)}
+    write_sealed_json(os.path.join(partial, MARKER), meta)
     progress("verifying the saved checkpoint ...")
     _check_equal(partial, restore(partial)[1], params)
-    os.rename(partial, directory)  # replaces an empty directory too (POSIX rename)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
 
 
 def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[Tokenizer]]:
@@ -121,7 +130,7 @@ def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[To
   """
   directory = os.path.abspath(directory)
   meta = _read_meta(directory)
-  _verify_files(directory, meta["files"])
+  verify_files(directory, meta["files"])
   cfg = _config(meta["config"])
   # Name the device: the sharding recorded at save time names the saving machine's device (say a CPU).
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -153,30 +162,31 @@ def _read_meta(directory: str) -> dict:
   if meta["format"] != FORMAT:
     raise ValueError(f"{directory}: checkpoint format {meta['format']!r}, this jkv reads format {FORMAT}")
   sealed = meta.pop("sha256", None)
-  if sealed != _json_digest(meta):
+  if sealed != json_digest(meta):
     raise ValueError(f"{path} is damaged (checksum mismatch); convert the source again")
   return meta
 
 
-def _verify_files(directory: str, files: dict) -> None:
-  """Every file the manifest lists exists with its size and sha256; else one line naming the first bad one."""
+def verify_files(directory: str, files: dict, remedy: str = "convert the source again") -> None:
+  """Every file the manifest lists exists with its size and sha256; else one line naming the first bad one and
+  ``remedy``."""
   for rel, want in sorted(files.items()):
     path = os.path.join(directory, rel)
     if not os.path.isfile(path):
-      raise ValueError(f"{path} is missing from the checkpoint; convert the source again")
+      raise ValueError(f"{path} is missing; {remedy}")
     size = os.path.getsize(path)
     if size != want["bytes"]:
       raise ValueError(f"{path} is damaged ({'truncated: ' if size < want['bytes'] else ''}{size} bytes, the "
-                       f"manifest says {want['bytes']}); convert the source again")
+                       f"manifest says {want['bytes']}); {remedy}")
   rels = sorted(files)
   for rel, digest in zip(rels, _sha256_all([os.path.join(directory, r) for r in rels])):
     if digest != files[rel]["sha256"]:
-      raise ValueError(f"{os.path.join(directory, rel)} is damaged (sha256 mismatch); convert the source again")
+      raise ValueError(f"{os.path.join(directory, rel)} is damaged (sha256 mismatch); {remedy}")
 
 
-def _file_digests(directory: str) -> dict:
-  """{path relative to directory: {"bytes", "sha256"}} for every file under ``directory/params``."""
-  paths = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(directory, PARAMS)) for name in names]
+def file_digests(directory: str, under: str) -> dict:
+  """{path relative to directory: {"bytes", "sha256"}} for every file under ``directory/under``."""
+  paths = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(directory, under)) for name in names]
   return {os.path.relpath(p, directory): {"bytes": os.path.getsize(p), "sha256": d}
           for p, d in zip(paths, _sha256_all(paths))}
 
@@ -192,9 +202,17 @@ def _sha256(path: str) -> str:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _json_digest(data: dict) -> str:
+def json_digest(data: dict) -> str:
   """sha256 of ``data`` as canonical JSON (sorted keys, no spaces): equal after a dump/load round trip."""
   return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_sealed_json(path: str, data: dict) -> None:
+  """``data`` plus ``"sha256"``, its ``json_digest``, written to ``path`` and synced to the disk."""
+  with open(path, "w") as f:
+    json.dump({**data, "sha256": json_digest(data)}, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _config(fields: dict) -> ModelConfig:

@@ -149,9 +149,9 @@ def test_older_checkpoint_formats_are_refused_in_one_line(tiny_ckpt, tmp_path, f
 
 def test_an_interrupted_convert_leaves_nothing(capsys, tiny_hf_dir, tmp_path, monkeypatch):
   """Case 4 in-process: the interrupt lands after orbax wrote its files; the partial directory goes with it."""
-  def interrupt(directory):
+  def interrupt(*args):
     raise KeyboardInterrupt
-  monkeypatch.setattr(checkpoint, "_file_digests", interrupt)
+  monkeypatch.setattr(checkpoint, "file_digests", interrupt)
   out = tmp_path / "out"
   rc, _, err = run(capsys, "convert", str(tiny_hf_dir), str(out))
   assert rc == 130 and err.splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err
