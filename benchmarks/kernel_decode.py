@@ -232,7 +232,7 @@ class Layout:
 
 
 def ott_layout(method: Ott = Ott(**Ott.presets["paper"])) -> Layout:
-  """What ``Ott._attend`` hands decode_attention (spec shared/specs/ott.md §3.6): one store of ``bits``-bit keys
+  """What ``Ott._attend`` hands decode_attention (docs/methods/ott.md): one store of ``bits``-bit keys
   in groups of G tokens and values in groups of ``value_group_for(D)`` channels, whose stacked ``valid`` mask
   (state [L, B, H, C]) has a hole per pooled token (the pool and auxiliary positions, N + A per KV head once the
   pools are full; no mask without a pool); then the stacked full-precision buffer of G + R slots (mask

@@ -17,7 +17,7 @@ consecutive words, a pair of lanes from one word:
     half's field its second.
 
 so both registers of a u sit in the same field of two words, and ``((word >> shift) & mask) | magic`` is both
-lanes of a register at once, already in the order the product wants (KERNEL.md section 2). A thread's 2 * bits
+lanes of a register at once, already in the order the product wants (docs/kernels.md). A thread's 2 * bits
 words sit at ``(k // vec) * 128 * vec + vec * tau + k % vec`` (vec = min(4, 2 * bits)): the order in which a
 ``WG_STRIDED`` load of ``vec`` words per thread hands them out, so every load is 16 bytes wide and a warp's loads
 are contiguous.
@@ -30,7 +30,7 @@ rounding within 2^-11 (|z| + 16 s), at most s / 128 past what rounding z itself 
 of a dequantized value costs (M <= 64 measured as fast on an H100 at B = 256, L = 4608, with four times the
 bound). So the packing reads as the library layout's store up to that rounding, not bit for bit: where keys have
 an outlier channel (a scale near 19) attention over it moves by up to 2%; the default model's perplexity through
-the kernel does not move (benchmarks/README.md, round 18). An 8-bit code fills the mantissa's upper 8 bits, so
+the kernel does not move (docs/kernels.md). An 8-bit code fills the mantissa's upper 8 bits, so
 its M is 256 and z' rounds within 2^-11 (|z| + 256 s): s / 8, or 2^-11 of the group's range of 255 s, which is
 still below bf16's rounding of a dequantized value near that range (2^-9).
 Scales and zero-points are therefore held in fp16 whatever the store's type (bf16 values in fp16's normal range,

@@ -1,4 +1,4 @@
-"""KIVI: streaming equals the spec's position-mask oracle (§2.6), exactness limits, batching, memory, model.
+"""KIVI: streaming equals the position-mask oracle (docs/methods/kivi.md), exactness limits, batching, memory, model.
 
 The oracle below is written from the spec, independently of the method: quantize K[0:bK] per channel and all of
 V per token in one shot, keep the rest exact, one softmax.

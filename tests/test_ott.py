@@ -1,8 +1,9 @@
-"""OTT (spec shared/specs/ott.md §9): selection against brute force and a token-by-token oracle, exactly-once
+"""OTT (docs/methods/ott.md, arXiv:2505.10938): selection against brute force and a token-by-token oracle, exactly-once
 attention with a lossless quantizer, pool size 0 as KIVI on OTT's schedule, planted outliers, forced overflow,
 batch independence, the fused kernel with pools and holes, memory.
 
-The oracle (``OracleSequence``) follows spec §3.3-3.8 with Python lists and sets, independently of the method.
+The oracle (``OracleSequence``) follows docs/methods/ott.md (schedule, competition, attention) with Python lists
+and sets, independently of the method.
 """
 
 import functools

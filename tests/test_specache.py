@@ -1,6 +1,7 @@
-"""SpeCache (spec shared/specs/specache.md §8): exactness with every candidate fetched, k = 0 is KIVI, the real row
-never depends on the speculative one, fetched rows are the host rows bit for bit, batch rows are independent, the
-host copy holds exactly the real rows, memory accounting, and the model paths (generate, perplexity).
+"""SpeCache (docs/methods/specache.md, arXiv:2503.16163): exactness with every candidate fetched, k = 0 is KIVI,
+the real row never depends on the speculative one, fetched rows are the host rows bit for bit, batch rows are
+independent, the host copy holds exactly the real rows, memory accounting, and the model paths (generate,
+perplexity).
 
 Method-level tests drive prefill, pre-decode and steps by hand with random q, k, v (the real row at position p
 takes q, k, v of p; the speculative row at p + 1 takes unrelated random ones) and compare with
@@ -393,7 +394,7 @@ def _agree_but_for_rounding(mma_outs, outs, mma_states, states):
   """Every step's output within 8% and the chosen rows the same but for near ties (the rings differ between
   steps: a flush's timing). The packing's rounding of its folded zero-points moves the 1-bit copy's logits a
   little, so a row chosen on a near tie may differ, and with it that step's output (6.3% at most here; the
-  default model's perplexity moves by 0.1%: benchmarks/README.md, round 18)."""
+  default model's perplexity moves by 0.1%: docs/kernels.md)."""
   for out, want in zip(mma_outs, outs):
     assert np.linalg.norm(out - want) / np.linalg.norm(want) <= 8e-2
   same = [np.mean(np.sort(np.asarray(a.fetched_idx), -1) == np.sort(np.asarray(b.fetched_idx), -1))

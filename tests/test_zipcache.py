@@ -1,5 +1,6 @@
-"""ZipCache (spec zipcache.md §9): saliency against brute force, probes, the two-pool layout against attention over
-the tokens it should hold, streaming bookkeeping, batches, memory, the fused kernel and the default model.
+"""ZipCache (docs/methods/zipcache.md, arXiv:2405.14256): saliency against brute force, probes, the two-pool layout
+against attention over the tokens it should hold, streaming bookkeeping, batches, memory, the fused kernel and the
+default model.
 
 References here are written from the spec, independently of the method: explicit softmax matrices and double
 loops for scores, numpy top-k for selections, the one attention reference over dequantized rows for outputs.

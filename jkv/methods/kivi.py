@@ -1,6 +1,7 @@
 """``kivi``: keys quantized per channel, values per token, with a full-precision residual (KIVI, ICML 2024).
 
-Spec: shared/specs/kivi.md. State per layer (C = capacity, a multiple of R; Pk = 32/k_bits, Pv = 32/v_bits):
+Algorithm: docs/methods/kivi.md; paper arXiv:2402.02750. State per layer (C = capacity, a multiple of R;
+Pk = 32/k_bits, Pv = 32/v_bits):
 
 - keys are quantized in groups of G tokens of one channel, once R of them have gathered in the key ring
   (a flush); values are quantized per token in groups of G channels the moment they arrive (spec §3.1 rec:
@@ -24,7 +25,7 @@ reads quantized is in a packed tile. The same codes, scales and boundaries, one 
 the rings.
 
 ``bits=1`` uses SpeCache's 1-bit quantizer (quarter-point levels, ``jkv_kernels.quantization``) for keys and
-values together: the spec's KIVI-1bit baseline (shared/specs/specache.md §2.1).
+values together: SpeCache's KIVI-1bit baseline (docs/methods/specache.md; arXiv:2503.16163).
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""``ott``: KIVI plus a full-precision pool of outlier tokens (OTT, Su et al. 2025; spec shared/specs/ott.md).
+"""``ott``: KIVI plus a full-precision pool of outlier tokens (OTT, arXiv:2505.10938; docs/methods/ott.md).
 
 Schedule (spec §3.3, §8.7). New keys and values wait in a full-precision buffer of G + R slots (slot p mod
 (G + R)). Once G + R tokens have gathered and the step holding them has attended, the oldest G become one

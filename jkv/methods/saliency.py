@@ -1,6 +1,5 @@
 """Token saliency for ZipCache: probe queries, normalized and accumulated attention scores, and the split of a
-segment's tokens into a high- and a low-precision set (spec zipcache.md §3.3-3.5; decisions A4, A5, A7, A12, A13,
-A16 of its §8).
+segment's tokens into a high- and a low-precision set (docs/methods/zipcache.md, "Saliency"; arXiv:2405.14256).
 
 Counts that depend on a fraction of a length (probes, salient tokens) are computed exactly, with the fraction
 read as the decimal the user wrote (0.6 is 3/5): ``ceil(0.6 * 100)`` in floating point is 61.

@@ -1,7 +1,7 @@
 """``specache``: SpeCache (ICML 2025): the full 16-bit K/V in host memory, a low-bit KIVI copy on the device, and a
 speculative row per decode step that chooses which 16-bit rows the next step attends.
 
-Spec: shared/specs/specache.md. What one decode step does, per layer (§2.3-2.6):
+Algorithm: docs/methods/specache.md; paper arXiv:2503.16163. What one decode step does, per layer (§2.3-2.6):
 
 - it carries two rows: the real token at position n and the speculative token at n + 1 (the greedy output of the
   previous step's speculative row, ``CacheMethod.speculative_rows``); only the real row's K/V is stored: in the

@@ -1,8 +1,9 @@
 """``zipcache``: mixed-precision KV quantization by normalized attention saliency (ZipCache, NeurIPS 2024).
 
-Spec: shared/specs/zipcache.md. Per (sequence, KV head), the ``salient_ratio`` share of tokens that probe queries
-find most salient is stored at ``high_bits``, the rest at ``low_bits``; new tokens stay in full precision in a
-window of ``interval`` slots and are scored and compressed when it fills. Saliency: saliency.py.
+Algorithm: docs/methods/zipcache.md; paper arXiv:2405.14256. Per (sequence, KV head), the ``salient_ratio``
+share of tokens that probe queries find most salient is stored at ``high_bits``, the rest at ``low_bits``; new
+tokens stay in full precision in a window of ``interval`` slots and are scored and compressed when it fills.
+Saliency: saliency.py.
 
 Layout, and why:
 
