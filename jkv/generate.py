@@ -1,5 +1,6 @@
 """Batched generation in phases: plan, placement, compilation, prefill (``jkv.prefill``), then decoding in jitted
-``lax.scan`` chunks over a donated cache.
+``lax.scan`` chunks over a donated cache. Placement may load a saved cache that the prompts continue, and the cache
+as prefill leaves it may be saved (``jkv.saved_cache``).
 
 Prompts of different lengths share a batch: each sequence sits in slots [0, length) with its own length, so
 its tokens are those it would get alone. Prompt lengths are bucketed to powers of two (or whole prefill chunks)
@@ -18,6 +19,7 @@ import numpy as np
 
 from jkv import memory
 from jkv import prefill as prefill_lib
+from jkv import saved_cache
 from jkv import sharding
 from jkv.attention import choose_impl
 from jkv.cache import CacheMethod, CacheSpec, dense_kv_bytes
@@ -216,6 +218,9 @@ class GenerationPlan:
   eos: tuple
   pad_id: int
   impl: str
+  saved: Optional[saved_cache.SavedCache] = None  # a saved cache the prompts continue
+  held: Optional[list] = None  # tokens it holds of each sequence (None: the prompts start an empty cache)
+  save_to: Optional[str] = None  # where the cache is saved after prefill
 
   @property
   def batch(self) -> int:
@@ -225,12 +230,18 @@ class GenerationPlan:
   def lengths(self) -> list:
     return [len(p) for p in self.prompts]
 
+  @property
+  def starts(self) -> list:
+    """Tokens each sequence holds before its prompt."""
+    return self.held or [0] * self.batch
+
 
 def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_tokens: int, capacity=None,
                     chunk: int = 32, eos_ids=None, pad_id: int = 0, attention_impl: str = "auto",
                     prefill_tokens: Optional[int] = None, prefill_chunk: Optional[int] = None,
-                    mesh=None) -> GenerationPlan:
-  """Check the arguments (one-line ValueErrors) and plan the call (``generate``'s arguments)."""
+                    mesh=None, cache: Optional[str] = None, save_cache: Optional[str] = None) -> GenerationPlan:
+  """Check the arguments (one-line ValueErrors) and plan the call (``generate``'s arguments): a saved ``cache``
+  against the model, the method's settings as they run here and the batch; ``save_cache`` as a place to write."""
   prompts = check_prompts(prompts, cfg.vocab_size)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -239,12 +250,26 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   impl = choose_impl(attention_impl)
   chunk = min(chunk, max_new_tokens)
   lengths = [len(p) for p in prompts]
-  cap = plan_capacity(cfg, method, lengths, max_new_tokens, chunk, capacity)
+  saved = held = None
+  if cache is not None:
+    saved = saved_cache.open_saved(cache)
+    saved.check_model(cfg)
+    held = saved.check_batch(len(prompts))
+  if save_cache is not None:
+    saved_cache.check_target(save_cache)
+  cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
+                      chunk, capacity)
   sharding.check_mesh(mesh, cfg, len(prompts))
-  prefill = prefill_lib.plan(cfg, method, lengths, cap, prefill_tokens=prefill_tokens, chunk=prefill_chunk,
-                             mesh=mesh)
+  if saved is None:
+    prefill = prefill_lib.plan(cfg, method, lengths, cap, prefill_tokens=prefill_tokens, chunk=prefill_chunk,
+                               mesh=mesh)
+  else:
+    prefill = prefill_lib.plan_continuation(cfg, method, held, lengths, cap, prefill_tokens=prefill_tokens,
+                                            chunk=prefill_chunk, mesh=mesh)
+    saved.check_method(method.for_impl(CacheSpec.for_model(cfg, len(prompts), prefill.capacity), impl))
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
-  return GenerationPlan(prompts, prefill.capacity, prefill, chunk, max_new_tokens, eos, pad_id, impl)
+  return GenerationPlan(prompts, prefill.capacity, prefill, chunk, max_new_tokens, eos, pad_id, impl, saved, held,
+                        save_cache)
 
 
 @dataclasses.dataclass
@@ -270,10 +295,11 @@ class _Generation:
     self.cfg, self.plan, self.sampler, self.mesh = cfg, plan, sampler, mesh
     self.spec = CacheSpec.for_model(cfg, plan.batch, plan.capacity)
     tokens = prefill_lib.pad_prompts(plan.prompts, plan.prefill.width, plan.pad_id)
-    self.prefill = prefill_lib.Prefill(plan.prefill, cfg, tokens, plan.lengths)
-    # Placement: the parameters over the mesh, the cache allocated in its shards, the carried arrays committed.
+    self.prefill = prefill_lib.Prefill(plan.prefill, cfg, tokens, plan.lengths, plan.held)
+    # Placement: the parameters over the mesh, the cache allocated in its shards (or loaded), the carried arrays
+    # committed.
     self.params = sharding.shard_params(params, cfg, mesh)
-    self.params, self.cache = committed((self.params, sharding.create_cache(method, self.spec, plan.impl, mesh)))
+    self.params, self.cache = committed((self.params, self._place_cache(method)))
     B, S = plan.batch, method.speculative_rows
     self.speculative = S
     key, self.eos, self.pad, no, no_spec, zero_counts, self.first_ids = self._rows(committed((
@@ -282,6 +308,17 @@ class _Generation:
         jnp.asarray(tokens[:, 0]))))
     self.key, self.sub = jax.random.split(key)
     self.carry = _Carry(self.first_ids, no_spec, no, no, zero_counts, self.key)
+
+  def _place_cache(self, method: CacheMethod):
+    """An empty cache, or the saved one the prompts continue, grown to the plan's capacity; ``context`` holds the
+    token ids each sequence holds before its prompt, ``loaded`` what loading read."""
+    self.context, self.loaded, self.saved = [[] for _ in self.plan.prompts], None, None
+    if self.plan.saved is None:
+      return sharding.create_cache(method, self.spec, self.plan.impl, self.mesh)
+    cache, self.context, self.loaded = saved_cache.load(self.plan.saved, self.params,
+                                                        method.for_impl(self.spec, self.plan.impl), self.spec,
+                                                        self.plan.impl, self.mesh)
+    return cache
 
   def _rows(self, tree):
     return sharding.rows(tree, self.mesh)
@@ -305,6 +342,12 @@ class _Generation:
     self.carry.last, self.carry.bad = first, bad
     self.carry.done = jnp.isin(first, self.eos)
     return np.asarray(first)[:, None]
+
+  def run_save(self) -> None:
+    """The cache as prefill left it, with the token ids each sequence holds, to the plan's ``save_to``; ``saved``
+    holds what was written."""
+    prompts = [c + p for c, p in zip(self.context, self.plan.prompts)]
+    self.saved = saved_cache.save(self.plan.save_to, self.cache, self.cfg, self.params, prompts)
 
   def run_pre_decode(self) -> None:
     guess, self.cache = speculative_start(self.params, self.cfg, self.cache, self.carry.last)
@@ -333,7 +376,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              method: CacheMethod = Dense(), max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0,
              capacity: Optional[int] = None, chunk: int = 32, eos_ids: Optional[Sequence[int]] = None,
              pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None,
-             prefill_chunk: Optional[int] = None, mesh=None) -> GenerateResult:
+             prefill_chunk: Optional[int] = None, mesh=None, cache: Optional[str] = None,
+             save_cache: Optional[str] = None) -> GenerateResult:
   """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids) in one batch.
 
   Decoding stops for a sequence at its first end-of-sequence token (``eos_ids``, default the model's) and for
@@ -359,10 +403,17 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   ``mesh`` (a ``jax.sharding.Mesh``, a spec such as ``"data=2,model=4"``, or None) runs it on a device mesh
   (``jkv.sharding``): parameters tensor-parallel over ``model``, the cache split over sequences (``data``) and KV
   heads (``model``), every cache call run per shard; the tokens are those of one device.
+
+  ``save_cache`` (a directory to create) saves the cache as prefill leaves it, before decoding (``jkv.saved_cache``);
+  ``cache`` (a directory saved so, by this model with this method and settings) is loaded instead of an empty
+  cache, and the prompts continue what it holds: each is fed as the next chunk of its sequence (``extend``), one
+  prompt per saved sequence, or any number after a cache of one. Stats then count the saved tokens in the bytes
+  held, and report ``cache_saved`` (bytes on disk and held, seconds, GB/s) and ``cache_loaded``.
   """
   plan = plan_generation(cfg, method, prompts, max_new_tokens=max_new_tokens, capacity=capacity, chunk=chunk,
                          eos_ids=eos_ids, pad_id=pad_id, attention_impl=attention_impl,
-                         prefill_tokens=prefill_tokens, prefill_chunk=prefill_chunk, mesh=mesh)
+                         prefill_tokens=prefill_tokens, prefill_chunk=prefill_chunk, mesh=mesh, cache=cache,
+                         save_cache=save_cache)
   # Refused here, before anything is allocated, when the cache cannot fit; an allocation that fails later says
   # the same in one line (jkv.memory.guard).
   with memory.guard(memory.CacheRequest(cfg, method, plan.batch, plan.capacity, plan.prefill.chunk, mesh)):
@@ -374,6 +425,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       t0 = time.perf_counter()
       out = [run.run_prefill()]
       prefill_s = time.perf_counter() - t0
+      if plan.save_to is not None:
+        run.run_save()
       t_pre = time.perf_counter()
       run.run_pre_decode()
       pre_decode_s = time.perf_counter() - t_pre
@@ -395,7 +448,7 @@ def _result(run: _Generation, out: list, produced: int, timings: dict) -> Genera
   ids = np.concatenate(out, axis=1)[:, :plan.max_new_tokens]
   result_tokens = [_cut_at_eos(row.tolist(), plan.eos) for row in ids]
   decoded_steps = ids.shape[1] - 1
-  held = np.asarray(plan.lengths) + decoded_steps
+  held = np.asarray(plan.starts) + np.asarray(plan.lengths) + decoded_steps
   kv = cache.held_bytes(held)  # counted for the tokens asked for: the last chunk may have run past them
   allocated = cache.allocated_bytes()
   mem = memory.device_memory()
@@ -426,6 +479,9 @@ def _result(run: _Generation, out: list, produced: int, timings: dict) -> Genera
       compile_s=timings["compile_s"],  # tracing and compiling (near zero when every shape was seen before)
       compiles=timings["compiles"],
       peak_device_bytes=None if mem is None else mem["peak"],
+      held_tokens=plan.starts,  # tokens of a saved cache each sequence continued (0: none)
+      cache_saved=run.saved,  # save_cache: directory, array_bytes, disk_bytes, held_bytes, save_s, save_gb_per_s
+      cache_loaded=run.loaded,  # cache: directory, load_s, load_gb_per_s
   )
   stats["method_stats"] = cache.method.decode_stats(cache.state)
   if run.speculative:
@@ -438,13 +494,18 @@ def _result(run: _Generation, out: list, produced: int, timings: dict) -> Genera
 
 def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: CacheMethod = Dense(),
            max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0, eos_ids: Optional[Sequence[int]] = None,
-           attention_impl: str = "auto", prefill_chunk: Optional[int] = None):
-  """Yield generated token ids one at a time for a single prompt (the CLI's streaming path)."""
+           attention_impl: str = "auto", prefill_chunk: Optional[int] = None, cache: Optional[str] = None,
+           save_cache: Optional[str] = None):
+  """Yield generated token ids one at a time for a single prompt (the CLI's streaming path); ``cache`` and
+  ``save_cache`` as ``generate``'s."""
   plan = plan_generation(cfg, method, [prompt], max_new_tokens=max_new_tokens, chunk=1, eos_ids=eos_ids,
-                         attention_impl=attention_impl, prefill_chunk=prefill_chunk)
+                         attention_impl=attention_impl, prefill_chunk=prefill_chunk, cache=cache,
+                         save_cache=save_cache)
   with memory.guard(memory.CacheRequest(cfg, method, 1, plan.capacity, plan.prefill.chunk)):
     run = _Generation(params, cfg, method, plan, sampler, seed, None)
     run.run_prefill()
+    if plan.save_to is not None:
+      run.run_save()
     c = run.carry
     for i in range(max_new_tokens):
       if bool(c.bad[0]):

@@ -11,6 +11,9 @@ what half the device's free memory holds beside the cache):
   one its ``extend``: attention over what the cache holds of the earlier chunks, as the method holds them, plus the
   chunk itself exactly. Activations are O(B C) rather than O(B T), so the cache, not prefill, bounds the context.
 
+Prompts that continue a cache which already holds tokens (a saved cache, ``jkv.saved_cache``) go through
+``plan_continuation``: every call is the method's ``extend``, from each sequence's held length.
+
 Whole prompts are the default wherever they fit: the papers prefill a prompt whole, with exact attention among its
 tokens, and a chunked prompt's later tokens attend the compressed earlier ones (docs/long_context.md measures the
 difference per method). A chunk ends where the method's blocks end (``CacheMethod.chunk_multiple``).
@@ -52,10 +55,11 @@ class PrefillPlan:
   rows: int  # sequences per call (the batch: in place)
   chunk: int  # tokens per sequence per call (width: whole prompts)
   capacity: int  # the cache's capacity: chunked, a chunk multiple past the last chunk (CacheMethod.extend)
+  continues: bool = False  # the cache holds tokens already: every call extends it (plan_continuation)
 
   @property
   def chunked(self) -> bool:
-    return self.chunk < self.width
+    return self.continues or self.chunk < self.width
 
   def calls(self) -> int:
     return len(prefill_starts(self.batch, self.rows)) if self.rows < self.batch else self.width // self.chunk
@@ -86,9 +90,40 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
   rows = budget(fixed_bytes=in_cache, state_bytes_per_token=per_sequence) // width
   if rows >= 1:
     return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
-  held = memory.held_rows_bytes(cfg, B, capacity)  # (a chunk's more at the grown capacity: within the halving)
-  size = budget(fixed_bytes=in_cache + held) // B // multiple * multiple
-  return _chunked(B, longest, capacity, max(size, round_up(memory.MIN_CHUNK, multiple)), multiple, even=True)
+  return _chunked(B, longest, capacity, _chunk_budget(cfg, method, B, capacity, prefill_tokens, mesh), multiple,
+                  even=True)
+
+
+def plan_continuation(cfg: ModelConfig, method: CacheMethod, held: Sequence[int], lengths: Sequence[int],
+                      capacity: int, *, prefill_tokens: Optional[int] = None, chunk: Optional[int] = None,
+                      mesh=None) -> PrefillPlan:
+  """The plan for prompts of these lengths that continue a cache holding ``held`` tokens of each sequence: every
+  call is the method's ``extend`` of the whole batch, in chunks of whole ``chunk_multiple``s. ``chunk`` as in
+  ``plan``; by default one call where the prompts fit ``prefill_tokens`` (as ``plan``'s), else as few even chunks as
+  fit. The capacity grows to hold a chunk multiple past the last chunk after the longest held sequence."""
+  B, longest, multiple = len(lengths), max(lengths), method.chunk_multiple()
+  if chunk is not None:
+    if chunk < 1:
+      raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+    size = round_up(chunk, multiple)
+  else:
+    whole = round_up(bucket(longest), multiple)
+    budget = _chunk_budget(cfg, method, B, capacity, prefill_tokens, mesh)
+    size = whole if whole <= budget else round_up(-(-longest // -(-longest // budget)), multiple)
+  width = -(-longest // size) * size
+  capacity = round_up(max(capacity, max(held) + width + multiple), multiple)
+  return PrefillPlan(B, width, B, size, capacity, continues=True)
+
+
+def _chunk_budget(cfg: ModelConfig, method: CacheMethod, batch: int, capacity: int, prefill_tokens: Optional[int],
+                  mesh) -> int:
+  """Tokens per sequence of one chunked call: ``prefill_tokens`` over the batch, or what half the free memory holds
+  beside the cache and the chunk's held rows; whole chunk multiples, at least ``memory.MIN_CHUNK``."""
+  multiple = method.chunk_multiple()
+  fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh) + memory.held_rows_bytes(cfg, batch, capacity)
+  # (a chunk's more held rows at the grown capacity: within the halving)
+  size = (prefill_tokens or memory.prefill_token_budget(cfg, fixed_bytes=fixed)) // batch // multiple * multiple
+  return max(size, round_up(memory.MIN_CHUNK, multiple))
 
 
 def _chunked(batch: int, longest: int, capacity: int, size: int, multiple: int, *, even: bool) -> PrefillPlan:
@@ -119,10 +154,11 @@ def pad_prompts(prompts, width: int, pad_id: int) -> np.ndarray:
   return tokens
 
 
-def prompt_positions(lengths, start, width: int):
-  """[B, width] int32: positions start + [0, width) of prompts of these lengths [B], -1 past each one's end."""
+def prompt_positions(lengths, start, width: int, held=0):
+  """[B, width] int32: positions held + start + [0, width) of prompts of these lengths [B] (after held [B] tokens
+  the cache holds already, or none), -1 past each one's end."""
   pos = start + jnp.arange(width, dtype=jnp.int32)[None]
-  return jnp.where(pos < lengths[:, None], pos, -1)
+  return jnp.where(pos < lengths[:, None], pos + jnp.asarray(held, jnp.int32).reshape(-1, 1), -1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
@@ -141,13 +177,14 @@ def _prefill_rows(params, tokens, lengths, cache, start, *, cfg):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "first"), donate_argnames=("cache", "logits"),
                    compiler_options=MODEL_COMPILER_OPTIONS)
-def _prefill_chunk(params, tokens, start, lengths, logits, cache, *, cfg, first):
-  """Tokens [B, C]: positions start + [0, C) of prompts of lengths [B], into the whole batch's cache in place (the
-  method's ``prefill`` for the ``first`` chunk, ``extend`` after). logits [B, vocab]: each prompt's last-token
-  logits, replaced for the prompts whose last token is in this chunk."""
+def _prefill_chunk(params, tokens, start, lengths, held, logits, cache, *, cfg, first):
+  """Tokens [B, C]: tokens start + [0, C) of prompts of lengths [B] that follow held [B] tokens in the cache, into
+  the whole batch's cache in place (the method's ``prefill`` for the ``first`` chunk of prompts into an empty cache,
+  ``extend`` after). logits [B, vocab]: each prompt's last-token logits, replaced for the prompts whose last token
+  is in this chunk."""
   C = tokens.shape[1]
   last = lengths - 1 - start
-  new, cache = forward(params, tokens, prompt_positions(lengths, start, C), cache, cfg=cfg, prefill=first,
+  new, cache = forward(params, tokens, prompt_positions(lengths, start, C, held), cache, cfg=cfg, prefill=first,
                        extend=not first, logit_rows=jnp.clip(last, 0, C - 1)[:, None])
   here = (last >= 0) & (last < C)
   return jnp.where(here[:, None], new[:, 0], logits), cache
@@ -155,11 +192,13 @@ def _prefill_chunk(params, tokens, start, lengths, logits, cache, *, cfg, first)
 
 class Prefill:
   """A plan's calls, compiled (``warm``) and run (``__call__``) on right-padded tokens [B, width] of prompts of
-  these lengths."""
+  these lengths, after ``held`` [B] tokens the cache holds already (a continuing plan's; none otherwise)."""
 
-  def __init__(self, plan: PrefillPlan, cfg: ModelConfig, tokens: np.ndarray, lengths: Sequence[int]):
+  def __init__(self, plan: PrefillPlan, cfg: ModelConfig, tokens: np.ndarray, lengths: Sequence[int],
+               held: Optional[Sequence[int]] = None):
     self.plan, self.cfg, self.tokens = plan, cfg, tokens
     self.lengths = np.asarray(lengths, np.int32)
+    self.held = np.zeros_like(self.lengths) if held is None else np.asarray(held, np.int32)
 
   def _zero_logits(self):
     return jnp.zeros((self.plan.batch, self.cfg.vocab_size), jnp.float32)
@@ -172,8 +211,8 @@ class Prefill:
                            jnp.int32(0)), dict(cfg=self.cfg))
       return
     args = (params, jnp.asarray(self.tokens[:, :p.chunk]), jnp.int32(0), jnp.asarray(self.lengths),
-            self._zero_logits(), cache)
-    for first in (True, False) if p.chunked else (True,):
+            jnp.asarray(self.held), self._zero_logits(), cache)
+    for first in {start == 0 and not p.continues for start in range(0, p.width, p.chunk)}:
       warm(_prefill_chunk, args, dict(cfg=self.cfg, first=first))
 
   def __call__(self, params, cache):
@@ -188,8 +227,8 @@ class Prefill:
         logits = jnp.zeros((p.batch,) + part.shape[1:], part.dtype) if logits is None else logits
         logits = logits.at[rows].set(part)
       return logits, cache
-    logits, lengths = self._zero_logits(), jnp.asarray(self.lengths)
+    logits, lengths, held = self._zero_logits(), jnp.asarray(self.lengths), jnp.asarray(self.held)
     for start in range(0, p.width, p.chunk):
       logits, cache = _prefill_chunk(params, jnp.asarray(self.tokens[:, start:start + p.chunk]), jnp.int32(start),
-                                     lengths, logits, cache, cfg=self.cfg, first=start == 0)
+                                     lengths, held, logits, cache, cfg=self.cfg, first=start == 0 and not p.continues)
     return logits, cache

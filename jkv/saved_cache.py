@@ -1,0 +1,335 @@
+"""A prefilled cache on disk: a long document prefilled once, then asked many questions.
+
+``jkv.generate.generate(..., save_cache=DIR)`` writes the cache as prefill leaves it (before any decoding), with the
+prompts' token ids; ``generate(..., cache=DIR)`` loads it and feeds the new prompts as the next chunk (the method's
+``extend``: the chunk attends what the cache holds, as the method holds it, and is stored after), then decodes. The
+tokens are those of one chunked prefill of document + prompt whose chunk boundary falls at the document's end
+(tests/test_saved_cache.py). A cache of one sequence serves a batch of prompts (each continues its own copy).
+
+A saved cache directory::
+
+  jkv_cache.json  {"format": 1, "jkv": version, "model": {"config": ModelConfig fields, "fingerprint": hex},
+                   "method": {"name", "settings" as it ran}, "capacity": tokens the arrays are cut to,
+                   "lengths": [B] tokens held, "arrays": {name: {"shape", "dtype", "axes", "memory_kind"}},
+                   "held_bytes": {"device", "host"}, "array_bytes": bytes of the arrays,
+                   "files": {path: {"bytes", "sha256"}} for every file orbax wrote, "sha256": of the other fields}
+  arrays/         orbax PyTree checkpoint: {"state": the method's state arrays by name,
+                                            "prompts": [B, T] int32 token ids, right-padded with -1}
+
+Only what is held is written: every array is cut to the shape ``abstract`` gives at the capacity
+round_up(longest held, capacity_multiple), a prefix of each axis that grows with the capacity (tokens, key groups,
+tiles, pool rows, fetched rows). A prefill of those lengths leaves nothing past it that is read before it is written
+again (what lies there is padding, or zeros as allocated). Loading allocates the capacity the new prompts and their
+new tokens need and puts each saved array at the front of its grown shape, zeros after: the state a fresh
+allocation and that prefill would give.
+
+Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole; loading
+checks, in this order and each in one line: the manifest (missing, damaged), the model (its config, then a cheap
+fingerprint of its weights), the method and its settings as they run here, the batch, and every file's size and
+sha256 (naming the file).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from importlib import metadata
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jkv_convert import checkpoint
+from jkv import sharding
+from jkv.cache import CacheMethod, CacheSpec, KVCache, is_array_info
+from jkv.config import ModelConfig
+from jkv.prefill import round_up
+
+FORMAT = 1
+MARKER = "jkv_cache.json"
+ARRAYS = "arrays"
+REMEDY = "save the cache again (jkv generate --save-cache)"
+COMMAND = "jkv generate --save-cache"
+
+
+def held_capacity(method: CacheMethod, lengths) -> int:
+  """The capacity a saved cache's arrays are cut to: the longest held sequence in whole capacity multiples."""
+  return round_up(max(int(np.max(lengths)), 1), method.capacity_multiple())
+
+
+def check_target(directory: str) -> None:
+  """One-line FileExistsError / PermissionError unless a cache can be saved at ``directory`` (cheap: run it before
+  the prefill whose cache it will hold)."""
+  checkpoint.check_target(directory, what="saved cache", command=COMMAND)
+
+
+# ------------------------------------------------------------------------------------------------- save
+
+
+def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts) -> dict:
+  """Write ``cache``, as prefill of ``prompts`` (token-id lists, one a sequence) left it, to a new ``directory``.
+
+  Returns what was written: ``directory``, ``array_bytes`` (the arrays cut to the held capacity), ``disk_bytes``
+  (every file), ``held_bytes`` and ``held_host_bytes`` (what the method holds for these lengths), ``save_s`` and
+  ``save_gb_per_s`` (array bytes over the seconds from the device to the synced files, checksums included).
+  """
+  directory = os.path.abspath(directory)
+  check_target(directory)
+  t0 = time.perf_counter()
+  lengths = np.asarray(sharding.fetch(cache.lengths))
+  method = _inner(cache.method)
+  capacity = held_capacity(method, lengths)
+  abstract = method.abstract(dataclasses.replace(cache.spec, capacity=capacity))
+  arrays, infos = {}, {}
+  for (path, info), x in zip(jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)[0],
+                             jax.tree.leaves(cache.state)):
+    name = jax.tree_util.keystr(path, simple=True, separator=".")
+    arrays[name] = _prefix(x, info.shape)
+    infos[name] = dict(shape=list(info.shape), dtype=str(np.dtype(info.dtype)), axes=list(info.axes),
+                       memory_kind=info.memory_kind)
+  held = cache.held_bytes(lengths)
+  with checkpoint.atomic_directory(directory) as partial:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(partial, ARRAYS), {"state": _nested(arrays), "prompts": _padded(prompts)})
+    manifest = dict(
+        format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)),
+                                                 fingerprint=model_fingerprint(params)),
+        method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity,
+        lengths=lengths.tolist(), arrays=infos, held_bytes=dict(device=held.device, host=held.host),
+        array_bytes=sum(a.nbytes for a in arrays.values()), files=checkpoint.file_digests(partial, ARRAYS))
+    checkpoint.write_sealed_json(os.path.join(partial, MARKER), manifest)
+  seconds = time.perf_counter() - t0
+  disk = sum(f["bytes"] for f in manifest["files"].values()) + os.path.getsize(os.path.join(directory, MARKER))
+  return dict(directory=directory, array_bytes=manifest["array_bytes"], disk_bytes=disk, held_bytes=held.device,
+              held_host_bytes=held.host, save_s=seconds, save_gb_per_s=manifest["array_bytes"] / seconds / 1e9)
+
+
+def _inner(method: CacheMethod) -> CacheMethod:
+  """The method itself, out of a mesh's ``PerShard``."""
+  return method.inner if isinstance(method, sharding.PerShard) else method
+
+
+def _prefix(x: jax.Array, shape: tuple) -> np.ndarray:
+  """The front ``shape`` of ``x`` in host memory: cut on the device for a device array (only the prefix crosses to
+  the host), on the host for a host-resident one (jitted code does not read host memory everywhere)."""
+  cut = tuple(slice(0, n) for n in shape)
+  if tuple(x.shape) == tuple(shape):
+    return np.asarray(sharding.fetch(x))
+  if x.sharding.memory_kind not in (None, "device"):
+    return np.ascontiguousarray(np.asarray(x)[cut])
+  return np.asarray(sharding.fetch(x[cut]))
+
+
+def _nested(arrays: dict) -> dict:
+  """{"a.b": x} as {"a": {"b": x}}: orbax stores a tree of dicts under the arrays' own names."""
+  tree = {}
+  for name, x in arrays.items():
+    *parents, leaf = name.split(".")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = x
+  return tree
+
+
+def _padded(prompts) -> np.ndarray:
+  ids = np.full((len(prompts), max(len(p) for p in prompts)), -1, np.int32)
+  for b, p in enumerate(prompts):
+    ids[b, :len(p)] = p
+  return ids
+
+
+def _jsonable(data: dict) -> dict:
+  """``data`` as it reads back from JSON (tuples as lists, dtypes as names), so that saved and current compare."""
+  return json.loads(json.dumps(data, default=str))
+
+
+def _version() -> str:
+  try:
+    return metadata.version("jkv")
+  except metadata.PackageNotFoundError:
+    return "unknown"
+
+
+@jax.jit
+def _corners(params):
+  """A few values of every parameter array: the ends of its first and last rows."""
+  def ends(x):
+    if x.ndim == 0:
+      return x.reshape(1), x.reshape(1)
+    return x[(0,) * (x.ndim - 1)][:8], x[(-1,) * (x.ndim - 1)][-8:]
+  return jax.tree.map(ends, params)
+
+
+def model_fingerprint(params) -> str:
+  """sha256 of every parameter array's path, shape, dtype and a few of its values (``_corners``): cheap at any
+  size, and another checkpoint of the same shape differs in them."""
+  digest = hashlib.sha256()
+  corners = jax.tree.leaves(_corners(params))
+  for (path, x), (first, last) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                      zip(corners[::2], corners[1::2])):
+    digest.update(f"{jax.tree_util.keystr(path)} {tuple(x.shape)} {x.dtype}".encode())
+    digest.update(np.asarray(sharding.fetch(first)).tobytes() + np.asarray(sharding.fetch(last)).tobytes())
+  return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------- open and check
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedCache:
+  """A saved cache as its manifest describes it (``open``); ``load`` reads its arrays."""
+
+  directory: str
+  manifest: dict
+
+  @property
+  def lengths(self) -> list:
+    """Tokens held per saved sequence."""
+    return self.manifest["lengths"]
+
+  def check_batch(self, batch: int) -> list:
+    """Tokens held by each of ``batch`` sequences continuing this cache: its own sequences one for one, or its one
+    sequence for every prompt; else a one-line ValueError."""
+    saved = len(self.lengths)
+    if batch != saved and saved != 1:
+      raise ValueError(f"saved cache {self.directory} holds {saved} sequences: give {saved} prompts (one to continue "
+                       f"each), or save one sequence to continue it with any number of prompts; got {batch}")
+    return self.lengths * batch if saved == 1 else list(self.lengths)
+
+  def check_model(self, cfg: ModelConfig) -> None:
+    """A one-line ValueError unless ``cfg`` is the config the cache was prefilled with."""
+    saved, here = self.manifest["model"]["config"], _jsonable(dataclasses.asdict(cfg))
+    for field in sorted(set(saved) | set(here)):
+      if saved.get(field) != here.get(field):
+        raise ValueError(f"saved cache {self.directory} was prefilled by another model ({field} "
+                         f"{_brief(saved.get(field))} there, {_brief(here.get(field))} here)")
+
+  def check_weights(self, params) -> None:
+    """A one-line ValueError unless ``params`` have the fingerprint of the weights the cache was prefilled with."""
+    if model_fingerprint(params) != self.manifest["model"]["fingerprint"]:
+      raise ValueError(f"saved cache {self.directory} was prefilled by other weights of this model's shape (their "
+                       "fingerprints differ)")
+
+  def check_method(self, method: CacheMethod) -> None:
+    """A one-line ValueError unless ``method`` (as it runs here: ``for_impl`` decided) is the saved one."""
+    saved = self.manifest["method"]
+    if method.name != saved["name"]:
+      raise ValueError(f"saved cache {self.directory} holds a {saved['name']} cache; this run asks for {method.name}")
+    here = _jsonable(method.settings())
+    differ = [f"{k}={_brief(saved['settings'].get(k))} there, {_brief(here.get(k))} here"
+              for k in sorted(set(here) | set(saved["settings"])) if here.get(k) != saved["settings"].get(k)]
+    if differ:
+      raise ValueError(f"saved cache {self.directory} holds {method.name} with other settings: {'; '.join(differ)}")
+
+
+def _brief(value) -> str:
+  text = json.dumps(value)
+  return text if len(text) <= 40 else text[:37] + "..."
+
+
+def open_saved(directory: str) -> SavedCache:
+  """The saved cache at ``directory``, its manifest read and its own checksum checked (the arrays' files are checked
+  by ``load``); a one-line ValueError / FileNotFoundError naming the file otherwise."""
+  directory = os.path.abspath(directory)
+  problem = checkpoint.leftover(directory, COMMAND)
+  if problem:
+    raise ValueError(problem)
+  path = os.path.join(directory, MARKER)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no saved cache at {directory}")
+  if not os.path.isfile(path):
+    raise ValueError(f"{directory} is not a saved jkv cache: {MARKER} is missing (a cache is written whole or not at "
+                     f"all; {REMEDY})")
+  try:
+    with open(path, encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is damaged ({e}); {REMEDY}") from None
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    raise ValueError(f"{path}: saved-cache format {found!r}, this jkv reads format {FORMAT}; {REMEDY}")
+  sealed = manifest.pop("sha256", None)
+  if sealed != checkpoint.json_digest(manifest):
+    raise ValueError(f"{path} is damaged (checksum mismatch); {REMEDY}")
+  return SavedCache(directory, manifest)
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+def load(saved: SavedCache, params, method: CacheMethod, spec: CacheSpec, impl: str,
+         mesh: Optional[jax.sharding.Mesh]) -> tuple[KVCache, list, dict]:
+  """The saved cache grown to ``spec`` (its batch the prompts', its capacity at least the saved one), placed as
+  ``jkv.sharding.create_cache`` places an empty one, with the token ids each sequence holds and what was read
+  (``load_s``, ``load_gb_per_s``: array bytes over the seconds from the checksums to the placed arrays).
+
+  The caller checked the model's config, the method and the batch (``check_*``); here the weights and every file.
+  Each array is grown in host memory and placed once: no device memory beyond the cache's own."""
+  t0 = time.perf_counter()
+  saved.check_weights(params)
+  checkpoint.verify_files(saved.directory, saved.manifest["files"], REMEDY)
+  if jax.process_count() > 1:
+    raise ValueError("a saved cache loads in one process; run without --num-processes")
+  infos, B = saved.manifest["arrays"], len(saved.lengths)
+  target = {"state": _nested({name: _zeros(info["shape"], info["dtype"]) for name, info in infos.items()}),
+            "prompts": np.zeros((B, max(saved.lengths)), np.int32)}
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(os.path.join(saved.directory, ARRAYS), target)
+  tiled = lambda x, axis: np.repeat(x, spec.batch, axis=axis) if B == 1 and spec.batch > 1 else x
+  cache_method = method if mesh is None else sharding.PerShard(method, mesh, spec)
+  cache_method.check(spec)
+  abstract = cache_method.abstract(spec)
+  placements = (cache_method.shardings(spec) if mesh is not None
+                else jax.tree.map(_one_device, abstract, is_leaf=is_array_info))
+  leaves = []
+  for (path, info), where in zip(jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)[0],
+                                 jax.tree.leaves(placements)):
+    name = jax.tree_util.keystr(path, simple=True, separator=".")
+    if name not in infos:
+      raise ValueError(f"saved cache {saved.directory} has no state array {name}; {REMEDY}")
+    x = _leaf(restored["state"], name)
+    leaves.append(jax.device_put(_grown(tiled(x, info.axes.index("batch")), info, name, saved.directory), where))
+  state = jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_array_info), leaves)
+  lengths = tiled(np.asarray(saved.lengths, np.int32), 0)
+  placed = jax.device_put(lengths, None if mesh is None else NamedSharding(mesh, P(sharding.DEFAULT_RULES.batch)))
+  cache = KVCache(method=cache_method, spec=spec, impl=impl, state=state, lengths=placed)
+  prompts = [row[:n].tolist() for row, n in zip(tiled(restored["prompts"], 0), lengths)]
+  jax.block_until_ready(cache.state)
+  seconds = time.perf_counter() - t0
+  array_bytes = saved.manifest["array_bytes"]
+  return cache, prompts, dict(directory=saved.directory, load_s=seconds, load_gb_per_s=array_bytes / seconds / 1e9)
+
+
+def _zeros(shape, dtype: str) -> np.ndarray:
+  return np.zeros(shape, jnp.dtype(dtype))
+
+
+def _leaf(tree: dict, name: str) -> np.ndarray:
+  for part in name.split("."):
+    tree = tree[part]
+  return tree
+
+
+def _one_device(info) -> jax.sharding.Sharding:
+  """Where ``jkv.cache.allocate`` puts an array without a mesh: the first device, in the array's memory kind."""
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=None if info.memory_kind == "device"
+                                           else info.memory_kind)
+
+
+def _grown(x: np.ndarray, info, name: str, directory: str) -> np.ndarray:
+  """``x`` at the front of an array of ``info``'s shape, zeros after; a one-line ValueError where it does not fit
+  (a saved cache of other sizes than its manifest's settings make)."""
+  if x.dtype != jnp.dtype(info.dtype) or x.ndim != len(info.shape) or any(
+      n > m for n, m in zip(x.shape, info.shape)):
+    raise ValueError(f"saved cache {directory}: state array {name} is {x.dtype}{list(x.shape)}, which does not fit "
+                     f"this run's {jnp.dtype(info.dtype)}{list(info.shape)}; {REMEDY}")
+  if x.shape == tuple(info.shape):
+    return x
+  out = np.zeros(info.shape, x.dtype)
+  out[tuple(slice(0, n) for n in x.shape)] = x
+  return out
