@@ -9,6 +9,13 @@ Everything here is a thin layer over the lower-level functions, which stay publi
 and pytrees: ``jkv.load.load_model``, ``jkv.methods.make_method``, ``jkv.generate.generate``,
 ``jkv.sampling.make_sampler``. Text prompts get the model's chat template unless ``chat=False``; a prompt may also
 be a chat message list or a list of token ids.
+
+A long document is prefilled once and asked many questions through a saved cache (``jkv.saved_cache``):
+
+    model.generate([document], "kivi", save_cache="doc.cache", max_new_tokens=1)
+    model.generate(["Who wrote it?", "When?"], "kivi", cache="doc.cache")
+
+In the chat template the document starts the user's message and each question ends it (``encode_text``).
 """
 
 import dataclasses
@@ -94,14 +101,12 @@ class Model:
     """This API's view of a ``jkv.load.Model`` (anything with config, params and tokenizer)."""
     return cls(model.config, model.params, model.tokenizer)
 
-  def encode(self, prompt: Prompt, chat: bool = True) -> list:
+  def encode(self, prompt: Prompt, chat: bool = True, *, starts: bool = True, ends: bool = True) -> list:
     """The token ids ``generate`` feeds for one prompt: a string (in the chat template when ``chat`` and the
-    model has one), a chat message list ``[{"role": ..., "content": ...}, ...]``, or token ids as they are."""
+    model has one; ``starts`` and ``ends`` as ``encode_text``'s), a chat message list
+    ``[{"role": ..., "content": ...}, ...]``, or token ids as they are."""
     if isinstance(prompt, str):
-      tok = self._tokenizer("a text prompt")
-      if chat and tok.chat_template is not None:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_bos=False)
-      return tok.encode(prompt)
+      return encode_text(self._tokenizer("a text prompt"), prompt, chat, starts=starts, ends=ends)
     items = list(prompt) if isinstance(prompt, Sequence) else []
     if items and all(isinstance(m, dict) for m in items):
       tok = self._tokenizer("a chat prompt")
@@ -118,7 +123,7 @@ class Model:
                top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
                attention_impl: str = "auto", capacity: Optional[int] = None,
                prefill_tokens: Optional[int] = None, prefill_chunk: Optional[int] = None, mesh=None,
-               **method_options) -> Generation:
+               cache: Optional[str] = None, save_cache: Optional[str] = None, **method_options) -> Generation:
     """Generate for a batch of prompts with the KV cache method ``method`` and its options.
 
     Args:
@@ -139,17 +144,21 @@ class Model:
       mesh: run on a device mesh: a spec such as ``"data=2,model=4"`` (sequences over data; heads, the MLP and
         the cache's KV heads over model), a ``jax.sharding.Mesh`` from ``jkv.sharding.make_mesh``, or None (one
         device). The tokens are the same as on one device.
+      save_cache: a directory to create, where the cache is saved as the prompts' prefill leaves it (a long
+        document's, to be asked questions later); ``stats.raw["cache_saved"]`` says its bytes and GB/s.
+      cache: a directory saved so by this model, method and settings: the prompts continue what it holds (one
+        prompt per saved sequence, or any number after one), without prefilling it again.
       **method_options: the method's options, e.g. ``bits=2, group_size=32, residual=128`` for "kivi"; unknown
         or invalid ones raise a one-line ValueError.
     """
     method = self._method(method, method_options)
     batch = self._batch(prompts)
-    ids = [self.encode(p, chat) for p in batch]
+    ids = [self.encode(p, chat, starts=cache is None, ends=save_cache is None) for p in batch]
     eos = self.tokenizer.eos_ids if self.tokenizer is not None else None
     res = generate_lib.generate(self.params, self.config, ids, method=method, max_new_tokens=max_new_tokens,
                                 sampler=make_sampler(temperature, top_k, top_p), seed=seed, capacity=capacity,
                                 eos_ids=eos, attention_impl=attention_impl, prefill_tokens=prefill_tokens,
-                                prefill_chunk=prefill_chunk, mesh=mesh)
+                                prefill_chunk=prefill_chunk, mesh=mesh, cache=cache, save_cache=save_cache)
     texts = None
     if self.tokenizer is not None:
       texts = [self.tokenizer.decode_whole(t, skip_special_tokens=True)[0] for t in res.tokens]
@@ -183,6 +192,18 @@ class Model:
     if all(isinstance(p, int) for p in prompts):
       raise ValueError("prompts is one list of token ids; give a batch of them: [[id, id, ...]]")
     return list(prompts)
+
+
+def encode_text(tokenizer: Tokenizer, text: str, chat: bool, *, starts: bool = True, ends: bool = True) -> list:
+  """Token ids of one user message's ``text``, in the chat template when ``chat`` and the tokenizer has one (else
+  as it is). With a saved cache a message is fed in parts: the template's start only where the text ``starts``
+  the message (the cache is empty; False: a blank line joins it to what the cache holds, and no BOS), and its end,
+  the assistant's turn, only where the text ``ends`` it (False: the cache is saved, for questions to end it)."""
+  if not chat or tokenizer.chat_template is None:
+    return tokenizer.encode(text if starts else "\n\n" + text, add_bos=None if starts else False)
+  marker = "\x00jkv message\x00"
+  before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)
+  return tokenizer.encode((before if starts else "\n\n") + text + (after if ends else ""), add_bos=False)
 
 
 def _brief(x) -> str:

@@ -307,6 +307,7 @@ def _prompts(args) -> list:
 
 def cmd_generate(args):
   from jkv import generate as gen
+  from jkv.api import encode_text
   from jkv.load import load_model
   from jkv.sampling import make_sampler
 
@@ -326,10 +327,8 @@ def cmd_generate(args):
   tok = model.tokenizer
   if tok is None:
     raise ValueError(f"model {args.model} has no tokenizer; jkv generate needs one")
-  if args.raw or tok.chat_template is None:
-    ids = [tok.encode(p) for p in prompts]
-  else:
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
+  ids = [encode_text(tok, p, not args.raw, starts=args.cache is None, ends=args.save_cache is None) for p in prompts]
+  saved = dict(cache=args.cache, save_cache=args.save_cache)
   if args.stream and not args.json and len(ids) == 1:
     gen.plan_capacity(model.config, method, [len(ids[0])], args.max_new_tokens, 1, args.capacity)
     decoder = tok.stream_decoder(skip_special_tokens=True)
@@ -337,7 +336,7 @@ def cmd_generate(args):
     try:
       for t in gen.stream(model.params, model.config, ids[0], method=method, max_new_tokens=args.max_new_tokens,
                           sampler=sampler, seed=args.seed, eos_ids=tok.eos_ids,
-                          attention_impl=args.attention_impl, prefill_chunk=args.prefill_chunk):
+                          attention_impl=args.attention_impl, prefill_chunk=args.prefill_chunk, **saved):
         piece = decoder.push(t)
         wrote = wrote or bool(piece)
         print(piece, end="", flush=True)
@@ -351,7 +350,7 @@ def cmd_generate(args):
   res = gen.generate(model.params, model.config, ids, method=method, max_new_tokens=args.max_new_tokens,
                      sampler=sampler, seed=args.seed, capacity=args.capacity, eos_ids=tok.eos_ids,
                      attention_impl=args.attention_impl, prefill_tokens=args.prefill_tokens,
-                     prefill_chunk=args.prefill_chunk, mesh=mesh)
+                     prefill_chunk=args.prefill_chunk, mesh=mesh, **saved)
   if not is_lead_process():
     return 0
   # Whole characters: a sequence that stopped inside one holds back its last tokens (counted in held_back_tokens).
@@ -367,6 +366,14 @@ def cmd_generate(args):
     _progress(f"kv cache: {s['kv_bytes']:,} bytes vs {s['dense_kv_bytes']:,} dense "
               f"({s['dense_kv_bytes'] / max(s['kv_bytes'], 1):.2f}x); prefill {s['prefill_s']:.3f} s; "
               f"decode {s['decode_tokens_per_s']:.1f} tokens/s; compile {s['compile_s']:.1f} s")
+    if s["cache_loaded"]:
+      _progress(f"cache loaded from {s['cache_loaded']['directory']}: {s['held_tokens']} tokens held, "
+                f"{s['cache_loaded']['load_s']:.3f} s")
+    if s["cache_saved"]:
+      c = s["cache_saved"]
+      held = c["held_bytes"] + c["held_host_bytes"]
+      _progress(f"cache saved to {c['directory']}: {c['disk_bytes']:,} bytes on disk, {held:,} held, "
+                f"{c['save_s']:.3f} s")
   return 0
 
 
@@ -476,6 +483,13 @@ def build_parser():
   g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="TOKENS",
                  help="prefill the prompts in chunks of this many tokens (rounded up to the method's block), each "
                       "attending the cache as the method holds it (default: whole prompts where they fit a call)")
+  g.add_argument("--save-cache", default=None, metavar="DIR",
+                 help="save the cache as the prompts' prefill leaves it in DIR (new), to ask them questions later "
+                      "with --cache; in the chat template the prompt starts the user's message")
+  g.add_argument("--cache", default=None, metavar="DIR",
+                 help="continue a cache saved with --save-cache (same model, method and settings) instead of "
+                      "prefilling it again: each prompt ends the user's message it started, one per saved prompt "
+                      "(any number after one)")
   g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
   g.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
   g.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -331,8 +331,9 @@ class _Generation:
           dict(sampler=self.sampler))
     if self.speculative:
       _warm(_pre_decode, (self.params, self.cache, self.first_ids), dict(cfg=self.cfg))
-    _warm(_decode_chunk, self.carry.decode_args(self.params, self.cache, self.eos, self.pad),
-          dict(cfg=self.cfg, sampler=self.sampler, steps=self.plan.chunk))
+    if self.plan.max_new_tokens > 1:  # else no step runs (a prefill to save, say): nothing to compile
+      _warm(_decode_chunk, self.carry.decode_args(self.params, self.cache, self.eos, self.pad),
+            dict(cfg=self.cfg, sampler=self.sampler, steps=self.plan.chunk))
 
   def run_prefill(self):
     """The prompts into the cache and each sequence's first token; returns [B, 1] host ids."""

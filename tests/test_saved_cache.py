@@ -1,0 +1,208 @@
+"""Prefill once, ask many (jkv.saved_cache): a document prefilled and saved, loaded and continued by a question,
+gives the tokens of one chunked prefill of document + question whose chunk boundary falls at the document's end, for
+every method; a cache that does not belong to the run, or is damaged or half written, is refused in one line."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jkv import api
+from jkv import cli
+from jkv import generate as gen
+from jkv import prefill as prefill_lib
+from jkv import saved_cache
+from jkv.cache import CacheSpec, KVCache, abstract_bytes
+from jkv.config import ModelConfig
+from jkv.methods import make_method
+from jkv.params import init_random
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, embed=64, ffw_size=128, num_layers=2, q_heads=4, kv_heads=2,
+                  head_dim=64, max_position=1024, dtype="float32")
+CAPACITY = 384  # the same in every run compared: one shape of every buffer, and the runs share compiled calls
+NEW = 6
+# Each document is a whole number of the method's chunk multiple (the reference's chunk boundary falls at its end)
+# and of its capacity multiple, a power of two, so that its prefill is the reference's first chunk (one compiled
+# call); dense's is shorter than its prefill bucket, so the arrays saved are cut below what its prefill wrote.
+METHODS = {
+    "dense": ({}, 48),
+    "kivi": (dict(bits=2, residual=32), 128),
+    "ott": (dict(group_size=16, residual=32), 128),
+    "zipcache": (dict(salient_ratio=0.5), 128),
+    "specache": (dict(residual=32, fetch_rows=16), 128),
+}
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_random(CFG, jax.random.key(1), scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def saved(params, tmp_path_factory):
+  """saved(name) -> (directory, document ids): the method's document prefilled by generate and saved, once."""
+  found = {}
+
+  def save(name):
+    if name not in found:
+      options, n = METHODS[name]
+      doc = _ids(n, seed=len(name))
+      directory = str(tmp_path_factory.mktemp("caches") / name)
+      res = gen.generate(params, CFG, [doc], method=make_method(name, **options), max_new_tokens=NEW, eos_ids=(),
+                         capacity=CAPACITY, save_cache=directory)
+      found[name] = (directory, doc, res.stats["cache_saved"])
+    return found[name]
+  return save
+
+
+def _ids(n, seed):
+  return np.random.default_rng(seed).integers(2, CFG.vocab_size, n).tolist()
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(params, saved, name):
+  """A question continues a saved document: the tokens are those of one chunked generate of document + question
+  with the chunk boundary at the document's end, and the bytes held the same; the arrays were saved cut to the held
+  capacity."""
+  options, n = METHODS[name]
+  method = make_method(name, **options)
+  directory, doc, written = saved(name)
+  question = _ids(20, seed=7)
+  run = dict(method=method, max_new_tokens=NEW, eos_ids=(), capacity=CAPACITY, prefill_chunk=n)
+  loaded = gen.generate(params, CFG, [question], cache=directory, **run)
+  whole = gen.generate(params, CFG, [doc + question], **run)
+  assert whole.stats["prefill_calls"] == 2 and loaded.stats["prefill_calls"] == 1
+  assert loaded.tokens == whole.tokens
+  assert loaded.stats["held_tokens"] == [n] and loaded.stats["kv_bytes"] == whole.stats["kv_bytes"]
+  spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [n]))
+  assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, "xla").abstract(spec)).total
+  assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
+  assert written["disk_bytes"] < written["array_bytes"] + 16384  # orbax compresses; its metadata is a few kB
+
+
+def test_one_saved_sequence_serves_a_batch_of_questions_with_close_logits(params, saved):
+  """Two questions of different lengths continue one saved KIVI document, each its own copy: the last prompt
+  token's logits are those of one chunked prefill of each document + question."""
+  options, n = METHODS["kivi"]
+  method = make_method("kivi", **options)
+  directory, doc, _ = saved("kivi")
+  questions = [_ids(20, seed=7), _ids(9, seed=8)]
+  np.testing.assert_allclose(_first_logits(params, method, questions, directory, n),
+                             _first_logits(params, method, [doc + q for q in questions], None, n), rtol=1e-5,
+                             atol=1e-5)
+
+
+def _first_logits(params, method, prompts, directory, chunk):
+  """Last-prompt-token logits [B, vocab] of a chunked prefill, into an empty cache or continuing a saved one."""
+  lengths = [len(p) for p in prompts]
+  if directory is None:
+    plan = prefill_lib.plan(CFG, method, lengths, CAPACITY, chunk=chunk)
+    cache, held = KVCache.create(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla"), None
+  else:
+    stored = saved_cache.open_saved(directory)
+    held = stored.check_batch(len(prompts))
+    plan = prefill_lib.plan_continuation(CFG, method, held, lengths, CAPACITY, chunk=chunk)
+    spec = CacheSpec.for_model(CFG, len(prompts), plan.capacity)
+    cache = saved_cache.load(stored, params, method.for_impl(spec, "xla"), spec, "xla", None)[0]
+  tokens = prefill_lib.pad_prompts(prompts, plan.width, 0)
+  return np.asarray(prefill_lib.Prefill(plan, CFG, tokens, lengths, held)(params, cache)[0])
+
+
+def test_a_continued_cache_saves_again_and_the_api_takes_both(params, saved, tmp_path):
+  """A loaded cache continued by a question is saved again (document + question held) and continued once more; the
+  API passes cache= and save_cache= through."""
+  directory, doc, _ = saved("dense")
+  model = api.Model(CFG, params, None)
+  first, second = _ids(16, seed=3), _ids(5, seed=4)
+  again = str(tmp_path / "again")
+  out = model.generate([first], "dense", max_new_tokens=2, cache=directory, save_cache=again, capacity=CAPACITY)
+  per_token = 2 * CFG.num_layers * CFG.kv_heads * CFG.head_dim * 4
+  assert out.stats.raw["cache_saved"]["held_bytes"] == per_token * (len(doc) + 16)
+  assert saved_cache.open_saved(again).lengths == [len(doc) + 16]
+  chained = model.generate([second], "dense", max_new_tokens=3, cache=again, capacity=CAPACITY)
+  direct = model.generate([doc + first + second], "dense", max_new_tokens=3, capacity=CAPACITY)
+  assert chained.tokens == direct.tokens
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+
+
+def _refused(params, directory, match, *, cfg=CFG, method=None, prompts=1):
+  with pytest.raises((ValueError, OSError), match=match) as e:
+    gen.generate(params, cfg, [_ids(5, seed=b) for b in range(prompts)], method=method or make_method("dense"),
+                 max_new_tokens=2, eos_ids=(), cache=directory)
+  assert "\n" not in str(e.value)
+  return str(e.value)
+
+
+def test_another_model_method_setting_or_batch_is_refused_in_one_line(params, saved, tmp_path):
+  dense, _, _ = saved("dense")
+  _refused(params, dense, r"another model \(num_layers 2 there, 3 here\)", cfg=dataclasses.replace(CFG, num_layers=3))
+  _refused(params, dense, r"another model \(dtype \"float32\" there, \"bfloat16\" here\)",
+           cfg=dataclasses.replace(CFG, dtype="bfloat16"))
+  _refused(jax.tree.map(lambda x: x * 1.01, params), dense, "other weights of this model's shape")
+  _refused(params, dense, "holds a dense cache; this run asks for kivi", method=make_method("kivi"))
+  kivi, _, _ = saved("kivi")
+  message = _refused(params, kivi, "holds kivi with other settings", method=make_method("kivi", bits=4, residual=32))
+  assert "bits=2 there, 4 here" in message
+  two = str(tmp_path / "two")
+  gen.generate(params, CFG, [_ids(8, 0), _ids(12, 1)], max_new_tokens=1, eos_ids=(), save_cache=two)
+  _refused(params, two, "holds 2 sequences: give 2 prompts", prompts=3)
+  with pytest.raises(FileExistsError, match="saved cache directory .* exists and is not empty"):
+    gen.generate(params, CFG, [_ids(8, 0)], max_new_tokens=1, save_cache=two)
+
+
+def _copy(directory, tmp_path, name):
+  target = str(tmp_path / name)
+  shutil.copytree(directory, target)
+  return target
+
+
+def _largest_array_file(directory):
+  files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(directory, saved_cache.ARRAYS))
+           for f in names]
+  return max(files, key=os.path.getsize)
+
+
+def test_a_damaged_or_half_written_cache_is_refused_naming_the_file(params, saved, tmp_path):
+  dense, _, _ = saved("dense")
+  truncated = _copy(dense, tmp_path, "truncated")
+  path = _largest_array_file(truncated)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 100)
+  assert path in _refused(params, truncated, r"is damaged \(truncated: ")
+  flipped = _copy(dense, tmp_path, "flipped")
+  path = _largest_array_file(flipped)
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 1]))
+  assert path in _refused(params, flipped, r"is damaged \(sha256 mismatch\)")
+  edited = _copy(dense, tmp_path, "edited")
+  marker = os.path.join(edited, saved_cache.MARKER)
+  manifest = json.load(open(marker))
+  manifest["lengths"] = [7]
+  json.dump(manifest, open(marker, "w"))
+  _refused(params, edited, rf"{marker} is damaged \(checksum mismatch\)")
+  os.remove(marker)
+  _refused(params, edited, "is not a saved jkv cache: jkv_cache.json is missing")
+  half = str(tmp_path / "half")
+  shutil.copytree(dense, half + ".jkv-partial")  # what an interrupted save leaves beside its target
+  _refused(params, half, r"half.jkv-partial is left over from an interrupted `jkv generate --save-cache`; delete it")
+  _refused(params, str(tmp_path / "nowhere"), "no saved cache at")
+
+
+def test_the_cli_refuses_a_cache_of_another_model_in_one_line(saved, capsys, default_model_once):
+  """One line on stderr, exit status 2, no traceback: the default model is not the tiny one the cache was prefilled
+  by."""
+  dense, _, _ = saved("dense")
+  rc = cli.main(["generate", "--cache", dense, "--max-new-tokens", "2", "What is in it?"])
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("jkv: error")]
+  assert rc == 2 and "Traceback" not in err, err
+  assert len(lines) == 1 and f"saved cache {dense} was prefilled by another model" in lines[0]
