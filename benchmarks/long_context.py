@@ -11,19 +11,30 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
     --part prefill   ``jkv.generate`` on one prompt of ``--context`` tokens for each of ``--methods``: prefill s and
                      tokens/s (with the plan it chose: whole, or the chunk), decode ms/step against the floor (every
                      weight and the cache's held bytes once, at the copy rate measured in the same run), peak memory
+    --part decode    B = 1 decode at each of ``--contexts`` tokens (0: the longest the method holds on this device,
+                     ``jkv.memory.longest_context``) for each of ``--methods``, over a synthetic fill: the cache is
+                     allocated holding that many tokens without a prefill (records say ``synthetic_fill``), so
+                     lengths no 10-minute prefill reaches are measured; generate's own decode loop, ms/step against
+                     the floor, and the kernels that take the step's time
+
+With more than one method or context (prefill, decode), each runs in a process of its own, so a record's peak
+device memory is its own run's.
 
 Records are merged into benchmarks/results/long_context.json (``--out`` to choose); ``--table`` renders them into
 benchmarks/README.md.
 
     python benchmarks/long_context.py --part kernel --contexts 131072 1048576
     python benchmarks/long_context.py --part prefill --context 131072 --methods kivi2_mma dense
+    python benchmarks/long_context.py --part decode --contexts 131072 1048576 0 --methods kivi2_mma dense
     python benchmarks/long_context.py --part prefill --smoke      # a tiny model, any machine
 """
 
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 from generate_decode import LLAMA3_8B, SMOKE, copy_rate, median_ms, now
@@ -34,7 +45,7 @@ METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True
            "kivi4_mma": ("kivi", {"bits": 4, "mma": True}), "kivi2": ("kivi", {"bits": 2, "mma": False}),
            "ott2": ("ott", {}), "zipcache": ("zipcache", {}), "specache1": ("specache", {"bits": 1})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
-                        r.get("prefill_tokens_asked"), r["device"])
+                        r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"])
 
 
 def _base(part, impl, batch, context):
@@ -152,6 +163,70 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   return records
 
 
+# ------------------------------------------------------------------------------------------------- decode
+
+
+def decode_part(contexts, labels, steps, smoke):
+  import jax
+  import jax.numpy as jnp
+  from profile_decode_step import kernel_events, summarize, trace_decode
+  from jkv import memory
+  from jkv import params as params_lib
+  from jkv.config import ModelConfig
+  from jkv.methods import make_method
+  shape = SMOKE if smoke else LLAMA3_8B
+  cfg = ModelConfig(**dict(shape, max_position=1 << 27))  # random weights: RoPE runs at any position
+  params = params_lib.init_random(cfg, jax.random.key(0))
+  weight_bytes = memory.tree_bytes(params)
+  rate = 1e10 if smoke else copy_rate()
+  # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
+  device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]
+  print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
+  records = []
+  for label in labels:
+    name, options = METHODS[label]
+    method = make_method(name, **options)
+    for asked in contexts:
+      context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes)
+      base = dict(_base("decode", label, 1, context), context_asked=asked or "longest", synthetic_fill=True)
+      try:
+        traced = trace_decode(params, cfg, method, batch=1, context=context, steps=steps)
+      except (MemoryError, ValueError) as e:
+        print(f"{label} {context}: {type(e).__name__}: {e}", flush=True)
+        records.append(dict(base, error=f"{type(e).__name__}: {e}"))
+        continue
+      kv = traced["cache"].held_bytes(jnp.full((1,), context + steps // 2))
+      ms, floor = traced["wall_ms"], 1e3 * (weight_bytes + kv.device) / rate
+      kernels = summarize(kernel_events({n: e for plane in traced["planes"].values() for n, e in plane.items()}),
+                          steps, 6)
+      peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+      records.append(dict(base, method_config=options, decode_ms_per_step=ms, floor_ms_per_step=floor,
+                          ratio_to_floor=ms / floor, steps=steps, kv_bytes=kv.device, kv_host_bytes=kv.host,
+                          peak_device_bytes=peak, weight_bytes=weight_bytes, copy_rate=rate, top_kernels=kernels))
+      print(f"{label:>10} {context} tokens (synthetic fill): decode {ms:.2f} ms/step (floor {floor:.2f}, "
+            f"{ms / floor:.2f}x), kv {kv.device / 2**30:.2f} GiB; "
+            + ", ".join(f"{k['name'][:40]} {k['us_per_step'] / 1e3:.2f} ms" for k in kernels[:3]), flush=True)
+      del traced
+  return records
+
+
+def in_own_processes(argv, part, labels, contexts) -> list:
+  """The records of one child process per (method, context): this script again with one of each, so each record's
+  peak device memory is its own run's (a process's peak only grows)."""
+  records = []
+  for label in labels:
+    for context in contexts:
+      with tempfile.TemporaryDirectory() as tmp:
+        one = pathlib.Path(tmp, "records.json")
+        flag = "--contexts" if part == "decode" else "--context"
+        done = subprocess.run([sys.executable, __file__, *argv, "--methods", label, flag, str(context),
+                               "--records-to", str(one)])
+        if done.returncode != 0 or not one.exists():
+          raise SystemExit(f"long_context.py: the {label} run at {context} tokens exited with {done.returncode}")
+        records += json.loads(one.read_text())
+  return records
+
+
 # ------------------------------------------------------------------------------------------------- results
 
 
@@ -164,6 +239,8 @@ def markdown_table(records) -> str:
     if r["part"] == "kernel":
       result = (f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows "
                 f"{r['kivi2_held_rows_ms']:.2f} ms")
+    elif r["part"] == "decode":
+      result = r.get("error", "synthetic fill" + (", the longest" if r["context_asked"] == "longest" else ""))
     else:
       result = r.get("error", "ran")
     lines.append(f"| {r['part']} | {r['impl']} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
@@ -176,30 +253,46 @@ def markdown_table(records) -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--part", choices=["kernel", "prefill"], default="prefill")
-  parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576], help="kernel: held tokens")
+  parser.add_argument("--part", choices=["kernel", "prefill", "decode"], default="prefill")
+  parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576],
+                      help="kernel: held tokens; decode: tokens held (0: the longest that fits)")
   parser.add_argument("--chunk", type=int, default=8192, help="kernel: the chunk's tokens")
   parser.add_argument("--context", type=int, default=131072, help="prefill: the prompt's tokens")
   parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["kivi2_mma", "dense"])
   parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=16, help="decode: steps timed per call")
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
   parser.add_argument("--smoke", action="store_true", help="a tiny model, small shapes (any machine)")
   parser.add_argument("--out", type=pathlib.Path,
                       help="JSON to merge the records into (default: results/long_context.json; none with --smoke)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
+  parser.add_argument("--records-to", type=pathlib.Path, help=argparse.SUPPRESS)  # a child: its records, unmerged
   args = parser.parse_args()
   out = args.out or (None if args.smoke else HERE / "results" / "long_context.json")
   if args.table:
     write_readme_section("long_context", markdown_table(json.loads(out.read_text())),
                          "## Long context: one sequence")
     return
-  if args.part == "kernel":
+  runs = len(args.methods) * (len(args.contexts) if args.part == "decode" else 1)
+  if args.part != "kernel" and runs > 1 and not args.smoke and args.records_to is None:
+    argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps)]
+    argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens))
+             if v is not None]
+    records = in_own_processes(argv, args.part, args.methods,
+                               args.contexts if args.part == "decode" else [args.context])
+  elif args.part == "kernel":
     records = kernel_part([1024, 4096] if args.smoke else args.contexts, 256 if args.smoke else args.chunk,
+                          args.smoke)
+  elif args.part == "decode":
+    records = decode_part([64, 0] if args.smoke else args.contexts, args.methods, 4 if args.smoke else args.steps,
                           args.smoke)
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
                            args.prefill_chunk, args.prefill_tokens, args.smoke)
+  if args.records_to is not None:
+    args.records_to.write_text(json.dumps(records))
+    return
   if out is not None:
     save(out, records, RECORD_KEY)
   print(markdown_table(records))

@@ -1,10 +1,10 @@
 """Fused decode attention over the stacked multi-layer cache, read in place (Pallas, Triton lowering).
 
-One softmax runs over every source of keys for the current layer (KIVI spec §2.6-2.7): any number of quantized
-stores in the KIVI layout (each with its own widths and groupings, holes and value channel scales) and any number
-of full-precision segments. Every cache array carries a leading layer axis L and is passed whole; the kernel reads
-layer ``layer`` (a traced int32 scalar) by pointer offset, so no layer slice is ever materialized by XLA. With no
-store, the same kernel is the dense decode kernel.
+One softmax runs over every source of keys for the current layer (docs/methods/kivi.md; KIVI, arXiv:2402.02750):
+any number of quantized stores in the KIVI layout (each with its own widths and groupings, holes and value channel
+scales) and any number of full-precision segments. Every cache array carries a leading layer axis L and is passed
+whole; the kernel reads layer ``layer`` (a traced int32 scalar) by pointer offset, so no layer slice is ever
+materialized by XLA. With no store, the same kernel is the dense decode kernel.
 
 Layouts (C = capacity, Gk = k_group, Gv = v_group, Pk = 32 // k_bits, Pv = 32 // v_bits; T query positions, g
 query heads per KV head, so q has T*g rows per KV head):
@@ -66,6 +66,7 @@ from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_pa
 
 KERNEL_BITS = (1, 2, 4, 8)
 STORE_PROGRAMS = 8192  # programs per store that ``k_splits=None`` aims for (B * Hkv * k_splits)
+SEGMENT_PROGRAMS = 1024  # programs per segment that ``s_splits=None`` aims for (B * Hkv * s_splits)
 
 
 # Names moved between jax versions: `pl.TritonCompilerParams` became `plgpu.CompilerParams`, and `pl.dot` (now
@@ -589,10 +590,10 @@ def decode_attention(
     block_k: int = 64,
     k_splits: Optional[int] = None,
     block_s: int = 64,
-    s_splits: int = 16,
+    s_splits: Optional[int] = None,
     tokens_major: Optional[bool] = None,
     num_warps: int = 4,
-    num_stages: int = 1,
+    num_stages: Optional[int] = None,
     interpret: bool = False,
 ):
   """Softmax attention of T query rows per sequence over layer ``layer`` of a stacked cache, in one pass.
@@ -620,7 +621,12 @@ def decode_attention(
       partial to write and merge). Measured on an H100, KIVI-2, L=4096 (benchmarks/kernel_decode.py
       --autotune-grid): at B=256, 4 splits 1813 µs, 16 splits 1938 µs, 1 split 1865 µs; at B=8, 32k, 16.
     block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
-    s_splits: programs per (batch row, KV head) along each segment, clamped to its block count.
+    s_splits: programs per (batch row, KV head) along each segment, clamped to its block count. None: enough for
+      about SEGMENT_PROGRAMS programs over the batch and KV heads, whatever the batch: a dense cache is one long
+      segment, and one sequence's 8 KV heads in 16 splits left most of an H200 idle. Measured there (dense, 8 KV
+      heads, D = 128, bf16, per layer, with ``num_stages=2``): B = 1, L = 131072: 16 splits 268.8 µs, 128 splits
+      173.6 (best 166.9 at 64); B = 1, 524288: 1140.3 against 647.5 (best 621.6); B = 8, 32768 and B = 32, 8192
+      within 5% of the best of 128 to 4096 programs.
     tokens_major: the orientation of the score tiles. Rows-major computes logits [M, block] = q @ K^T and
       o [M, D] += p @ V; tokens-major computes their transposes, logits [block, M] = K @ q^T and o [D, M] +=
       V^T @ p, with the row statistics along the minor axis. Same arithmetic, different register layouts and
@@ -628,7 +634,9 @@ def decode_attention(
       (benchmarks/kernel_decode.py --orientations): tokens-major when a store has holes (SpeCache's, OTT's and
       ZipCache's layouts, 15-31% faster), rows-major otherwise (KIVI-2 and dense, where tokens-major was 13-17%
       slower).
-    num_warps, num_stages: Triton launch and software-pipelining parameters.
+    num_warps, num_stages: Triton launch and software-pipelining parameters. ``num_stages`` None: 2 when the
+      call reads segments only (dense decoding: B = 1, L = 131072 at 1024 programs, 186.1 µs with 1 stage, 173.6
+      with 2; every shape above was faster with 2), 1 with stores (their autotune).
     interpret: run the kernel in Pallas interpret mode (CPU tests).
   """
   mass_rows = tuple(token_mass_rows)
@@ -650,6 +658,10 @@ def decode_attention(
 
   if k_splits is None:
     k_splits = int(min(16, max(1, -(-STORE_PROGRAMS // (batch * kv_heads)))))
+  if s_splits is None:
+    s_splits = max(1, -(-SEGMENT_PROGRAMS // (batch * kv_heads)))
+  if num_stages is None:
+    num_stages = 1 if stores else 2
   sources, inputs, bounds, first = [], [], [], 0
   for index, store in enumerate(stores):
     source = _store_plan(index, store, block_k, k_splits, first)

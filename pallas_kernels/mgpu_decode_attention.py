@@ -1,8 +1,9 @@
 """Decode attention over a low-bit KIVI store on Hopper tensor cores (Pallas, Mosaic GPU lowering).
 
-The fast kernel of KERNEL.md, for one store in the MMA-ready packing (``mma_layout.py``): codes become fp16
-operands in registers with one three-input logic op and one fused multiply-add per two codes (and a shift per few
-words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp over its own 16 tokens of a tile:
+The Hopper decode kernel of docs/kernels.md, for one store in the MMA-ready packing (``mma_layout.py``): codes
+become fp16 operands in registers with one three-input logic op and one fused multiply-add per two codes (and a
+shift per few words), and both products run on warp-level ``mma.sync`` m16n8k16, each warp over its own 16 tokens
+of a tile:
 
     logits^T [16 tokens, N]   = K_hat [16, D] (registers)               @ q^T [D, N] (registers)
     o_w^T    [D channels, N] += V_hat^T [D, the warp's 16 tokens] (registers) @ p^T [16 tokens, N] (registers)
@@ -12,7 +13,7 @@ head. No operand comes from shared memory: q's B fragments are loaded once a ste
 q's rows, so that a warp's loads are contiguous: ``_build_q_fragments``), and p, the warp's own logits after the
 softmax, becomes the value product's B fragment with one ``movmatrix`` transpose per 8 x 8 block. Each warp keeps
 its own running max, sum and o, so a step waits on no other warp (the warpgroup's ``wgmma`` needed p in shared
-memory and a cross-warp max behind barriers every step: rounds 1-18 in benchmarks/README.md); the four warps'
+memory and a cross-warp max behind barriers every step: docs/experiments.md); the four warps'
 partials are merged once, at the end (``_sum_into``, in a fixed order).
 A register pair is ``((word >> shift) & mask) | magic``: the code c sits in the mantissa of the fp16 number
 M = ``magic`` at a bit worth exactly 1 (``mma_layout.field_plan``, ``magic_half``: M at most 16), so the
@@ -795,7 +796,7 @@ def _partials(layer, q, stores: tuple[MmaStore, ...], segment, *, rows, sm_scale
       grid_names=("h", "b", "s"),
       scratch_types=scratch,
       # Pallas's barriers around shared-memory stores and TMA copies stay: by reading none is needed, but dropping
-      # them (unsafe_no_auto_barriers) measured no faster in one process on an H100 (benchmarks/README.md, round 6).
+      # them (unsafe_no_auto_barriers) measured no faster in one process on an H100 (docs/experiments.md).
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*inputs)
 

@@ -1,14 +1,15 @@
 """The one quantizer and the one bit-packing routine of jkv, in plain jnp.
 
-Asymmetric min-max quantization over groups of ``group_size`` consecutive elements along one axis (KIVI spec §2.1):
+Asymmetric min-max quantization over groups of ``group_size`` consecutive elements along one axis (KIVI,
+arXiv:2402.02750; docs/methods/kivi.md):
 
     z = min(group), s = (max(group) - min(group)) * fl(1 / (2**bits - 1))   (fp32, then stored in ``meta_dtype``)
     c = clip(round_half_even((x - z) / s), 0, 2**bits - 1)                  (with the *stored* s and z)
     x' = c * s + z
 
-At 1 bit the grid is SpeCache's (spec specache.md §2.1, its Eq. 3): z = (3 min + max) / 4, s = (max - min) / 2, so
-the two levels are the quarter points of the range, and c = 1 iff x - z >= s / 2 (the midpoint goes up); plain
-min-max at 1 bit would map every value to the group's min or max.
+At 1 bit the grid is SpeCache's (docs/methods/specache.md; SpeCache's Eq. 3): z = (3 min + max) / 4,
+s = (max - min) / 2, so the two levels are the quarter points of the range, and c = 1 iff x - z >= s / 2 (the
+midpoint goes up); plain min-max at 1 bit would map every value to the group's min or max.
 
 Codes are computed from the stored (rounded) s and z, so quantize and dequantize agree; a constant group (s = 0)
 divides by 1 instead and reconstructs exactly. Codes are packed into uint32 words, ``32 // bits`` per word along

@@ -31,6 +31,7 @@ RUNS = {
     "profile": (["profile_decode_step.py", "--smoke", "--method", "specache1"], 1),
     "long context": (["long_context.py", "--part", "prefill", "--smoke", "--methods", "kivi2_mma", "--prefill-chunk",
                       "512"], 1),
+    "long context decode": (["long_context.py", "--part", "decode", "--smoke", "--methods", "dense"], 1),
     "run and table": (["sharded_decode.py", "--smoke", "--mesh", "data=2", "--new-tokens", "8"], 2),
     "mesh model=2": (["sharded_decode.py", "--smoke", "--profile", "--mesh", "model=2", "--batch", "4", "--steps", "2"],
                      2),
@@ -45,7 +46,7 @@ def _runs_of(item):
   if item.originalname == "test_sharded_decode_profile_on_a_mesh":
     return [f"mesh {item.callspec.params['mesh']}"]
   return {"test_generate_decode": ["generate_decode"], "test_profile_decode_step": ["profile"],
-          "test_long_context": ["long context"],
+          "test_long_context": ["long context"], "test_long_context_decode": ["long context decode"],
           "test_sharded_decode_run_and_table": ["run and table"],
           "test_sharded_decode_profile_of_one_shard": ["one shard"]}.get(item.originalname, [])
 
@@ -214,3 +215,14 @@ def test_long_context(smoke):
   assert record["capacity"] >= 3 * 512 + 128 and record["prefill_tokens_per_s"] > 0
   assert record["decode_ms_per_step"] > 0 and record["floor_ms_per_step"] > 0
   assert "kivi2_mma" in out
+
+
+def test_long_context_decode(smoke):
+  """B = 1 decode over a synthetic fill at 64 tokens and at the longest context the smoke budget holds (8 MiB of
+  cache beside the reserve): the longest is longer, its cache within the budget, both recorded as synthetic."""
+  (short, longest), out = smoke["long context decode"].result()
+  assert [r["context_asked"] for r in (short, longest)] == [64, "longest"]
+  assert all(r["part"] == "decode" and r["synthetic_fill"] and r["decode_ms_per_step"] > 0 for r in (short, longest))
+  assert short["context"] == 64 and longest["context"] > 64 and longest["kv_bytes"] <= 8 << 20
+  assert longest["kv_bytes"] > short["kv_bytes"] and longest["floor_ms_per_step"] > short["floor_ms_per_step"]
+  assert "the longest" in out
