@@ -200,8 +200,11 @@ class Prefill:
     self.lengths = np.asarray(lengths, np.int32)
     self.held = np.zeros_like(self.lengths) if held is None else np.asarray(held, np.int32)
 
-  def _zero_logits(self):
-    return jnp.zeros((self.plan.batch, self.cfg.vocab_size), jnp.float32)
+  def _zero_logits(self, cache):
+    """The logits before the first chunk, committed where the cache's lengths are: as committed as each chunk's
+    output that the next chunk takes, so that the calls compiled in ``warm`` serve them all (uncommitted zeros made
+    every later chunk trace and lower its call again, seconds inside the timed prefill)."""
+    return jax.device_put(jnp.zeros((self.plan.batch, self.cfg.vocab_size), jnp.float32), cache.lengths.sharding)
 
   def warm(self, warm, params, cache) -> None:
     """Compile (or find compiled) every call the plan makes, with ``warm(fn, args, static)``."""
@@ -211,7 +214,7 @@ class Prefill:
                            jnp.int32(0)), dict(cfg=self.cfg))
       return
     args = (params, jnp.asarray(self.tokens[:, :p.chunk]), jnp.int32(0), jnp.asarray(self.lengths),
-            jnp.asarray(self.held), self._zero_logits(), cache)
+            jnp.asarray(self.held), self._zero_logits(cache), cache)
     for first in {start == 0 and not p.continues for start in range(0, p.width, p.chunk)}:
       warm(_prefill_chunk, args, dict(cfg=self.cfg, first=first))
 
@@ -227,7 +230,7 @@ class Prefill:
         logits = jnp.zeros((p.batch,) + part.shape[1:], part.dtype) if logits is None else logits
         logits = logits.at[rows].set(part)
       return logits, cache
-    logits, lengths, held = self._zero_logits(), jnp.asarray(self.lengths), jnp.asarray(self.held)
+    logits, lengths, held = self._zero_logits(cache), jnp.asarray(self.lengths), jnp.asarray(self.held)
     for start in range(0, p.width, p.chunk):
       logits, cache = _prefill_chunk(params, jnp.asarray(self.tokens[:, start:start + p.chunk]), jnp.int32(start),
                                      lengths, held, logits, cache, cfg=self.cfg, first=start == 0 and not p.continues)

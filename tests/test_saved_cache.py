@@ -66,8 +66,8 @@ def _ids(n, seed):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(params, saved, name):
   """A question continues a saved document: the tokens are those of one chunked generate of document + question
-  with the chunk boundary at the document's end, and the bytes held the same; the arrays were saved cut to the held
-  capacity."""
+  with the chunk boundary at the document's end, the last prompt token's logits those of that chunked prefill, and
+  the bytes held the same; the arrays were saved cut to the held capacity."""
   options, n = METHODS[name]
   method = make_method(name, **options)
   directory, doc, written = saved(name)
@@ -78,26 +78,17 @@ def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(par
   assert whole.stats["prefill_calls"] == 2 and loaded.stats["prefill_calls"] == 1
   assert loaded.tokens == whole.tokens
   assert loaded.stats["held_tokens"] == [n] and loaded.stats["kv_bytes"] == whole.stats["kv_bytes"]
+  np.testing.assert_allclose(_first_logits(params, method, [question], directory, n),
+                             _first_logits(params, method, [doc + question], None, n), rtol=1e-5, atol=1e-5)
   spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [n]))
   assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, "xla").abstract(spec)).total
   assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
   assert written["disk_bytes"] < written["array_bytes"] + 16384  # orbax compresses; its metadata is a few kB
 
 
-def test_one_saved_sequence_serves_a_batch_of_questions_with_close_logits(params, saved):
-  """Two questions of different lengths continue one saved KIVI document, each its own copy: the last prompt
-  token's logits are those of one chunked prefill of each document + question."""
-  options, n = METHODS["kivi"]
-  method = make_method("kivi", **options)
-  directory, doc, _ = saved("kivi")
-  questions = [_ids(20, seed=7), _ids(9, seed=8)]
-  np.testing.assert_allclose(_first_logits(params, method, questions, directory, n),
-                             _first_logits(params, method, [doc + q for q in questions], None, n), rtol=1e-5,
-                             atol=1e-5)
-
-
 def _first_logits(params, method, prompts, directory, chunk):
-  """Last-prompt-token logits [B, vocab] of a chunked prefill, into an empty cache or continuing a saved one."""
+  """Last-prompt-token logits [B, vocab] of a chunked prefill, into an empty cache or continuing a saved one (its
+  arrays committed, as generate's: the calls it compiled serve)."""
   lengths = [len(p) for p in prompts]
   if directory is None:
     plan = prefill_lib.plan(CFG, method, lengths, CAPACITY, chunk=chunk)
@@ -109,23 +100,27 @@ def _first_logits(params, method, prompts, directory, chunk):
     spec = CacheSpec.for_model(CFG, len(prompts), plan.capacity)
     cache = saved_cache.load(stored, params, method.for_impl(spec, "xla"), spec, "xla", None)[0]
   tokens = prefill_lib.pad_prompts(prompts, plan.width, 0)
+  params, cache = gen.committed((params, cache))
   return np.asarray(prefill_lib.Prefill(plan, CFG, tokens, lengths, held)(params, cache)[0])
 
 
-def test_a_continued_cache_saves_again_and_the_api_takes_both(params, saved, tmp_path):
-  """A loaded cache continued by a question is saved again (document + question held) and continued once more; the
-  API passes cache= and save_cache= through."""
+def test_one_saved_sequence_serves_a_batch_and_a_continued_cache_saves_again(params, saved, tmp_path):
+  """Through the API: two questions of different lengths continue one saved document, each its own copy, with the
+  tokens each gets alone after the document; one continued cache is saved again (document + question held) and
+  continued once more."""
   directory, doc, _ = saved("dense")
   model = api.Model(CFG, params, None)
   first, second = _ids(16, seed=3), _ids(5, seed=4)
+  run = dict(max_new_tokens=NEW, capacity=CAPACITY)
+  both = model.generate([first, second], "dense", cache=directory, **run)
+  assert both.tokens == model.generate([doc + first, doc + second], "dense", **run).tokens
   again = str(tmp_path / "again")
-  out = model.generate([first], "dense", max_new_tokens=2, cache=directory, save_cache=again, capacity=CAPACITY)
+  out = model.generate([first], "dense", cache=directory, save_cache=again, **run)
   per_token = 2 * CFG.num_layers * CFG.kv_heads * CFG.head_dim * 4
   assert out.stats.raw["cache_saved"]["held_bytes"] == per_token * (len(doc) + 16)
   assert saved_cache.open_saved(again).lengths == [len(doc) + 16]
-  chained = model.generate([second], "dense", max_new_tokens=3, cache=again, capacity=CAPACITY)
-  direct = model.generate([doc + first + second], "dense", max_new_tokens=3, capacity=CAPACITY)
-  assert chained.tokens == direct.tokens
+  chained = model.generate([second], "dense", cache=again, **run)
+  assert chained.tokens == model.generate([doc + first + second], "dense", **run).tokens
 
 
 # ------------------------------------------------------------------------------------------------- refusals
