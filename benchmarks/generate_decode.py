@@ -82,6 +82,17 @@ def copy_rate() -> float:
   return rate
 
 
+def read_rate() -> float:
+  """Bytes read per second by a 4 GiB reduction: a tighter floor for a decode step, which reads far more than it
+  writes, than ``copy_rate``."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((1 << 31,), jnp.bfloat16)
+  rate = x.nbytes / (median_ms(jax.jit(jnp.max), x, repeats=10) / 1e3)
+  x.delete()
+  return rate
+
+
 def run_jkv(cfg, label, batch, prompt_len, new_tokens, *, rate, params, weight_bytes, chunk=64):
   import jax
   import numpy as np

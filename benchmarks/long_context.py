@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from generate_decode import LLAMA3_8B, SMOKE, copy_rate, median_ms, now
+from generate_decode import LLAMA3_8B, SMOKE, copy_rate, median_ms, now, read_rate
 from records import save, write_readme_section
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -178,10 +178,11 @@ def decode_part(contexts, labels, steps, smoke):
   cfg = ModelConfig(**dict(shape, max_position=1 << 27))  # random weights: RoPE runs at any position
   params = params_lib.init_random(cfg, jax.random.key(0))
   weight_bytes = memory.tree_bytes(params)
-  rate = 1e10 if smoke else copy_rate()
+  rate, reads = (1e10, 1e10) if smoke else (copy_rate(), read_rate())
   # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
   device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]
-  print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
+  print(f"copy rate {rate / 1e12:.2f} TB/s, read rate {reads / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} "
+        "GiB", flush=True)
   records = []
   for label in labels:
     name, options = METHODS[label]
@@ -196,15 +197,18 @@ def decode_part(contexts, labels, steps, smoke):
         records.append(dict(base, error=f"{type(e).__name__}: {e}"))
         continue
       kv = traced["cache"].held_bytes(jnp.full((1,), context + steps // 2))
-      ms, floor = traced["wall_ms"], 1e3 * (weight_bytes + kv.device) / rate
+      ms, floor, read_floor = (traced["wall_ms"], 1e3 * (weight_bytes + kv.device) / rate,
+                               1e3 * (weight_bytes + kv.device) / reads)
       kernels = summarize(kernel_events({n: e for plane in traced["planes"].values() for n, e in plane.items()}),
                           steps, 6)
       peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
       records.append(dict(base, method_config=options, decode_ms_per_step=ms, floor_ms_per_step=floor,
-                          ratio_to_floor=ms / floor, steps=steps, kv_bytes=kv.device, kv_host_bytes=kv.host,
+                          ratio_to_floor=ms / floor, read_floor_ms_per_step=read_floor, read_rate=reads,
+                          ratio_to_read_floor=ms / read_floor, steps=steps, kv_bytes=kv.device, kv_host_bytes=kv.host,
                           peak_device_bytes=peak, weight_bytes=weight_bytes, copy_rate=rate, top_kernels=kernels))
       print(f"{label:>10} {context} tokens (synthetic fill): decode {ms:.2f} ms/step (floor {floor:.2f}, "
-            f"{ms / floor:.2f}x), kv {kv.device / 2**30:.2f} GiB; "
+            f"{ms / floor:.2f}x; at the read rate {read_floor:.2f}, {ms / read_floor:.2f}x), "
+            f"kv {kv.device / 2**30:.2f} GiB; "
             + ", ".join(f"{k['name'][:40]} {k['us_per_step'] / 1e3:.2f} ms" for k in kernels[:3]), flush=True)
       del traced
   return records
@@ -240,7 +244,8 @@ def markdown_table(records) -> str:
       result = (f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows "
                 f"{r['kivi2_held_rows_ms']:.2f} ms")
     elif r["part"] == "decode":
-      result = r.get("error", "synthetic fill" + (", the longest" if r["context_asked"] == "longest" else ""))
+      result = r.get("error", "synthetic fill" + (", the longest" if r["context_asked"] == "longest" else "")
+                     + (f"; {r['ratio_to_read_floor']:.2f}x the read-rate floor" if "ratio_to_read_floor" in r else ""))
     else:
       result = r.get("error", "ran")
     lines.append(f"| {r['part']} | {r['impl']} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
