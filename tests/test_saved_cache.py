@@ -5,7 +5,9 @@ every method; a cache that does not belong to the run, or is damaged or half wri
 import dataclasses
 import json
 import os
+import pathlib
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -201,3 +203,21 @@ def test_the_cli_refuses_a_cache_of_another_model_in_one_line(saved, capsys, def
   lines = [line for line in err.splitlines() if line.startswith("jkv: error")]
   assert rc == 2 and "Traceback" not in err, err
   assert len(lines) == 1 and f"saved cache {dense} was prefilled by another model" in lines[0]
+
+
+def test_the_benchmark_records_bytes_and_rates(monkeypatch, tmp_path):
+  """benchmarks/saved_cache.py --smoke, in this process: one record with the bytes held, saved and on disk and the
+  save and load rates, its cache directory removed."""
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import saved_cache as bench  # benchmarks/saved_cache.py
+  out, caches = tmp_path / "records.json", tmp_path / "caches"
+  caches.mkdir()
+  monkeypatch.setattr(sys, "argv", ["saved_cache.py", "--smoke", "--context", "256", "--methods", "dense",
+                                    "--question", "16", "--new-tokens", "2", "--dir", str(caches), "--out", str(out)])
+  bench.main()
+  (record,) = json.loads(out.read_text())
+  assert record["impl"] == "dense" and record["context"] == 256 and record["question_tokens"] == 16
+  assert record["held_bytes"] == 256 * 2 * 2 * 2 * 64 * 4 and record["held_host_bytes"] == 0  # L, K/V, H, D, fp32
+  assert record["array_bytes"] == record["held_bytes"] and 0 < record["disk_bytes"] < record["array_bytes"] + 16384
+  assert record["save_gb_per_s"] > 0 and record["load_gb_per_s"] > 0 and record["question_prefill_s"] > 0
+  assert list(caches.iterdir()) == []
