@@ -8,8 +8,12 @@ Layout of a checkpoint directory (format 3)::
   params/               orbax PyTree checkpoint of Params
 
 Saving is atomic: everything is written into the sibling ``<directory>.jkv-partial``, read back and compared,
-and one rename makes it ``<directory>``, so a checkpoint exists whole or not at all. What an interrupted save
-leaves (that sibling, or orbax's ``*.orbax-checkpoint-tmp*``) is recognized and named with what to delete.
+and one rename makes it ``<directory>``, so a checkpoint exists whole or not at all. The writer holds the partial
+directory's lock (``jkv.files``) while it writes, so two processes saving to one directory cannot mix: the first
+makes the partial directory, the second refuses in one line (another process is writing it, or the directory
+exists and is not empty). A partial directory whose lock no process holds is what a killed save left: loading names
+it and what to delete, and the next save to that directory removes it and starts over. orbax's
+``*.orbax-checkpoint-tmp*`` inside a target (an older jkv wrote there directly) is named with what to delete.
 
 Restoring verifies every checksum first, so a flipped byte or a truncated file is one line naming the file, and
 reads straight into the tree ``jkv.params.abstract(cfg)`` describes: no random init, no conversion.
@@ -29,6 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jkv import files
 from jkv import params as params_lib
 from jkv.config import ModelConfig, RopeScaling
 from jkv.tokenizer import Tokenizer
@@ -50,8 +55,8 @@ def is_checkpoint(path: str) -> bool:
 
 
 def leftover(path: str, command: str = "jkv convert") -> Optional[str]:
-  """One line naming what an interrupted save (by ``command``) left at ``path`` (or beside it) and what to delete,
-  else None."""
+  """One line naming what a save (by ``command``) still writing, or interrupted, left at ``path`` (or beside it)
+  and what to do, else None."""
   path = os.path.abspath(path)
   found = None
   if os.path.isdir(path) and (path.endswith(PARTIAL) or _holds_orbax_tmp(path)):
@@ -60,8 +65,19 @@ def leftover(path: str, command: str = "jkv convert") -> Optional[str]:
     found = path + PARTIAL
   if found is None:
     return None
+  if found.endswith(PARTIAL) and _being_written(found):
+    return f"{found} is being written by another process (`{command}`); wait for it to finish or choose another"
   return (f"{found} is left over from an interrupted `{command}`; delete it (rm -r {shlex.quote(found)}) "
           "and run again")
+
+
+def _being_written(partial: str) -> bool:
+  """Whether a live save holds ``partial`` (it took the lock under its parent's, with the directory made)."""
+  with files.locked(os.path.dirname(partial)):
+    try:
+      return files.is_held(partial)
+    except FileNotFoundError:  # renamed into place or removed meanwhile
+      return False
 
 
 def _holds_orbax_tmp(path: str) -> bool:
@@ -73,11 +89,12 @@ def check_target(directory: str, what: str = "checkpoint", command: str = "jkv c
   """Raise FileExistsError / PermissionError (one line) unless ``save(directory, ...)`` (or another writer of a
   ``what`` through ``atomic_directory``, run by ``command``) can write there.
 
-  Cheap and side-effect free, so that callers can run it before the work that produces the checkpoint.
+  Cheap and side-effect free, so that callers can run it before the work that produces the checkpoint. A partial
+  directory that a killed save left beside the target is no obstacle: the save removes it.
   """
   directory = os.path.abspath(directory)
   problem = leftover(directory, command)
-  if problem:
+  if problem and not _stale_partial(directory):
     raise FileExistsError(problem)
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
     raise FileExistsError(f"{what} directory {directory} exists and is not empty")
@@ -88,19 +105,45 @@ def check_target(directory: str, what: str = "checkpoint", command: str = "jkv c
     raise PermissionError(f"cannot write a {what} at {directory}: {parent} is not a writable directory")
 
 
+def _stale_partial(directory: str) -> bool:
+  """Whether beside ``directory`` lies a partial directory no live save holds."""
+  partial = directory + PARTIAL
+  return not directory.endswith(PARTIAL) and os.path.isdir(partial) and not _being_written(partial)
+
+
 @contextlib.contextmanager
-def atomic_directory(directory: str):
-  """Yields ``<directory>.jkv-partial`` to write into; when the block ends, one rename makes it ``directory`` (which
-  may exist empty), so what was written exists whole or not at all. Any failure, an interrupt included, removes the
-  partial directory before the exception propagates."""
-  partial = os.path.abspath(directory) + PARTIAL
-  os.makedirs(partial)
+def atomic_directory(directory: str, what: str = "checkpoint", command: str = "jkv convert",
+                     progress: Callable[[str], None] = _quiet):
+  """Yields ``<directory>.jkv-partial`` to write into, holding its lock; when the block ends, one rename makes it
+  ``directory`` (which may exist empty), so what was written exists whole or not at all. Any failure, an interrupt
+  included, removes the partial directory before the exception propagates.
+
+  The target is checked (``check_target``), a killed save's partial directory removed, and the new one made and
+  locked under the parent directory's lock: of several processes saving to one ``directory`` at once, one writes,
+  the others raise FileExistsError in one line. ``progress`` hears of a leftover removed.
+  """
+  directory = os.path.abspath(directory)
+  partial = directory + PARTIAL
+  parent = os.path.dirname(directory)
+  os.makedirs(parent, exist_ok=True)
+  with files.locked(parent):
+    check_target(directory, what, command)
+    if os.path.isdir(partial):  # check_target found no live writer of it
+      progress(f"removing {partial}, left over from an interrupted `{command}` ...")
+      shutil.rmtree(partial)
+    os.mkdir(partial)
+    hold = files.try_lock(partial)  # a new directory: nobody else holds it
   try:
     yield partial
-    os.rename(partial, directory)  # replaces an empty directory too (POSIX rename)
+    with files.locked(parent):
+      if os.path.exists(directory) and os.listdir(directory):  # a writer that does not take the lock
+        raise FileExistsError(f"{what} directory {directory} exists and is not empty")
+      os.rename(partial, directory)  # replaces an empty directory too (POSIX rename)
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise
+  finally:
+    os.close(hold)
 
 
 def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer: Optional[Tokenizer] = None,
@@ -110,9 +153,7 @@ def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer:
   ``progress`` receives one line per stage (saving, verifying). Any failure, an interrupt included, removes the
   partial directory before the exception propagates.
   """
-  directory = os.path.abspath(directory)
-  check_target(directory)
-  with atomic_directory(directory) as partial:
+  with atomic_directory(directory, progress=progress) as partial:
     progress(f"saving to {partial} ...")
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(os.path.join(partial, PARAMS), params)

@@ -159,17 +159,20 @@ def test_an_interrupted_convert_leaves_nothing(capsys, tiny_hf_dir, tmp_path, mo
 
 
 def test_leftovers_of_an_interrupted_run_are_named(capsys, tiny_hf_dir, tmp_path):
-  """Case 7: a re-run after an interrupted convert says the leftover is one, and what to delete."""
+  """Case 7: loading what a killed convert left says the leftover is one, and what to delete; the next convert to
+  that directory removes it (no live process holds its lock) and writes the checkpoint."""
   out = tmp_path / "out"
   (tmp_path / "out.jkv-partial" / "params").mkdir(parents=True)
-  result = run(capsys, "convert", str(tiny_hf_dir), str(out))
-  one_line_error(result, "out.jkv-partial", "left over from an interrupted", "rm -r")
-  assert "loading" not in result[2]  # refused before the source was read
-  one_line_error(run(capsys, "info", "--model", str(out)), "out.jkv-partial", "left over from an interrupted")
+  one_line_error(run(capsys, "info", "--model", str(out)), "out.jkv-partial", "left over from an interrupted", "rm -r")
+  rc, _, err = run(capsys, "convert", str(tiny_hf_dir), str(out))
+  assert rc == 0 and "left over from an interrupted" in err, err
+  assert sorted(os.listdir(tmp_path)) == ["out"] and checkpoint.is_checkpoint(str(out))
   # An older jkv wrote straight into the target, and orbax's own temporary directory was left there.
   old = tmp_path / "old"
   (old / "params.orbax-checkpoint-tmp-1731").mkdir(parents=True)
-  one_line_error(run(capsys, "convert", str(tiny_hf_dir), str(old)), "left over from an interrupted", str(old))
+  result = run(capsys, "convert", str(tiny_hf_dir), str(old))
+  one_line_error(result, "left over from an interrupted", str(old))
+  assert "loading" not in result[2]  # refused before the source was read
   one_line_error(run(capsys, "info", "--model", str(old)), "left over from an interrupted")
 
 
