@@ -6,6 +6,7 @@ import shlex
 import sys
 import time
 
+from jkv import files
 from jkv.evaluation import compare as compare_lib
 from jkv.evaluation import passkey as passkey_lib
 from jkv.evaluation import perplexity as ppl_lib
@@ -126,7 +127,7 @@ def cmd_passkey(args, cli):
     if not cli.is_lead_process():
       return 0
     if args.plot:
-      with compare_lib.written_together([args.plot]) as (partial,):  # no half-written image
+      with files.written_together([args.plot]) as (partial,):  # no half-written image
         passkey_lib.plot_heatmap(res, partial, title=f"pass-key retrieval: {args.model}, {_label(args, method)}")
   if args.json:
     print(json.dumps(dict(method=_label(args, method), method_config=dataclasses.asdict(method),

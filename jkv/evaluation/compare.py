@@ -5,7 +5,6 @@ the types of the method's config fields, so any registered method joins by regis
 and options are rejected in one line before anything runs.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -17,6 +16,7 @@ from typing import Optional, Sequence
 
 import jax
 
+from jkv import files
 from jkv import methods as methods_lib
 from jkv.cache import CacheMethod, CacheSpec
 from jkv.evaluation import passkey as passkey_lib
@@ -266,10 +266,11 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
 def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:
   """``prefix``.json (meta + rows), ``prefix``.md (command, table, settings) and ``prefix``.png (the plot).
 
-  All three are written under temporary names first and renamed into place together, so a failure or an interrupt
-  while writing leaves no half-written file (and earlier outputs of the same prefix as they were)."""
+  All three are written under temporary names first and renamed into place together (``jkv.files.written_together``),
+  so a failure or an interrupt while writing leaves no half-written file (and earlier outputs of the same prefix as
+  they were), and two processes writing one prefix leave one's three files or the other's."""
   paths = [prefix + ".json", prefix + ".md", prefix + ".png"]
-  with written_together(paths) as partial:
+  with files.written_together(paths) as partial:
     with open(partial[0], "w") as f:
       json.dump(dict(meta=meta, rows=list(rows)), f, indent=1)
       f.write("\n")
@@ -277,19 +278,3 @@ def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:
       f.write(markdown_report(rows, meta))
     plot(rows, partial[2], title=f"{meta['model']}: compression vs quality")
   return paths
-
-
-@contextlib.contextmanager
-def written_together(paths: Sequence[str]):
-  """Yield a temporary path beside each of ``paths`` (same extension, which matplotlib reads the format from); once
-  the block has written them all, rename each into place. On any failure, an interrupt included, the temporary
-  files are removed and ``paths`` stay as they were."""
-  partial = [f"{root}.partial{ext}" for root, ext in map(os.path.splitext, paths)]
-  try:
-    yield partial
-    for src, dst in zip(partial, paths):
-      os.replace(src, dst)
-  finally:
-    for p in partial:
-      if os.path.exists(p):
-        os.remove(p)

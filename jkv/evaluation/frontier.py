@@ -2,9 +2,16 @@
 bytes each configuration holds per token, and which configurations no other one beats on both.
 
 Each configuration is one ``compare.compare`` row (perplexity scored token by token through the decode path), so the
-frontier and ``jkv compare`` measure the same thing, plus the bytes its cache holds after every scored step. A sweep writes its JSON after every configuration (to a temporary file, then renamed), so a killed
-sweep keeps every configuration it finished, and running the same command again measures only the rest. A
-configuration is identified by its method and full settings, so two spellings of one setting are measured once.
+frontier and ``jkv compare`` measure the same thing, plus the bytes its cache holds after every scored step. A
+sweep writes its JSON after every configuration (to a temporary file, then renamed), so a killed sweep keeps every
+configuration it finished, and running the same command again measures only the rest. A configuration is identified
+by its method and full settings, so two spellings of one setting are measured once.
+
+Several processes may sweep into one output prefix at once (several machines sharing a file system, say): each adds
+its row by a read-modify-write under the output directory's lock (``jkv.files.locked``), reading the file again and
+adding the row only when no other process has added that configuration meanwhile, and skips a configuration another
+process finished before it began it. No row is lost or kept twice; two processes may measure one configuration at
+the same time, and the first to finish keeps it.
 
 Bytes are device bytes per token, the budget a user spends on the accelerator, averaged over the scored steps as
 the perplexity is: after every step of one window, ``held_trace`` reads the cache's ``held_bytes`` (from its state)
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jkv import files
 from jkv import generate as gen
 from jkv import methods as methods_lib
 from jkv.attention import choose_impl
@@ -177,13 +185,12 @@ SAME = ("model", "dtype", "text", "ppl")  # meta keys a resumed sweep must share
 
 def write_json(path: str, data) -> None:
   """Write ``data`` to ``path`` whole or not at all: to a temporary file beside it, then renamed over it."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1)
-    f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  with files.written_together([path]) as (tmp,):
+    with open(tmp, "w") as f:
+      json.dump(data, f, indent=1)
+      f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
 
 
 def load_sweep(path: str, meta: dict) -> dict:
@@ -204,42 +211,60 @@ def load_sweep(path: str, meta: dict) -> dict:
   return dict(meta=dict(meta, commands=old.get("commands", [])), rows=rows)
 
 
+def _measured(rows) -> set:
+  return {config_key(_row_method(r)) for r in rows}
+
+
+def add_row(path: str, meta: dict, row: dict, first: bool) -> bool:
+  """Add ``row`` to the sweep file at ``path`` as it is now (other processes may have added rows since this one
+  read it), unless its configuration is there already; ``first``: this process's first row, whose command joins
+  the file's ``commands``. Read, merged and written under the lock of the file's directory. Whether it was added."""
+  with files.locked(os.path.dirname(os.path.abspath(path))):
+    data = load_sweep(path, meta)
+    if config_key(_row_method(row)) not in _measured(data["rows"]):
+      data["rows"].append(row)
+      if first:
+        data["meta"]["commands"].append(meta["command"])
+      write_json(path, data)
+      return True
+  return False
+
+
 def sweep(model, specs: Sequence[compare_lib.MethodSpec], *, token_ids: Sequence[int], plan: ppl_lib.WindowPlan,
           path: str, meta: dict, progress: Optional[bool] = None, attention_impl: str = "auto", mesh=None,
           measure: Callable = compare_lib.compare) -> dict:
   """Measure every configuration of ``specs`` not yet in the sweep file ``path``; return the file's contents
-  ({"meta", "rows"}: every row measured so far, in the order measured). A row is ``compare.compare``'s, plus
-  ``held_trace`` over the first window.
+  ({"meta", "rows"}: every row measured so far, by this process or another, in the order added). A row is
+  ``compare.compare``'s, plus ``held_trace`` over the first window.
 
-  After each configuration the file holds every row so far (``write_json``). ``meta`` must carry the keys of
+  After each configuration the file holds every row so far (``add_row``). ``meta`` must carry the keys of
   ``SAME`` and ``command``, which joins the file's list of ``commands`` that measured its rows. ``measure`` is
   ``compare.compare`` (a test may count its calls)."""
   for spec in specs:
     spec.method()  # every configuration is valid before the first one runs
   ids = np.asarray(token_ids, np.int32)
   first_window = ids[plan.starts(len(ids))[0]:][:plan.window]
-  data = load_sweep(path, meta)
-  rows = data["rows"]
-  done = {config_key(_row_method(r)) for r in rows}
+  rows = load_sweep(path, meta)["rows"]
+  done = _measured(rows)
   todo = []
   for spec in specs:
     key = config_key(spec.method())
     if key not in done:
       done.add(key)
       todo.append(spec)
-  if todo:
-    data["meta"]["commands"].append(meta["command"])
   bar = tqdm(total=len(rows) + len(todo), initial=len(rows), desc="frontier", unit="config",
              disable=progress is False)
+  added = False
   for spec in todo:
-    bar.set_postfix_str(spec.label)
-    row, = measure(model, [spec], token_ids=token_ids, ppl=plan, passkey=None, baseline=None, progress=False,
-                   attention_impl=attention_impl, mesh=mesh)
-    rows.append(dict(row, held_trace=held_trace(model, spec.method(), first_window, plan.context, attention_impl)))
-    write_json(path, data)
+    if config_key(spec.method()) not in _measured(load_sweep(path, meta)["rows"]):  # nor by another process since
+      bar.set_postfix_str(spec.label)
+      row, = measure(model, [spec], token_ids=token_ids, ppl=plan, passkey=None, baseline=None, progress=False,
+                     attention_impl=attention_impl, mesh=mesh)
+      row = dict(row, held_trace=held_trace(model, spec.method(), first_window, plan.context, attention_impl))
+      added = add_row(path, meta, row, first=not added) or added
     bar.update(1)
   bar.close()
-  return data
+  return load_sweep(path, meta)
 
 
 # ------------------------------------------------------------------------------------------------- texts
@@ -404,10 +429,11 @@ def write_outputs(rows: Sequence[dict], meta: dict, prefix: str) -> list:
   """``prefix``.md (report) and ``prefix``.png (plot) from the annotated rows; ``prefix``.json is the sweep's own
   file, written as it ran."""
   paths = [prefix + ".md", prefix + ".png"]
-  with open(paths[0], "w") as f:
-    f.write(markdown_report(rows, meta))
   plan = meta["ppl"]
-  plot(rows, paths[1], title=f"{meta['model']} ({meta['dtype']}): perplexity vs KV bytes per token, "
-                             f"{plan['num_windows']} windows of {plan['context']} + {plan['scored']} tokens of "
-                             f"{textwrap.shorten(meta['text'], 60)}")
+  with files.written_together(paths) as partial:
+    with open(partial[0], "w") as f:
+      f.write(markdown_report(rows, meta))
+    plot(rows, partial[1], title=f"{meta['model']} ({meta['dtype']}): perplexity vs KV bytes per token, "
+                                 f"{plan['num_windows']} windows of {plan['context']} + {plan['scored']} tokens of "
+                                 f"{textwrap.shorten(meta['text'], 60)}")
   return paths
