@@ -221,6 +221,8 @@ class GenerationPlan:
   saved: Optional[saved_cache.SavedCache] = None  # a saved cache the prompts continue
   held: Optional[list] = None  # tokens it holds of each sequence (None: the prompts start an empty cache)
   save_to: Optional[str] = None  # where the cache is saved after prefill
+  heads: Optional[list] = None  # saving: tokens of each prompt the saved cache holds (whole chunk multiples)
+  rest: Optional[prefill_lib.PrefillPlan] = None  # saving: the prompts' other tokens, continuing the cache saved
 
   @property
   def batch(self) -> int:
@@ -234,6 +236,15 @@ class GenerationPlan:
   def starts(self) -> list:
     """Tokens each sequence holds before its prompt."""
     return self.held or [0] * self.batch
+
+  def parts(self) -> list:
+    """(token ids, plan, tokens held before them) of each prefill: the prompts, or, saving, the heads the saved cache
+    holds and then the rest."""
+    if self.rest is None:
+      return [(self.prompts, self.prefill, self.held)]
+    return [([p[:n] for p, n in zip(self.prompts, self.heads)], self.prefill, self.held),
+            ([p[n:] for p, n in zip(self.prompts, self.heads)], self.rest,
+             [s + n for s, n in zip(self.starts, self.heads)])]
 
 
 def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_tokens: int, capacity=None,
@@ -249,27 +260,35 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
     raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
   impl = choose_impl(attention_impl)
   chunk = min(chunk, max_new_tokens)
-  lengths = [len(p) for p in prompts]
-  saved = held = None
+  saved = held = heads = rest = None
   if cache is not None:
     saved = saved_cache.open_saved(cache)
     saved.check_model(cfg)
     held = saved.check_batch(len(prompts))
+    prompts = [tail + p for tail, p in zip(saved.tails(len(prompts)), prompts)]
+  lengths = [len(p) for p in prompts]
   if save_cache is not None:
     saved_cache.check_target(save_cache)
+    heads = saved_cache.heads(method, lengths)
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
                       chunk, capacity)
   sharding.check_mesh(mesh, cfg, len(prompts))
+  split = heads is not None and heads != lengths
+  first = heads if split else lengths
+  options = dict(prefill_tokens=prefill_tokens, chunk=prefill_chunk, mesh=mesh)
   if saved is None:
-    prefill = prefill_lib.plan(cfg, method, lengths, cap, prefill_tokens=prefill_tokens, chunk=prefill_chunk,
-                               mesh=mesh)
+    prefill = prefill_lib.plan(cfg, method, first, cap, **options)
   else:
-    prefill = prefill_lib.plan_continuation(cfg, method, held, lengths, cap, prefill_tokens=prefill_tokens,
-                                            chunk=prefill_chunk, mesh=mesh)
+    prefill = prefill_lib.plan_continuation(cfg, method, held, first, cap, **options)
     saved.check_method(method.for_impl(CacheSpec.for_model(cfg, len(prompts), prefill.capacity), impl))
+  if split:  # the cache saved holds whole chunks; the prompts' other tokens continue it once it is saved
+    after = [s + n for s, n in zip(held or [0] * len(first), first)]
+    rest = prefill_lib.plan_continuation(cfg, method, after, [n - h for n, h in zip(lengths, first)],
+                                         prefill.capacity, **options)
+    prefill = dataclasses.replace(prefill, capacity=rest.capacity)
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   return GenerationPlan(prompts, prefill.capacity, prefill, chunk, max_new_tokens, eos, pad_id, impl, saved, held,
-                        save_cache)
+                        save_cache, heads, rest)
 
 
 @dataclasses.dataclass
@@ -294,8 +313,8 @@ class _Generation:
                mesh):
     self.cfg, self.plan, self.sampler, self.mesh = cfg, plan, sampler, mesh
     self.spec = CacheSpec.for_model(cfg, plan.batch, plan.capacity)
-    tokens = prefill_lib.pad_prompts(plan.prompts, plan.prefill.width, plan.pad_id)
-    self.prefill = prefill_lib.Prefill(plan.prefill, cfg, tokens, plan.lengths, plan.held)
+    self.prefills = [prefill_lib.Prefill(part, cfg, prefill_lib.pad_prompts(ids, part.width, plan.pad_id),
+                                         [len(p) for p in ids], held) for ids, part, held in plan.parts()]
     # Placement: the parameters over the mesh, the cache allocated in its shards (or loaded), the carried arrays
     # committed.
     self.params = sharding.shard_params(params, cfg, mesh)
@@ -305,7 +324,7 @@ class _Generation:
     key, self.eos, self.pad, no, no_spec, zero_counts, self.first_ids = self._rows(committed((
         jax.random.key(seed), jnp.asarray(plan.eos if plan.eos else (-1,), jnp.int32), jnp.int32(plan.pad_id),
         jnp.zeros((B,), bool), jnp.zeros((B, S), jnp.int32), jnp.zeros((B, 2), jnp.int32),
-        jnp.asarray(tokens[:, 0]))))
+        jnp.asarray([p[0] for p in plan.prompts]))))
     self.key, self.sub = jax.random.split(key)
     self.carry = _Carry(self.first_ids, no_spec, no, no, zero_counts, self.key)
 
@@ -326,7 +345,8 @@ class _Generation:
   def warm(self) -> None:
     """Compile (or find compiled) every call before timing, so the timings are run time alone."""
     B = self.plan.batch
-    self.prefill.warm(_warm, self.params, self.cache)
+    for prefill in self.prefills:
+      prefill.warm(_warm, self.params, self.cache)
     _warm(_first_tokens, self._rows((committed(jnp.zeros((B, self.cfg.vocab_size), jnp.float32)), self.sub)),
           dict(sampler=self.sampler))
     if self.speculative:
@@ -336,8 +356,13 @@ class _Generation:
             dict(cfg=self.cfg, sampler=self.sampler, steps=self.plan.chunk))
 
   def run_prefill(self):
-    """The prompts into the cache and each sequence's first token; returns [B, 1] host ids."""
-    logits, self.cache = self.prefill(self.params, self.cache)
+    """The prompts into the cache and each sequence's first token; returns [B, 1] host ids. Saving, the cache is
+    saved between the prefill of the tokens it holds and of the rest (``run_save``)."""
+    logits, self.cache = self.prefills[0](self.params, self.cache)
+    if self.plan.save_to is not None:
+      self.run_save()
+    for prefill in self.prefills[1:]:
+      logits, self.cache = prefill(self.params, self.cache, logits)
     first, bad = self._rows(_first_tokens(*self._rows((committed(logits), self.sub)), sampler=self.sampler))
     first.block_until_ready()
     self.carry.last, self.carry.bad = first, bad
@@ -345,10 +370,12 @@ class _Generation:
     return np.asarray(first)[:, None]
 
   def run_save(self) -> None:
-    """The cache as prefill left it, with the token ids each sequence holds, to the plan's ``save_to``; ``saved``
-    holds what was written."""
-    prompts = [c + p for c, p in zip(self.context, self.plan.prompts)]
-    self.saved = saved_cache.save(self.plan.save_to, self.cache, self.cfg, self.params, prompts)
+    """The cache as prefill left it, with the token ids each sequence holds and those of its prompt it does not
+    hold yet, to the plan's ``save_to``; ``saved`` holds what was written."""
+    heads = self.plan.heads or self.plan.lengths
+    held = [c + p[:n] for c, p, n in zip(self.context, self.plan.prompts, heads)]
+    tails = [p[n:] for p, n in zip(self.plan.prompts, heads)]
+    self.saved = saved_cache.save(self.plan.save_to, self.cache, self.cfg, self.params, held, tails)
 
   def run_pre_decode(self) -> None:
     guess, self.cache = speculative_start(self.params, self.cfg, self.cache, self.carry.last)
@@ -425,9 +452,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       compile_s = time.perf_counter() - t_compile
       t0 = time.perf_counter()
       out = [run.run_prefill()]
-      prefill_s = time.perf_counter() - t0
-      if plan.save_to is not None:
-        run.run_save()
+      prefill_s = time.perf_counter() - t0 - (run.saved["save_s"] if run.saved else 0.0)  # saving timed apart
       t_pre = time.perf_counter()
       run.run_pre_decode()
       pre_decode_s = time.perf_counter() - t_pre
@@ -470,7 +495,7 @@ def _result(run: _Generation, out: list, produced: int, timings: dict) -> Genera
       allocated_kv_host_bytes=allocated.host,
       prefill_sub_batch=plan.prefill.rows,  # sequences per prefill call
       prefill_chunk=plan.prefill.chunk if plan.prefill.chunked else None,  # tokens per call when chunked
-      prefill_calls=plan.prefill.calls(),
+      prefill_calls=sum(part.calls() for _, part, _ in plan.parts()),
       prefill_s=timings["prefill_s"],
       prefill_tokens_per_s=sum(plan.lengths) / max(timings["prefill_s"], 1e-9),
       pre_decode_s=timings["pre_decode_s"],  # a speculative method's pre-decode pass (once, before the first step)
@@ -505,8 +530,6 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
   with memory.guard(memory.CacheRequest(cfg, method, 1, plan.capacity, plan.prefill.chunk)):
     run = _Generation(params, cfg, method, plan, sampler, seed, None)
     run.run_prefill()
-    if plan.save_to is not None:
-      run.run_save()
     c = run.carry
     for i in range(max_new_tokens):
       if bool(c.bad[0]):

@@ -218,8 +218,10 @@ class Prefill:
     for first in {start == 0 and not p.continues for start in range(0, p.width, p.chunk)}:
       warm(_prefill_chunk, args, dict(cfg=self.cfg, first=first))
 
-  def __call__(self, params, cache):
-    """Returns the last-token logits [B, vocab] float32 and the cache."""
+  def __call__(self, params, cache, logits=None):
+    """Returns the last-token logits [B, vocab] float32 and the cache. ``logits``: those of the prompts that end
+    before this plan's tokens (an empty continuation; a continuing plan only), kept where no token of theirs is
+    here."""
     p = self.plan
     if p.rows < p.batch:
       logits = None
@@ -230,7 +232,8 @@ class Prefill:
         logits = jnp.zeros((p.batch,) + part.shape[1:], part.dtype) if logits is None else logits
         logits = logits.at[rows].set(part)
       return logits, cache
-    logits, lengths, held = self._zero_logits(cache), jnp.asarray(self.lengths), jnp.asarray(self.held)
+    logits = self._zero_logits(cache) if logits is None else logits
+    lengths, held = jnp.asarray(self.lengths), jnp.asarray(self.held)
     for start in range(0, p.width, p.chunk):
       logits, cache = _prefill_chunk(params, jnp.asarray(self.tokens[:, start:start + p.chunk]), jnp.int32(start),
                                      lengths, held, logits, cache, cfg=self.cfg, first=start == 0 and not p.continues)

@@ -2,15 +2,19 @@
 
 ``jkv.generate.generate(..., save_cache=DIR)`` writes the cache as prefill leaves it (before any decoding), with the
 prompts' token ids; ``generate(..., cache=DIR)`` loads it and feeds the new prompts as the next chunk (the method's
-``extend``: the chunk attends what the cache holds, as the method holds it, and is stored after), then decodes. The
-tokens are those of one chunked prefill of document + prompt whose chunk boundary falls at the document's end
-(tests/test_saved_cache.py). A cache of one sequence serves a batch of prompts (each continues its own copy).
+``extend``: the chunk attends what the cache holds, as the method holds it, and is stored after), then decodes. A
+method extends a cache from whole chunks (``CacheMethod.chunk_multiple``: KIVI's residual, ZipCache's whole key
+groups of both pools), so the cache saved holds each document's whole chunks (``heads``) and the manifest the
+document's last tokens, which the saving run and every loading run feed first, before its own. The tokens are
+those of one chunked prefill of document + prompt whose chunk boundary falls at the end of the document's whole
+chunks (tests/test_saved_cache.py). A cache of one sequence serves a batch of prompts (each continues its own copy).
 
 A saved cache directory::
 
   jkv_cache.json  {"format": 1, "jkv": version, "model": {"config": ModelConfig fields, "fingerprint": hex},
                    "method": {"name", "settings" as it ran}, "capacity": tokens the arrays are cut to,
-                   "lengths": [B] tokens held, "arrays": {name: {"shape", "dtype", "axes", "memory_kind"}},
+                   "lengths": [B] tokens held, "tails": [B] token ids after them (fewer than a chunk),
+                   "arrays": {name: {"shape", "dtype", "axes", "memory_kind"}},
                    "held_bytes": {"device", "host"}, "array_bytes": bytes of the arrays,
                    "files": {path: {"bytes", "sha256"}} for every file orbax wrote, "sha256": of the other fields}
   arrays/         orbax PyTree checkpoint: {"state": the method's state arrays by name,
@@ -23,10 +27,10 @@ again (what lies there is padding, or zeros as allocated). Loading allocates the
 new tokens need and puts each saved array at the front of its grown shape, zeros after: the state a fresh
 allocation and that prefill would give.
 
-Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole; loading
-checks, in this order and each in one line: the manifest (missing, damaged), the model (its config, then a cheap
-fingerprint of its weights), the method and its settings as they run here, the batch, and every file's size and
-sha256 (naming the file).
+Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole. Loading
+refuses, each in one line: a leftover of an interrupted save, a missing or damaged manifest, another model's config,
+another batch, another method or settings (as they run here), all before anything is allocated; then weights that
+are not the ones saved with (a cheap fingerprint) and any file whose size or sha256 differs (naming the file).
 """
 
 import dataclasses
@@ -61,6 +65,17 @@ def held_capacity(method: CacheMethod, lengths) -> int:
   return round_up(max(int(np.max(lengths)), 1), method.capacity_multiple())
 
 
+def heads(method: CacheMethod, lengths) -> list:
+  """Tokens of prompts of these lengths that a cache saved after their prefill holds: their whole chunks (the rest
+  is fed after the save); a one-line ValueError where a prompt holds none."""
+  m = method.chunk_multiple()
+  for b, n in enumerate(lengths):
+    if n < m:
+      raise ValueError(f"prompt {b} has {n} tokens; a saved {method.name} cache holds whole chunks of {m} tokens (its "
+                       "blocks), so save a longer prompt")
+  return [n // m * m for n in lengths]
+
+
 def check_target(directory: str) -> None:
   """One-line FileExistsError / PermissionError unless a cache can be saved at ``directory`` (cheap: run it before
   the prefill whose cache it will hold)."""
@@ -70,8 +85,9 @@ def check_target(directory: str) -> None:
 # ------------------------------------------------------------------------------------------------- save
 
 
-def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts) -> dict:
-  """Write ``cache``, as prefill of ``prompts`` (token-id lists, one a sequence) left it, to a new ``directory``.
+def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tails) -> dict:
+  """Write ``cache``, as prefill of ``prompts`` (token-id lists, one a sequence) left it, to a new ``directory``, with
+  ``tails``: each sequence's next token ids, which a run that loads it feeds first (``heads``).
 
   Returns what was written: ``directory``, ``array_bytes`` (the arrays cut to the held capacity), ``disk_bytes``
   (every file), ``held_bytes`` and ``held_host_bytes`` (what the method holds for these lengths), ``save_s`` and
@@ -99,7 +115,7 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts) -> d
         format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)),
                                                  fingerprint=model_fingerprint(params)),
         method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity,
-        lengths=lengths.tolist(), arrays=infos, held_bytes=dict(device=held.device, host=held.host),
+        lengths=lengths.tolist(), tails=[list(map(int, t)) for t in tails], arrays=infos, held_bytes=dict(device=held.device, host=held.host),
         array_bytes=sum(a.nbytes for a in arrays.values()), files=checkpoint.file_digests(partial, ARRAYS))
     checkpoint.write_sealed_json(os.path.join(partial, MARKER), manifest)
   seconds = time.perf_counter() - t0
@@ -191,6 +207,11 @@ class SavedCache:
   def lengths(self) -> list:
     """Tokens held per saved sequence."""
     return self.manifest["lengths"]
+
+  def tails(self, batch: int) -> list:
+    """The token ids each of ``batch`` sequences feeds before its prompt (``check_batch``'s rule)."""
+    tails = self.manifest["tails"]
+    return tails * batch if len(tails) == 1 else list(tails)
 
   def check_batch(self, batch: int) -> list:
     """Tokens held by each of ``batch`` sequences continuing this cache: its own sequences one for one, or its one

@@ -1,6 +1,7 @@
 """Prefill once, ask many (jkv.saved_cache): a document prefilled and saved, loaded and continued by a question,
-gives the tokens of one chunked prefill of document + question whose chunk boundary falls at the document's end, for
-every method; a cache that does not belong to the run, or is damaged or half written, is refused in one line."""
+gives the tokens of one chunked prefill of document + question whose chunk boundary falls at the end of the
+document's whole chunks, for every method; a cache that does not belong to the run, or is damaged or half written,
+is refused in one line."""
 
 import dataclasses
 import json
@@ -27,15 +28,16 @@ CFG = ModelConfig(architecture="llama", vocab_size=128, embed=64, ffw_size=128, 
                   head_dim=64, max_position=1024, dtype="float32")
 CAPACITY = 384  # the same in every run compared: one shape of every buffer, and the runs share compiled calls
 NEW = 6
-# Each document is a whole number of the method's chunk multiple (the reference's chunk boundary falls at its end)
-# and of its capacity multiple, a power of two, so that its prefill is the reference's first chunk (one compiled
-# call); dense's is shorter than its prefill bucket, so the arrays saved are cut below what its prefill wrote.
+# (options, document tokens, the whole chunks of it the cache saved holds): a document is a few tokens past 128 whole
+# chunks (the tail is fed after the save, and by every run that loads it), so that its prefill is the reference's
+# first chunk (one compiled call); dense's chunks are single tokens, and its 48 fewer than its prefill bucket, so the
+# arrays saved are cut below what its prefill wrote.
 METHODS = {
-    "dense": ({}, 48),
-    "kivi": (dict(bits=2, residual=32), 128),
-    "ott": (dict(group_size=16, residual=32), 128),
-    "zipcache": (dict(salient_ratio=0.5), 128),
-    "specache": (dict(residual=32, fetch_rows=16), 128),
+    "dense": ({}, 48, 48),
+    "kivi": (dict(bits=2, residual=32), 149, 128),
+    "ott": (dict(group_size=16, residual=32), 137, 128),
+    "zipcache": (dict(salient_ratio=0.5), 150, 128),
+    "specache": (dict(residual=32, fetch_rows=16), 133, 128),
 }
 
 
@@ -46,17 +48,18 @@ def params():
 
 @pytest.fixture(scope="module")
 def saved(params, tmp_path_factory):
-  """saved(name) -> (directory, document ids): the method's document prefilled by generate and saved, once."""
+  """saved(name) -> (directory, document ids, what was written, the saving run's tokens): the method's document
+  prefilled by generate and saved, once."""
   found = {}
 
   def save(name):
     if name not in found:
-      options, n = METHODS[name]
+      options, n, head = METHODS[name]
       doc = _ids(n, seed=len(name))
       directory = str(tmp_path_factory.mktemp("caches") / name)
       res = gen.generate(params, CFG, [doc], method=make_method(name, **options), max_new_tokens=NEW, eos_ids=(),
-                         capacity=CAPACITY, save_cache=directory)
-      found[name] = (directory, doc, res.stats["cache_saved"])
+                         capacity=CAPACITY, prefill_chunk=head, save_cache=directory)
+      found[name] = (directory, doc, res.stats["cache_saved"], res.tokens)
     return found[name]
   return save
 
@@ -68,21 +71,24 @@ def _ids(n, seed):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(params, saved, name):
   """A question continues a saved document: the tokens are those of one chunked generate of document + question
-  with the chunk boundary at the document's end, the last prompt token's logits those of that chunked prefill, and
-  the bytes held the same; the arrays were saved cut to the held capacity."""
-  options, n = METHODS[name]
+  with the chunk boundary at the end of the document's whole chunks (the saving run's own tokens those of the
+  document alone, chunked so), the last prompt token's logits those of that chunked prefill, and the bytes held the
+  same; the arrays were saved cut to the held capacity."""
+  options, n, head = METHODS[name]
   method = make_method(name, **options)
-  directory, doc, written = saved(name)
+  directory, doc, written, answered = saved(name)
   question = _ids(20, seed=7)
-  run = dict(method=method, max_new_tokens=NEW, eos_ids=(), capacity=CAPACITY, prefill_chunk=n)
+  run = dict(method=method, max_new_tokens=NEW, eos_ids=(), capacity=CAPACITY, prefill_chunk=head)
   loaded = gen.generate(params, CFG, [question], cache=directory, **run)
   whole = gen.generate(params, CFG, [doc + question], **run)
   assert whole.stats["prefill_calls"] == 2 and loaded.stats["prefill_calls"] == 1
   assert loaded.tokens == whole.tokens
-  assert loaded.stats["held_tokens"] == [n] and loaded.stats["kv_bytes"] == whole.stats["kv_bytes"]
-  np.testing.assert_allclose(_first_logits(params, method, [question], directory, n),
-                             _first_logits(params, method, [doc + question], None, n), rtol=1e-5, atol=1e-5)
-  spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [n]))
+  assert loaded.stats["held_tokens"] == [head] and loaded.stats["kv_bytes"] == whole.stats["kv_bytes"]
+  assert answered == gen.generate(params, CFG, [doc], **run).tokens
+  tail = doc[head:]
+  np.testing.assert_allclose(_first_logits(params, method, [tail + question], directory, head),
+                             _first_logits(params, method, [doc + question], None, head), rtol=1e-5, atol=1e-5)
+  spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [head]))
   assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, "xla").abstract(spec)).total
   assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
   assert written["disk_bytes"] < written["array_bytes"] + 16384  # orbax compresses; its metadata is a few kB
@@ -110,7 +116,7 @@ def test_one_saved_sequence_serves_a_batch_and_a_continued_cache_saves_again(par
   """Through the API: two questions of different lengths continue one saved document, each its own copy, with the
   tokens each gets alone after the document; one continued cache is saved again (document + question held) and
   continued once more."""
-  directory, doc, _ = saved("dense")
+  directory, doc, _, _ = saved("dense")
   model = api.Model(CFG, params, None)
   first, second = _ids(16, seed=3), _ids(5, seed=4)
   run = dict(max_new_tokens=NEW, capacity=CAPACITY)
@@ -137,18 +143,20 @@ def _refused(params, directory, match, *, cfg=CFG, method=None, prompts=1):
 
 
 def test_another_model_method_setting_or_batch_is_refused_in_one_line(params, saved, tmp_path):
-  dense, _, _ = saved("dense")
+  dense, _, _, _ = saved("dense")
   _refused(params, dense, r"another model \(num_layers 2 there, 3 here\)", cfg=dataclasses.replace(CFG, num_layers=3))
   _refused(params, dense, r"another model \(dtype \"float32\" there, \"bfloat16\" here\)",
            cfg=dataclasses.replace(CFG, dtype="bfloat16"))
   _refused(jax.tree.map(lambda x: x * 1.01, params), dense, "other weights of this model's shape")
   _refused(params, dense, "holds a dense cache; this run asks for kivi", method=make_method("kivi"))
-  kivi, _, _ = saved("kivi")
+  kivi, _, _, _ = saved("kivi")
   message = _refused(params, kivi, "holds kivi with other settings", method=make_method("kivi", bits=4, residual=32))
   assert "bits=2 there, 4 here" in message
   two = str(tmp_path / "two")
   gen.generate(params, CFG, [_ids(8, 0), _ids(12, 1)], max_new_tokens=1, eos_ids=(), save_cache=two)
   _refused(params, two, "holds 2 sequences: give 2 prompts", prompts=3)
+  with pytest.raises(ValueError, match="prompt 0 has 20 tokens; a saved kivi cache holds whole chunks of 32 tokens"):
+    gen.generate(params, CFG, [_ids(20, 0)], method=make_method("kivi", residual=32), save_cache=str(tmp_path / "k"))
   with pytest.raises(FileExistsError, match="saved cache directory .* exists and is not empty"):
     gen.generate(params, CFG, [_ids(8, 0)], max_new_tokens=1, save_cache=two)
 
@@ -166,7 +174,7 @@ def _largest_array_file(directory):
 
 
 def test_a_damaged_or_half_written_cache_is_refused_naming_the_file(params, saved, tmp_path):
-  dense, _, _ = saved("dense")
+  dense, _, _, _ = saved("dense")
   truncated = _copy(dense, tmp_path, "truncated")
   path = _largest_array_file(truncated)
   with open(path, "r+b") as f:
@@ -197,7 +205,7 @@ def test_a_damaged_or_half_written_cache_is_refused_naming_the_file(params, save
 def test_the_cli_refuses_a_cache_of_another_model_in_one_line(saved, capsys, default_model_once):
   """One line on stderr, exit status 2, no traceback: the default model is not the tiny one the cache was prefilled
   by."""
-  dense, _, _ = saved("dense")
+  dense, _, _, _ = saved("dense")
   rc = cli.main(["generate", "--cache", dense, "--max-new-tokens", "2", "What is in it?"])
   err = capsys.readouterr().err
   lines = [line for line in err.splitlines() if line.startswith("jkv: error")]
