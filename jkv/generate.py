@@ -319,6 +319,7 @@ class _Generation:
     # committed.
     self.params = sharding.shard_params(params, cfg, mesh)
     self.params, self.cache = committed((self.params, self._place_cache(method)))
+    self.saved = None  # what run_save wrote
     B, S = plan.batch, method.speculative_rows
     self.speculative = S
     key, self.eos, self.pad, no, no_spec, zero_counts, self.first_ids = self._rows(committed((
@@ -331,7 +332,7 @@ class _Generation:
   def _place_cache(self, method: CacheMethod):
     """An empty cache, or the saved one the prompts continue, grown to the plan's capacity; ``context`` holds the
     token ids each sequence holds before its prompt, ``loaded`` what loading read."""
-    self.context, self.loaded, self.saved = [[] for _ in self.plan.prompts], None, None
+    self.context, self.loaded = [[] for _ in self.plan.prompts], None
     if self.plan.saved is None:
       return sharding.create_cache(method, self.spec, self.plan.impl, self.mesh)
     cache, self.context, self.loaded = saved_cache.load(self.plan.saved, self.params,
@@ -432,11 +433,13 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   (``jkv.sharding``): parameters tensor-parallel over ``model``, the cache split over sequences (``data``) and KV
   heads (``model``), every cache call run per shard; the tokens are those of one device.
 
-  ``save_cache`` (a directory to create) saves the cache as prefill leaves it, before decoding (``jkv.saved_cache``);
-  ``cache`` (a directory saved so, by this model with this method and settings) is loaded instead of an empty
-  cache, and the prompts continue what it holds: each is fed as the next chunk of its sequence (``extend``), one
-  prompt per saved sequence, or any number after a cache of one. Stats then count the saved tokens in the bytes
-  held, and report ``cache_saved`` (bytes on disk and held, seconds, GB/s) and ``cache_loaded``.
+  ``save_cache`` (a directory to create) saves the cache as prefill leaves it, before decoding (``jkv.saved_cache``):
+  each prompt's whole chunks of the method (``CacheMethod.chunk_multiple``), whose prefill is saved before the last
+  tokens are fed. ``cache`` (a directory saved so, by this model with this method and settings) is loaded instead
+  of an empty cache, and the prompts continue what it holds: its last tokens and then each prompt are fed as the next
+  chunk of its sequence (``extend``), one prompt per saved sequence, or any number after a cache of one. Stats then
+  count the saved tokens in the bytes held, and report ``cache_saved`` (bytes on disk and held, seconds, GB/s) and
+  ``cache_loaded``.
   """
   plan = plan_generation(cfg, method, prompts, max_new_tokens=max_new_tokens, capacity=capacity, chunk=chunk,
                          eos_ids=eos_ids, pad_id=pad_id, attention_impl=attention_impl,

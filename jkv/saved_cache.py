@@ -91,13 +91,15 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
 
   Returns what was written: ``directory``, ``array_bytes`` (the arrays cut to the held capacity), ``disk_bytes``
   (every file), ``held_bytes`` and ``held_host_bytes`` (what the method holds for these lengths), ``save_s`` and
-  ``save_gb_per_s`` (array bytes over the seconds from the device to the synced files, checksums included).
+  ``save_gb_per_s`` (array bytes over the seconds from the device to the synced files, checksums included; the
+  weights' fingerprint apart).
   """
   directory = os.path.abspath(directory)
   check_target(directory)
+  fingerprint = model_fingerprint(params)
   t0 = time.perf_counter()
   lengths = np.asarray(sharding.fetch(cache.lengths))
-  method = _inner(cache.method)
+  method = cache.method  # a mesh's PerShard describes and names its inner method's state
   capacity = held_capacity(method, lengths)
   abstract = method.abstract(dataclasses.replace(cache.spec, capacity=capacity))
   arrays, infos = {}, {}
@@ -112,21 +114,16 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(os.path.join(partial, ARRAYS), {"state": _nested(arrays), "prompts": _padded(prompts)})
     manifest = dict(
-        format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)),
-                                                 fingerprint=model_fingerprint(params)),
+        format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)), fingerprint=fingerprint),
         method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity,
-        lengths=lengths.tolist(), tails=[list(map(int, t)) for t in tails], arrays=infos, held_bytes=dict(device=held.device, host=held.host),
-        array_bytes=sum(a.nbytes for a in arrays.values()), files=checkpoint.file_digests(partial, ARRAYS))
+        lengths=lengths.tolist(), tails=[list(map(int, t)) for t in tails], arrays=infos,
+        held_bytes=dict(device=held.device, host=held.host), array_bytes=sum(a.nbytes for a in arrays.values()),
+        files=checkpoint.file_digests(partial, ARRAYS))
     checkpoint.write_sealed_json(os.path.join(partial, MARKER), manifest)
   seconds = time.perf_counter() - t0
   disk = sum(f["bytes"] for f in manifest["files"].values()) + os.path.getsize(os.path.join(directory, MARKER))
   return dict(directory=directory, array_bytes=manifest["array_bytes"], disk_bytes=disk, held_bytes=held.device,
               held_host_bytes=held.host, save_s=seconds, save_gb_per_s=manifest["array_bytes"] / seconds / 1e9)
-
-
-def _inner(method: CacheMethod) -> CacheMethod:
-  """The method itself, out of a mesh's ``PerShard``."""
-  return method.inner if isinstance(method, sharding.PerShard) else method
 
 
 def _prefix(x: jax.Array, shape: tuple) -> np.ndarray:
@@ -287,12 +284,13 @@ def load(saved: SavedCache, params, method: CacheMethod, spec: CacheSpec, impl: 
          mesh: Optional[jax.sharding.Mesh]) -> tuple[KVCache, list, dict]:
   """The saved cache grown to ``spec`` (its batch the prompts', its capacity at least the saved one), placed as
   ``jkv.sharding.create_cache`` places an empty one, with the token ids each sequence holds and what was read
-  (``load_s``, ``load_gb_per_s``: array bytes over the seconds from the checksums to the placed arrays).
+  (``load_s``, ``load_gb_per_s``: array bytes over the seconds from the checksums to the placed arrays, the
+  weights' fingerprint apart).
 
   The caller checked the model's config, the method and the batch (``check_*``); here the weights and every file.
   Each array is grown in host memory and placed once: no device memory beyond the cache's own."""
-  t0 = time.perf_counter()
   saved.check_weights(params)
+  t0 = time.perf_counter()
   checkpoint.verify_files(saved.directory, saved.manifest["files"], REMEDY)
   if jax.process_count() > 1:
     raise ValueError("a saved cache loads in one process; run without --num-processes")
