@@ -66,7 +66,7 @@ def leftover(path: str, command: str = "jkv convert") -> Optional[str]:
   if found is None:
     return None
   if found.endswith(PARTIAL) and _being_written(found):
-    return f"{found} is being written by another process (`{command}`); wait for it to finish or choose another"
+    return f"{found} is being written by another process (`{command}`); wait for it to finish, or write elsewhere"
   return (f"{found} is left over from an interrupted `{command}`; delete it (rm -r {shlex.quote(found)}) "
           "and run again")
 

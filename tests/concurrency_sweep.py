@@ -162,17 +162,23 @@ WORKERS = {"first-use": work_first_use, "convert": work_convert, "frontier": wor
 
 
 def worker_main(scenario, d, index, stall):
-  """One process: the CLI's error contract for workers that call jkv's functions directly (one line
-  ``jkv: error: ...``, exit 2; interrupted: exit 130)."""
+  """One process, under the CLI's contract for failures of workers that call jkv's functions directly: an interrupt
+  (or an error it caused, as in a C extension's import) exits 130, bad input is one line ``jkv: error: ...`` and
+  exit 2."""
   os.environ.update(SWEEP_DIR=d, SWEEP_INDEX=str(index))
   try:
     sys.exit(WORKERS[scenario](d, index, stall) or 0)
-  except KeyboardInterrupt:
-    print("jkv: interrupted", file=sys.stderr)
-    sys.exit(130)
-  except (ValueError, OSError, RuntimeError) as e:
-    print(f"jkv: error: {str(e).splitlines()[0]}", file=sys.stderr)
-    sys.exit(2)
+  except SystemExit:
+    raise
+  except BaseException as e:
+    from jkv.cli import _caused_by_interrupt
+    if _caused_by_interrupt(e):
+      print("jkv: interrupted", file=sys.stderr)
+      sys.exit(130)
+    if isinstance(e, (ValueError, OSError, RuntimeError)):
+      print(f"jkv: error: {str(e).splitlines()[0]}", file=sys.stderr)
+      sys.exit(2)
+    raise
 
 
 # ------------------------------------------------------------------------------------------------- the parent
@@ -313,6 +319,7 @@ class Convert(Scenario):
   def setup(self, d):
     import torch
     import transformers
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
