@@ -110,7 +110,7 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
     infos[name] = dict(shape=list(info.shape), dtype=str(np.dtype(info.dtype)), axes=list(info.axes),
                        memory_kind=info.memory_kind)
   held = cache.held_bytes(lengths)
-  with checkpoint.atomic_directory(directory) as partial:
+  with checkpoint.atomic_directory(directory, "saved cache", COMMAND) as partial:
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(os.path.join(partial, ARRAYS), {"state": _nested(arrays), "prompts": _padded(prompts)})
     manifest = dict(
