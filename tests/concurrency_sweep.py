@@ -210,6 +210,8 @@ class Proc:
       return "killed"
     err = self.stderr()
     lines = [l for l in err.splitlines() if l.strip()]
+    if self.signal == signal.SIGINT and lines and lines[-1] == "KeyboardInterrupt":
+      return "killed"  # in the interpreter's own start-up (importing site), before any program can handle it
     if (rc == 2 and "Traceback" not in err and lines and lines[-1].startswith("jkv: error: ")
         and sum(l.startswith("jkv: error") for l in lines) == 1):
       return "refused"
