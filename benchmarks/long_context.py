@@ -43,7 +43,8 @@ from records import save, write_readme_section
 HERE = pathlib.Path(__file__).resolve().parent
 METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True}),
            "kivi4_mma": ("kivi", {"bits": 4, "mma": True}), "kivi2": ("kivi", {"bits": 2, "mma": False}),
-           "ott2": ("ott", {}), "zipcache": ("zipcache", {}), "specache1": ("specache", {"bits": 1})}
+           "ott2": ("ott", {}), "ott2_triton": ("ott", {"mma": False}), "zipcache": ("zipcache", {}),
+           "specache1": ("specache", {"bits": 1})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
                         r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"])
 

@@ -65,8 +65,8 @@ from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs, slo
 from jkv_kernels.quantization import BITS, check_bits, dequantize, dequantize_packed_last_axis, unpack
 
 KERNEL_BITS = (1, 2, 4, 8)
-STORE_PROGRAMS = 8192  # programs per store that ``k_splits=None`` aims for (B * Hkv * k_splits)
-SEGMENT_PROGRAMS = 1024  # programs per segment that ``s_splits=None`` aims for (B * Hkv * s_splits)
+STORE_PROGRAMS = 8192  # programs per store that ``k_splits=None`` aims for (B * Hkv * k_splits), at most 16 splits
+MIN_PROGRAMS = 1024  # programs per store or segment that ``k_splits``/``s_splits=None`` give at least, any batch
 
 
 # Names moved between jax versions: `pl.TritonCompilerParams` became `plgpu.CompilerParams`, and `pl.dot` (now
@@ -619,10 +619,12 @@ def decode_attention(
       None: enough for about STORE_PROGRAMS programs per store over the batch and KV heads, at most 16 (a
       small batch needs the splits to fill the GPU; a large one fills it already, and each split adds a
       partial to write and merge). Measured on an H100, KIVI-2, L=4096 (benchmarks/kernel_decode.py
-      --autotune-grid): at B=256, 4 splits 1813 µs, 16 splits 1938 µs, 1 split 1865 µs; at B=8, 32k, 16.
+      --autotune-grid): at B=256, 4 splits 1813 µs, 16 splits 1938 µs, 1 split 1865 µs; at B=8, 32k, 16. Past
+      the cap, at least MIN_PROGRAMS: one sequence's 8 KV heads in 16 splits of a 128k store left an H200 idle
+      (OTT at B = 1, 128k: 35.65 ms of a 41.10 ms step in this kernel).
     block_s: segment tokens per loop step (a power of two >= 16, clamped to the segment's length rounded up).
     s_splits: programs per (batch row, KV head) along each segment, clamped to its block count. None: enough for
-      about SEGMENT_PROGRAMS programs over the batch and KV heads, whatever the batch: a dense cache is one long
+      about MIN_PROGRAMS programs over the batch and KV heads, whatever the batch: a dense cache is one long
       segment, and one sequence's 8 KV heads in 16 splits left most of an H200 idle. Measured there (dense, 8 KV
       heads, D = 128, bf16, per layer, with ``num_stages=2``): B = 1, L = 131072: 16 splits 268.8 µs, 128 splits
       173.6 (best 166.9 at 64); B = 1, 524288: 1140.3 against 647.5 (best 621.6); B = 8, 32768 and B = 32, 8192
@@ -656,10 +658,11 @@ def decode_attention(
   num_layers = _num_layers(stores, segments)
   layer = jnp.clip(jnp.asarray(0 if layer is None else layer, jnp.int32), 0, num_layers - 1).reshape(1)
 
+  at_least = -(-MIN_PROGRAMS // (batch * kv_heads))
   if k_splits is None:
-    k_splits = int(min(16, max(1, -(-STORE_PROGRAMS // (batch * kv_heads)))))
+    k_splits = max(min(16, -(-STORE_PROGRAMS // (batch * kv_heads))), at_least)
   if s_splits is None:
-    s_splits = max(1, -(-SEGMENT_PROGRAMS // (batch * kv_heads)))
+    s_splits = at_least
   if num_stages is None:
     num_stages = 1 if stores else 2
   sources, inputs, bounds, first = [], [], [], 0

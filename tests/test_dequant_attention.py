@@ -78,7 +78,7 @@ class Case:
   block_k: int = 128
   k_splits: int = 2
   block_s: int = 64
-  s_splits: int | None = None  # None: the kernel's default (SEGMENT_PROGRAMS over B * Hkv)
+  s_splits: int | None = None  # None: the kernel's default (MIN_PROGRAMS over B * Hkv)
   mass_rows: tuple[int, ...] = ()
   tokens_major: bool | None = None  # the kernel's tile orientation (None: its choice by layout)
 

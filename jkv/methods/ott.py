@@ -233,20 +233,18 @@ class Ott(CacheMethod):
                       head_dim=head_dim, tokens=self._store_capacity(capacity), meta_dtype=self.meta)
 
   def _store_capacity(self, capacity: int) -> int:
-    """Slots of the store: whole key groups (``_compress`` writes the block after the last quantized one), and
-    whole tiles of 64 with the MMA packing."""
-    unit = math.lcm(self.group_size, TILE) if self.mma else self.group_size
+    """Slots of the store: whole key groups (``_compress`` writes the block after the last quantized one) and whole
+    tiles of 64 tokens. The MMA packing needs the tiles; the Triton kernel walks blocks of the largest power of two
+    that divides the slots, and slots of 16 G = 16 groups (131,088 at 128k) made it walk 16 tokens a block."""
+    unit = math.lcm(self.group_size, TILE)
     return -(-capacity // unit) * unit
 
   def for_impl(self, spec: CacheSpec, impl: str) -> "Ott":
     """``mma`` left open (None) is on where the Hopper kernel would read the store: impl "pallas" on a Hopper GPU,
-    at most 16 query rows per KV head, settings the packing takes, and a capacity that is whole tiles already (so
-    the packing allocates the bytes memory planning counted, with ``mma`` still open)."""
-    def check():
-      self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity)
-      if dataclasses.replace(self, mma=True)._store_capacity(spec.capacity) != self._store_capacity(spec.capacity):
-        raise ValueError(f"ott mma=true rounds the capacity {spec.capacity} up to whole tiles of {TILE}")
-    return mma_left_open(self, impl, spec.q_per_kv, check)
+    at most 16 query rows per KV head and settings the packing takes (the store's slots are whole tiles either
+    way, so the bytes memory planning counted with ``mma`` still open are the bytes allocated)."""
+    return mma_left_open(self, impl, spec.q_per_kv,
+                         lambda: self._check_mma(head_dim=spec.head_dim, capacity=spec.capacity))
 
   def capacity_multiple(self) -> int:
     return self.group_size
