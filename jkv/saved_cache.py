@@ -34,6 +34,7 @@ are not the ones saved with (a cheap fingerprint) and any file whose size or sha
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -102,13 +103,11 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
   method = cache.method  # a mesh's PerShard describes and names its inner method's state
   capacity = held_capacity(method, lengths)
   abstract = method.abstract(dataclasses.replace(cache.spec, capacity=capacity))
-  arrays, infos = {}, {}
-  for (path, info), x in zip(jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)[0],
-                             jax.tree.leaves(cache.state)):
-    name = jax.tree_util.keystr(path, simple=True, separator=".")
-    arrays[name] = _prefix(x, info.shape)
-    infos[name] = dict(shape=list(info.shape), dtype=str(np.dtype(info.dtype)), axes=list(info.axes),
-                       memory_kind=info.memory_kind)
+  paths, infos = zip(*jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)[0])
+  names = [jax.tree_util.keystr(path, simple=True, separator=".") for path in paths]
+  arrays = dict(zip(names, _prefixes(jax.tree.leaves(cache.state), [i.shape for i in infos])))
+  infos = {name: dict(shape=list(i.shape), dtype=str(np.dtype(i.dtype)), axes=list(i.axes),
+                      memory_kind=i.memory_kind) for name, i in zip(names, infos)}
   held = cache.held_bytes(lengths)
   with checkpoint.atomic_directory(directory, "saved cache", COMMAND) as partial:
     with ocp.StandardCheckpointer() as ckptr:
@@ -126,15 +125,19 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
               held_host_bytes=held.host, save_s=seconds, save_gb_per_s=manifest["array_bytes"] / seconds / 1e9)
 
 
-def _prefix(x: jax.Array, shape: tuple) -> np.ndarray:
-  """The front ``shape`` of ``x`` in host memory: cut on the device for a device array (only the prefix crosses to
-  the host), on the host for a host-resident one (jitted code does not read host memory everywhere)."""
-  cut = tuple(slice(0, n) for n in shape)
-  if tuple(x.shape) == tuple(shape):
-    return np.asarray(sharding.fetch(x))
-  if x.sharding.memory_kind not in (None, "device"):
-    return np.ascontiguousarray(np.asarray(x)[cut])
-  return np.asarray(sharding.fetch(x[cut]))
+def _prefixes(arrays: list, shapes: list) -> list:
+  """The front ``shapes`` of ``arrays`` in host memory: device arrays cut on the device in one call (only the
+  prefixes cross to the host, and one compilation serves them all), host-resident ones on the host (jitted code
+  does not read host memory everywhere)."""
+  on_device = [i for i, x in enumerate(arrays) if x.sharding.memory_kind in (None, "device")]
+  cut = dict(zip(on_device, _cut([arrays[i] for i in on_device], shapes=tuple(tuple(shapes[i]) for i in on_device))))
+  front = lambda x, shape: np.ascontiguousarray(np.asarray(x)[tuple(slice(0, n) for n in shape)])
+  return [np.asarray(sharding.fetch(cut[i])) if i in cut else front(x, shapes[i]) for i, x in enumerate(arrays)]
+
+
+@functools.partial(jax.jit, static_argnames=("shapes",))
+def _cut(arrays: list, shapes: tuple) -> list:
+  return [x[tuple(slice(0, n) for n in shape)] for x, shape in zip(arrays, shapes)]
 
 
 def _nested(arrays: dict) -> dict:
@@ -195,7 +198,7 @@ def model_fingerprint(params) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SavedCache:
-  """A saved cache as its manifest describes it (``open``); ``load`` reads its arrays."""
+  """A saved cache as its manifest describes it (``open_saved``); ``load`` reads its arrays."""
 
   directory: str
   manifest: dict
