@@ -91,7 +91,7 @@ def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(par
   spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [head]))
   assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, "xla").abstract(spec)).total
   assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
-  assert written["disk_bytes"] < written["array_bytes"] + 16384  # orbax compresses; its metadata is a few kB
+  assert written["array_bytes"] <= written["disk_bytes"] < written["array_bytes"] + 65536  # orbax metadata: kBs
 
 
 def _first_logits(params, method, prompts, directory, chunk):
@@ -227,6 +227,6 @@ def test_the_benchmark_records_bytes_and_rates(monkeypatch, tmp_path):
   (record,) = json.loads(out.read_text())
   assert record["impl"] == "dense" and record["context"] == 256 and record["question_tokens"] == 16
   assert record["held_bytes"] == 256 * 2 * 2 * 2 * 64 * 4 and record["held_host_bytes"] == 0  # L, K/V, H, D, fp32
-  assert record["array_bytes"] == record["held_bytes"] and 0 < record["disk_bytes"] < record["array_bytes"] + 16384
+  assert record["array_bytes"] == record["held_bytes"] <= record["disk_bytes"] < record["array_bytes"] + 65536
   assert record["save_gb_per_s"] > 0 and record["load_gb_per_s"] > 0 and record["question_prefill_s"] > 0
   assert list(caches.iterdir()) == []
