@@ -17,8 +17,8 @@ A saved cache directory::
                    "arrays": {name: {"shape", "dtype", "axes", "memory_kind"}},
                    "held_bytes": {"device", "host"}, "array_bytes": bytes of the arrays,
                    "files": {path: {"bytes", "sha256"}} for every file orbax wrote, "sha256": of the other fields}
-  arrays/         orbax PyTree checkpoint: {"state": the method's state arrays by name,
-                                            "prompts": [B, T] int32 token ids, right-padded with -1}
+  arrays/         orbax PyTree checkpoint (zarr3, uncompressed: CHUNK_BYTES): {"state": the method's state arrays
+                  by name, "prompts": [B, T] int32 token ids, right-padded with -1}
 
 Only what is held is written: every array is cut to the shape ``abstract`` gives at the capacity
 round_up(longest held, capacity_multiple), a prefix of each axis that grows with the capacity (tokens, key groups,
