@@ -33,7 +33,8 @@ def main():
   parser.add_argument("--scored", type=int, default=128)
   parser.add_argument("--windows", type=int, default=6)
   parser.add_argument("--chunk", type=int, default=512, help="the chunked runs' prefill chunk")
-  parser.add_argument("--methods", nargs="+", default=list(METHODS))
+  parser.add_argument("--methods", nargs="+", default=list(METHODS),
+                      help="method specs, as jkv compare takes them (name or name:option=value,...)")
   parser.add_argument("--passkey", action="store_true", help="pass-key retrieval at --context instead of perplexity")
   parser.add_argument("--trials", type=int, default=4, help="--passkey: keys per depth")
   parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "chunked_prefill_quality.json")
@@ -46,7 +47,7 @@ def main():
   import jax
   from jkv.evaluation import perplexity as ppl_lib
   from jkv.load import load_model
-  from jkv.methods import make_method
+  from jkv.evaluation.compare import MethodSpec
   model = load_model("default", "float32")
   if args.passkey:
     return passkey(model, args)
@@ -55,7 +56,7 @@ def main():
     for chunk in (None, args.chunk):
       plan = ppl_lib.WindowPlan(context=args.context, scored=args.scored, num_windows=args.windows, batch_size=3,
                                 prefill_chunk=chunk)
-      res = ppl_lib.perplexity(model.params, model.config, ids, method=make_method(name), plan=plan, progress=False)
+      res = ppl_lib.perplexity(model.params, model.config, ids, method=MethodSpec.parse(name).method(), plan=plan, progress=False)
       record = dict(method=name, method_config=res.method_config, context=args.context, scored=args.scored,
                     windows=args.windows, prefill_chunk=chunk, ppl=res.ppl, nll=res.nll, window_nll=res.window_nll,
                     kv_bytes=res.kv_bytes, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
@@ -69,11 +70,11 @@ def passkey(model, args):
   """Pass-key accuracy per method, whole against chunked prefill, on the same keys; a record per run."""
   import jax
   from jkv.evaluation.passkey import PasskeyGrid, run_passkey
-  from jkv.methods import make_method
+  from jkv.evaluation.compare import MethodSpec
   for name in args.methods:
     for chunk in (None, args.chunk):
       grid = PasskeyGrid(lengths=(args.context,), trials=args.trials, prefill_chunk=chunk)
-      res = run_passkey(model.params, model.config, model.tokenizer, method=make_method(name), grid=grid,
+      res = run_passkey(model.params, model.config, model.tokenizer, method=MethodSpec.parse(name).method(), grid=grid,
                         progress=False)
       record = dict(metric="passkey", method=name, context=args.context, prefill_chunk=chunk,
                     depths=res.depths, accuracy=res.accuracy[0], mean_accuracy=res.mean_accuracy,

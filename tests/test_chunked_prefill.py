@@ -247,14 +247,17 @@ def test_longest_context_is_the_last_capacity_that_fits():
 # ------------------------------------------------------------------------------------------------- generate
 
 
-def test_generate_chunked_equals_whole_where_the_cache_is_exact(tiny_llama):
-  """Dense holds every token exactly, so a chunked prefill gives the same tokens as a whole one, on a ragged batch
-  whose shorter prompt ends in the first chunk (the later chunks leave its cache alone)."""
+@pytest.mark.parametrize("name, options", [("dense", {}), ("specache", dict(exact_chunks=True))])
+def test_generate_chunked_equals_whole_where_the_cache_is_exact(tiny_llama, name, options):
+  """Dense holds every token exactly, and SpeCache's chunks with ``exact_chunks`` attend its exact host copy, so a
+  chunked prefill gives the same tokens as a whole one, on a ragged batch whose shorter prompt ends in the first
+  chunk (the later chunks leave its cache alone)."""
   _, m = tiny_llama
   prompts = random_prompts(m.config.vocab_size, [300, 70], seed=4)
-  whole = gen.generate(m.params, m.config, prompts, max_new_tokens=6, eos_ids=())
-  chunked = gen.generate(m.params, m.config, prompts, max_new_tokens=6, eos_ids=(), prefill_chunk=96)
-  assert chunked.stats["prefill_chunk"] == 96 and chunked.stats["prefill_calls"] == 4
+  method = make_method(name, **options)
+  whole = gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=6, eos_ids=())
+  chunked = gen.generate(m.params, m.config, prompts, method=method, max_new_tokens=6, eos_ids=(), prefill_chunk=128)
+  assert chunked.stats["prefill_chunk"] == 128 and chunked.stats["prefill_calls"] == 3
   assert whole.stats["prefill_chunk"] is None and whole.stats["prefill_calls"] == 1
   assert chunked.tokens == whole.tokens
 

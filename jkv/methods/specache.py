@@ -269,6 +269,10 @@ class SpeCache(CacheMethod):
       "help": "keep the low-bit copy in the packing the Hopper tensor-core kernel reads (KIVI's mma: residual a "
               "multiple of 64); default: where that kernel runs (a Hopper GPU, attention impl pallas) and the "
               "settings and model allow the packing"})
+  exact_chunks: bool = dataclasses.field(default=False, metadata={
+      "help": "chunked prefill: each chunk attends the earlier chunks' exact 16-bit rows, the layer read from host "
+              "memory, as a whole prompt's tokens attend each other (else the low-bit device copy, which lost "
+              "every pass key at 8k with chunks of 1024); not yet timed on a GPU"})
   repair: bool = dataclasses.field(default=False, metadata={
       "help": "check each step's guess (the real row's layer-0 key equals the previous speculative row's only when "
               "the guess was the real token) and, where it was wrong, give the real row the fetch-then-recompute "
@@ -366,9 +370,15 @@ class SpeCache(CacheMethod):
     return state.replace(low=low, host_kv=host_write_chunk(state.host_kv, layer, rows, ctx.lengths))
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
-    """The low-bit copy as the next step reads it (KIVI's ``held_rows``): a chunk attends what is on the device
-    (nothing is fetched for a chunk; the first rows are fetched after prefill, by the pre-decode pass)."""
-    return self.low_bit.held_rows(state.low, layer, lengths)
+    """What a prompt chunk attends. With ``exact_chunks`` the host copy's rows of the layer, moved to the device
+    whole (one slice of the host array, as ``gather_host_rows_one_by_one`` slices a row): a chunked prompt's tokens
+    then attend each other exactly, as a whole prompt's do. Else the low-bit copy as the next step reads it
+    (KIVI's ``held_rows``): nothing moves from host memory for a chunk."""
+    if not self.exact_chunks:
+      return self.low_bit.held_rows(state.low, layer, lengths)
+    rows = to_device(jax.lax.dynamic_index_in_dim(state.host_kv, layer, 0, keepdims=False))  # [B, H, C, 2D]
+    D = rows.shape[-1] // 2
+    return HeldRows(rows[..., :D], rows[..., D:], lengths)
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,
