@@ -56,7 +56,8 @@ def main():
     for chunk in (None, args.chunk):
       plan = ppl_lib.WindowPlan(context=args.context, scored=args.scored, num_windows=args.windows, batch_size=3,
                                 prefill_chunk=chunk)
-      res = ppl_lib.perplexity(model.params, model.config, ids, method=MethodSpec.parse(name).method(), plan=plan, progress=False)
+      res = ppl_lib.perplexity(model.params, model.config, ids, method=MethodSpec.parse(name).method(), plan=plan,
+                               progress=False)
       record = dict(method=name, method_config=res.method_config, context=args.context, scored=args.scored,
                     windows=args.windows, prefill_chunk=chunk, ppl=res.ppl, nll=res.nll, window_nll=res.window_nll,
                     kv_bytes=res.kv_bytes, device=jax.devices()[0].device_kind, jax_version=jax.__version__,
