@@ -19,6 +19,7 @@ from jkv import cli
 from jkv import generate as gen
 from jkv import prefill as prefill_lib
 from jkv import saved_cache
+from jkv.attention import choose_impl
 from jkv.cache import CacheSpec, KVCache, abstract_bytes
 from jkv.config import ModelConfig
 from jkv.methods import make_method
@@ -28,6 +29,7 @@ CFG = ModelConfig(architecture="llama", vocab_size=128, embed=64, ffw_size=128, 
                   head_dim=64, max_position=1024, dtype="float32")
 CAPACITY = 384  # the same in every run compared: one shape of every buffer, and the runs share compiled calls
 NEW = 6
+IMPL = choose_impl("auto")  # what generate runs here: a saved cache holds the layout of the impl it was saved with
 # (options, document tokens, the whole chunks of it the cache saved holds): a document is a few tokens past 128 whole
 # chunks (the tail is fed after the save, and by every run that loads it), so that its prefill is the reference's
 # first chunk (one compiled call); dense's chunks are single tokens, and its 48 fewer than its prefill bucket, so the
@@ -89,7 +91,7 @@ def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(par
   np.testing.assert_allclose(_first_logits(params, method, [tail + question], directory, head),
                              _first_logits(params, method, [doc + question], None, head), rtol=1e-5, atol=1e-5)
   spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [head]))
-  assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, "xla").abstract(spec)).total
+  assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, IMPL).abstract(spec)).total
   assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
   assert written["array_bytes"] <= written["disk_bytes"] < written["array_bytes"] + 65536  # orbax metadata: kBs
 
@@ -100,13 +102,13 @@ def _first_logits(params, method, prompts, directory, chunk):
   lengths = [len(p) for p in prompts]
   if directory is None:
     plan = prefill_lib.plan(CFG, method, lengths, CAPACITY, chunk=chunk)
-    cache, held = KVCache.create(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla"), None
+    cache, held = KVCache.create(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), IMPL), None
   else:
     stored = saved_cache.open_saved(directory)
     held = stored.check_batch(len(prompts))
     plan = prefill_lib.plan_continuation(CFG, method, held, lengths, CAPACITY, chunk=chunk)
     spec = CacheSpec.for_model(CFG, len(prompts), plan.capacity)
-    cache = saved_cache.load(stored, params, method.for_impl(spec, "xla"), spec, "xla", None)[0]
+    cache = saved_cache.load(stored, params, method.for_impl(spec, IMPL), spec, IMPL, None)[0]
   tokens = prefill_lib.pad_prompts(prompts, plan.width, 0)
   params, cache = gen.committed((params, cache))
   return np.asarray(prefill_lib.Prefill(plan, CFG, tokens, lengths, held)(params, cache)[0])
