@@ -13,7 +13,7 @@ midpoint goes up); plain min-max at 1 bit would map every value to the group's m
 
 Codes are computed from the stored (rounded) s and z, so quantize and dequantize agree; a constant group (s = 0)
 divides by 1 instead and reconstructs exactly. Codes are packed into uint32 words, ``32 // bits`` per word along
-one axis, element j of a word at bits [bits*j, bits*j + bits), j = 0 least significant (spec §2.8).
+one axis, element j of a word at bits [bits*j, bits*j + bits), j = 0 least significant (as KIVI's code).
 
 Bit-exact on every backend. The Pallas kernel (Triton) and the reference (XLA) must produce the same codes on CPU
 and GPU, and a floating-point division is where they differ: Triton lowers fp32 ``/`` to the approximate
@@ -115,7 +115,7 @@ def quantize_groups(x, *, bits: int, meta_dtype=jnp.float16, xla: bool = True):
   s = scale.astype(jnp.float32)[..., None]
   z = zero.astype(jnp.float32)[..., None]
   if bits == 1:
-    # The nearer of the two stored levels, the midpoint going up (spec: round half up); 0.5 * s is exact.
+    # The nearer of the two stored levels, the midpoint going up (round half up); 0.5 * s is exact.
     codes = jnp.where(x - z >= 0.5 * s, 1.0, 0.0)
   else:
     codes = _nearest_code(x - z, jnp.where(s == 0.0, 1.0, s), qmax)

@@ -22,7 +22,7 @@ from jkv.cache import CacheMethod, CacheSpec
 from jkv.evaluation import passkey as passkey_lib
 from jkv.evaluation import perplexity as ppl_lib
 
-# dense, KIVI-4, KIVI-2 and the four 2-bit fake-quantization layouts of KIVI's Table 1 (spec §6.2).
+# dense, KIVI-4, KIVI-2 and the four 2-bit fake-quantization layouts of KIVI's Table 1 (arXiv:2402.02750).
 DEFAULT_METHODS = (
     "dense",
     "kivi:bits=4",

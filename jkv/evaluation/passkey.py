@@ -1,4 +1,5 @@
-"""Pass-key retrieval (Mohtashami & Jaggi's template, the KIVI spec §6.6) over a grid of lengths and depths.
+"""Pass-key retrieval (Mohtashami & Jaggi's template, as in KIVI's Appendix B, arXiv:2402.02750) over a grid of
+lengths and depths.
 
 A prompt is built by tokens, so that its length in tokens is exactly the one asked for: an instruction, the
 filler repeated, the key sentence inserted at the requested depth (a fraction of the filler, moved to the nearest

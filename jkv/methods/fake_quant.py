@@ -1,10 +1,10 @@
-"""``fakequant``: simulated quantization for the KIVI Table 1 ablation (spec §6.2, §7.15).
+"""``fakequant``: simulated quantization for the KIVI Table 1 ablation (arXiv:2402.02750, Sec. 3.1 and Table 3).
 
 The dense cache is kept (the ``dense`` method's state and writes, by composition); at every decode step the whole
 cache, the current token included, is quantized and dequantized with the chosen grouping, and attention runs on the
-result. Prefill attention stays exact. No residual: every token is quantized. Keys or values grouped per channel
-form groups of G tokens; the last, partial group is zero-padded as in the paper (positions past a sequence's length
-count as zeros).
+result (the paper does not say how often it re-quantizes). Prefill attention stays exact. No residual: every
+token is quantized. Keys or values grouped per channel form groups of G tokens; the last, partial group is
+zero-padded as in the paper (positions past a sequence's length count as zeros).
 """
 
 import dataclasses

@@ -4,16 +4,16 @@ Algorithm: docs/methods/kivi.md; paper arXiv:2402.02750. State per layer (C = ca
 Pk = 32/k_bits, Pv = 32/v_bits):
 
 - keys are quantized in groups of G tokens of one channel, once R of them have gathered in the key ring
-  (a flush); values are quantized per token in groups of G channels the moment they arrive (spec §3.1 rec:
-  per-token groups do not depend on neighbours, so this equals quantizing them when they leave the window);
+  (a flush); values are quantized per token in groups of G channels the moment they arrive (per-token groups do
+  not depend on neighbours, so this equals quantizing them when they leave the window);
 - two rings of W = R + λ slots hold the newest W positions, slot p mod W: values exact, keys exact from bK on
   and, before bK, as the store gives them back (a flush rewrites its block's slots dequantized). The window
   the softmax reads is then the rings themselves, in place: no per-step gather or dequantization.
 
 With λ = 1 (the reference code's order, the default) a step attends and then compresses, so at a step with N
 tokens keys before bK = R⌊(N-1)/R⌋ and values before bV = max(0, N-1-R) are read dequantized; λ = 0 is the
-paper's Algorithm 1 (quantize, then attend). Those two boundaries are the whole semantics (spec §2.6), which is
-why the state needs no counters beyond the sequence length.
+paper's Algorithm 1 (quantize, then attend). Those two boundaries are the whole semantics (docs/methods/kivi.md,
+'State and boundaries'), which is why the state needs no counters beyond the sequence length.
 
 With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
 tensor-core kernel reads: key tiles of 64 tokens are packed at each flush, and a value tile at the end of the step
@@ -412,7 +412,7 @@ class Kivi(CacheMethod):
   # ---------------------------------------------------------------------------------------------- attention
 
   def _attend(self, state, layer, q, q_positions, lengths, impl):
-    """One softmax over the quantized store and the window (spec §2.6). The store is read for positions before
+    """One softmax over the quantized store and the window. The store is read for positions before
     bV, where both keys and values are quantized; the window [bV, N) (at most R + λ tokens) is the rings, read
     in place: exact values, keys dequantized before bK and exact from bK on."""
     win, in_window = self.window(lengths)
@@ -456,9 +456,9 @@ class Kivi(CacheMethod):
   # ---------------------------------------------------------------------------------------------- memory
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
-    """Bytes of the live state between steps (spec §3.2): nK = R⌊N/R⌋ quantized keys and N - nK exact ones,
-    nV = max(0, N - R) quantized values and min(N, R) exact ones, plus one int32 length per sequence. The
-    state adds nothing the lengths do not determine."""
+    """Bytes of the live state between steps (docs/methods/kivi.md, 'Bytes'): nK = R⌊N/R⌋ quantized keys and
+    N - nK exact ones, nV = max(0, N - R) quantized values and min(N, R) exact ones, plus one int32 length per
+    sequence. The state adds nothing the lengths do not determine."""
     del state
     n = np.asarray(lengths, np.int64)
     R, G = self.residual, self.group_size

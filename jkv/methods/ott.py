@@ -1,6 +1,6 @@
 """``ott``: KIVI plus a full-precision pool of outlier tokens (OTT, arXiv:2505.10938; docs/methods/ott.md).
 
-Schedule (spec §3.3, §8.7). New keys and values wait in a full-precision buffer of G + R slots (slot p mod
+Schedule. New keys and values wait in a full-precision buffer of G + R slots (slot p mod
 (G + R)). Once G + R tokens have gathered and the step holding them has attended, the oldest G become one
 quantized block (keys per channel over the G tokens, values per token in groups of Gv channels, KIVI's
 quantizer and layouts) and R stay. jkv runs that event when the next token arrives, before storing it (see
@@ -8,16 +8,16 @@ quantizer and layouts) and R stay. jkv runs that event when the next token arriv
 quantized tokens. Like KIVI's boundaries, this is a function of the length alone: every sequence of a batch
 reaches its block events at its own steps, and no counter is stored.
 
-A block event (spec §3.4) runs a competition per KV head. The G tokens compete with the layer's outlier pool
-(N slots) by the L1 norm of their unquantized post-RoPE key, and the N smallest hold the pool (ties go to the
-older token). A winner from the block is quantized as a placeholder: the block's per-channel mean, for K and V,
-so it cannot widen a key range. Its slot is also flagged as a hole in the store's ``valid`` mask. A pool member
-that loses its slot moves to the auxiliary pool (A slots); it is never re-quantized and never dropped. Once the
-auxiliary pool could overflow at the next event (more than A - N entries, rule R1), the head stops selecting,
-and later blocks are quantized exactly as KIVI would quantize them. Layers [0, no_pool_layers) have no pool
-(spec §3.10).
+A block event (the paper's Sec. 3.2 and Appendix E) runs a competition per KV head. The G tokens compete with
+the layer's outlier pool (N slots) by the L1 norm of their unquantized post-RoPE key, and the N smallest hold the
+pool (ties go to the older token). A winner from the block is quantized as a placeholder: the block's
+per-channel mean, for K and V, so it cannot widen a key range. Its slot is also flagged as a hole in the store's
+``valid`` mask. A pool member that loses its slot moves to the auxiliary pool (A slots); it is never re-quantized
+and never dropped. Once the auxiliary pool could overflow at the next event (more than A - N entries), the head
+stops selecting, and later blocks are quantized exactly as KIVI would quantize them. Layers [0, no_pool_layers)
+have no pool (the paper's Sec. 4.4: its shallow layers show no outlier tokens).
 
-Attention (spec §3.6) is one softmax over three parts, so every token counts once: the quantized store with its
+Attention is one softmax over three parts, so every token counts once: the quantized store with its
 holes masked, the pools (one segment: the N pool slots, then the A auxiliary slots, each masked per KV head where
 empty) and the full-precision buffer.
 
@@ -91,7 +91,7 @@ class OttMmaState:
 
 
 def compete(pool_score, pool_pos, block_score, block_pos, capacity):
-  """The outlier-pool competition of spec §3.4, per (batch row, KV head).
+  """The outlier-pool competition (the paper's Appendix E), per (batch row, KV head).
 
   Args:
     pool_score: [B, H, N] float32, ascending by (score, position); +inf in empty slots.
@@ -139,9 +139,9 @@ class Ott(CacheMethod):
   head at D = 64 against KIVI-2's 48 (the previous default's 49). Its small full-precision part (R = 32 against
   KIVI's 128) pays for that up to about 2048 tokens; over long contexts the ratio to KIVI-2's bytes approaches
   57/48 = 1.19x, where ``group_size=32`` stays near 49/48. With 1-bit codes (32 per word) G must be a multiple of
-  32: pass ``group_size=32``. The paper's main configuration (spec §5: G = 128, R = 32, N = 3, values grouped as
-  keys) is the preset ``paper``; there it reached 14.014 and 15.672 at 1.09x KIVI-2's bytes: a 128-token key
-  group spans more spread on this model than the pool repairs."""
+  32: pass ``group_size=32``. The paper's main configuration (its Sec. 4.1: G = 128, R = 32, N = 3; values grouped
+  as keys, as KIVI's code does) is the preset ``paper``; there it reached 14.014 and 15.672 at 1.09x KIVI-2's
+  bytes: a 128-token key group spans more spread on this model than the pool repairs."""
 
   name = "ott"
   presets = {"paper": dict(bits=2, group_size=128, residual=32, value_group=None, pool_size=3, aux_size=32,
@@ -258,7 +258,7 @@ class Ott(CacheMethod):
     """q(n) = G*floor(max(0, n - 1 - R)/G): tokens held quantized by a sequence of n tokens between steps.
 
     A full buffer (G + R tokens) gives up its oldest G when the next token arrives, before that token is
-    stored (as KIVI's flush), not right after the step that filled it attends (spec §3.8). Every step attends
+    stored (as KIVI's flush), not right after the step that filled it attends. Every step attends
     over the same tokens either way, and the store's arrays are written before attention reads them in the
     step, which lets XLA update them in place (a write after the read costs a copy of each array)."""
     G, R = self.group_size, self.residual
@@ -311,7 +311,8 @@ class Ott(CacheMethod):
   # ---------------------------------------------------------------------------------------------- prefill
 
   def prefill(self, state, layer, q, k, v, ctx: StepContext):
-    """Quantize the prompt's first q(n) tokens with outliers selected (spec §3.7), the rest into the buffer."""
+    """Quantize the prompt's first q(n) tokens with outliers selected, the rest into the buffer (the paper gives no
+    prefill: docs/methods/ott.md, 'Schedule and state')."""
     del q
     B, H = k.shape[:2]
     state = state.replace(
@@ -381,7 +382,7 @@ class Ott(CacheMethod):
   # ---------------------------------------------------------------------------------------------- decode
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
-    """Store the T rows, each after the block event its arrival completes, then attend (spec §3.8)."""
+    """Store the T rows, each after the block event its arrival completes, then attend."""
     T = k.shape[2]
     if T > self.residual + 2:
       raise ValueError(f"ott steps of {T} rows need residual >= {T - 2} (got {self.residual}): a row must not see "
@@ -428,7 +429,8 @@ class Ott(CacheMethod):
     admitted = jnp.zeros((B, H, M), bool)
     if N:
       state, admitted = self._select(state, layer, k, v, pos, jnp.arange(M)[None] < count[:, None])
-    # Placeholders (spec §3.5): the per-channel mean of the block's original rows, so no key range widens.
+    # Placeholders (the paper's "mean values of all tokens", read per block): the per-channel mean of the block's
+    # original rows, so no key range widens.
     block_mean = lambda x: jnp.repeat(jnp.mean(x.reshape(B, H, M // G, G, D), axis=3), G, axis=2)
     kq = jnp.where(admitted[..., None], block_mean(kf), kf)
     vq = jnp.where(admitted[..., None], block_mean(vf), vf)
@@ -453,7 +455,7 @@ class Ott(CacheMethod):
 
   def _select(self, state, layer, k, v, pos, competing):
     """Competition and pool updates for rows k, v [B, H, M, D] at positions pos [B, M], of which ``competing``
-    [B, M] take part (spec §3.4). Returns (state, admitted [B, H, M] bool)."""
+    [B, M] take part. Returns (state, admitted [B, H, M] bool)."""
     B, H, M, _ = k.shape
     N, A = self.pool_size, self.pool_slots - self.pool_size
     capacity = self.layer_capacity(layer)
@@ -461,7 +463,7 @@ class Ott(CacheMethod):
     pool_k, pool_v, pool_pos = state.pool_k[layer], state.pool_v[layer], state.pool_pos[layer]
     pool_score = state.pool_score[layer]
     heads = (capacity > 0) & ~frozen & jnp.any(competing, axis=1)[:, None]  # [B, H]
-    # Scores from the unquantized key, in fp32 (spec §3.2).
+    # Scores: the L1 norm of the unquantized key (the paper's Appendix E), in fp32.
     score = jnp.sum(jnp.abs(k.astype(jnp.float32)), axis=-1)
     score = jnp.where(competing[:, None, :] & heads[..., None], score, jnp.inf)
     block_pos = jnp.broadcast_to(pos[:, None, :], (B, H, M)).astype(jnp.int32)
@@ -488,7 +490,7 @@ class Ott(CacheMethod):
     new_pos = jnp.concatenate([jnp.where(win, jnp.take_along_axis(cand_pos, order, axis=-1), -1),
                                move(pool_pos[..., :N], pool_pos[..., N:])], axis=-1)
     new_score = jnp.where(win, jnp.take_along_axis(cand_score, order, axis=-1), jnp.inf)
-    # Rule R1 (spec §8.9): stop once the next event could evict more tokens than the auxiliary pool has room for.
+    # The overflow rule: stop once the next event could evict more tokens than the auxiliary pool has room for.
     new_frozen = frozen | (heads & (new_aux_count > A - capacity))
 
     h = heads[..., None]
@@ -516,7 +518,7 @@ class Ott(CacheMethod):
                           v_group=self.value_group_for(D), valid=valid)
 
   def _attend(self, state, layer, q, q_positions, held, impl):
-    """One softmax over the store (holes masked), the pools and the buffer (spec §3.6), for held [B] tokens
+    """One softmax over the store (holes masked), the pools and the buffer, for held [B] tokens
     (the step's rows included)."""
     n_q = self.quantized(held)
     fp_pos = self._fp_positions(held)  # [B, W]
@@ -532,7 +534,7 @@ class Ott(CacheMethod):
   # ---------------------------------------------------------------------------------------------- memory
 
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
-    """Bytes of the live state between steps (spec §4.2, with jkv's representation): q(n) quantized tokens
+    """Bytes of the live state between steps (the paper gives no formula; this is jkv's state): q(n) quantized tokens
     (codes, one fp16 scale and zero per G tokens of a key channel and per Gv channels of a value, one bool of
     the hole mask), n - q(n) tokens in the buffer, and per pooled token its K and V, position and (in the
     outlier pool) score; per layer and KV head with a pool, the auxiliary count and the frozen flag; one int32

@@ -41,8 +41,8 @@ def round_fraction(f: Fraction, n) -> np.ndarray:
 
 
 def probe_counts(n, recent: float, random: float) -> tuple[np.ndarray, np.ndarray]:
-  """(recent, random) probe counts for segments of n tokens (spec A7): n_rec = max(1, round(recent n)) (the last
-  query is always a probe, so every token is seen by one), n_rand = min(n - n_rec, round(random n)); 0 for n = 0."""
+  """(recent, random) probe counts for segments of n tokens: n_rec = max(1, round(recent n)) (the last query is
+  always a probe, so every token is seen by one), n_rand = min(n - n_rec, round(random n)); 0 for n = 0."""
   n = np.asarray(n, np.int64)
   n_rec = np.minimum(n, np.maximum(1, round_fraction(exact_fraction(recent), n)))
   n_rand = np.minimum(n - n_rec, round_fraction(exact_fraction(random), n))
@@ -60,7 +60,7 @@ def position_priority(key, positions):
 
 
 def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float, offset=0):
-  """Probe rows of right-padded prompts (spec §3.4, A5): the last n_rec positions of each prompt, plus the n_rand
+  """Probe rows of right-padded prompts (arXiv:2405.14256, Sec. 4.3): the last n_rec positions of each prompt, plus the n_rand
   earlier positions of lowest priority (distinct, drawn without replacement; shared by every batch row and head).
 
   Args:
@@ -103,8 +103,8 @@ def probe_mass(q, k, rows, ok, *, chunk: int = PROBE_CHUNK):
     rows, ok: [B, P] probe positions and which are real (``prefill_probes``).
 
   Returns:
-    mass [B, H, T] f32 (summed over probes and the g query heads of each KV head: spec §3.4 GQA) and
-    seen [B, T] int32 = #{probes p >= j} (spec A4 (a)).
+    mass [B, H, T] f32 (summed over probes and the g query heads of each KV head: one salient set per KV head)
+    and seen [B, T] int32 = #{probes p >= j} (the paper's Eq. 8 read literally on the probe rows).
   """
   B, H, T, g, D = q.shape
   P = rows.shape[1]
@@ -130,7 +130,7 @@ def probe_mass(q, k, rows, ok, *, chunk: int = PROBE_CHUNK):
 # ------------------------------------------------------------------------------------------------- scores
 
 def saliency_scores(mass, seen, lengths, *, saliency: str, normalize_by: str):
-  """Score of each token of a segment (spec Eq. 7-8, A4, A13).
+  """Score of each token of a segment (arXiv:2405.14256, Eq. 7-8; docs/methods/zipcache.md, 'Saliency').
 
   Args:
     mass: [B, H, T] f32 attention mass from the probes (summed over probes and query heads).
@@ -153,7 +153,7 @@ def saliency_scores(mass, seen, lengths, *, saliency: str, normalize_by: str):
 
 
 def split_by_score(score, n_high, n_valid, rows_high: int, rows_low: int):
-  """Gather indices of the high- and low-precision rows of a segment (spec §3.5, A16).
+  """Gather indices of the high- and low-precision rows of a segment.
 
   Per (sequence, KV head), the ``n_high`` valid tokens of highest score are high (ties: the earlier token), the
   other valid tokens low. Each set is listed in position order and padded to its static row count by repeating

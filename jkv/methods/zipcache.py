@@ -11,20 +11,22 @@ Layout, and why:
   and low. The fused decode kernel reads both stores and the full-precision window (a segment) in one pass.
 - Each prefill and each compressed window appends its rows to each pool from a key-group boundary; the tail of its
   last group is a hole. No group mixes two events, so old codes and parameters are never touched and
-  recompression never re-quantizes the cache (the issue rules out spec A9 (a)). Which rows are holes follows
-  from two counters (the prefill's real rows, and every window's fixed count), so no mask is stored.
+  recompression never re-quantizes the cache (the paper's reference code re-quantizes it all from dequantized
+  values at every window). Which rows are holes follows from two counters (the prefill's real rows, and every
+  window's fixed count), so no mask is stored.
 - Keys per channel in groups of ``key_group`` rows of one pool, not the paper's one (min, step) per channel per
   pool: that form needs all of a pool's tokens at once, so every window would re-quantize the pool. Costs
   2 * meta bytes per channel per ``key_group`` rows, counted in ``held_bytes`` with the holes.
-- Values token-wise over one head's D channels (v_group = D), not over all H*D channels of a token (spec A2): the
-  salient set is per (sequence, KV head) (spec A3), so a pool row holds one head's token.
-- CST (spec §3.2): values are divided by c = sqrt(max |V|) per (sequence, head, channel) (spec A6: per
-  sequence), computed over the prompt at prefill and reused by every window; dequantized as
-  (code * scale + zero) * c. A later value above c stays exactly representable: the token-wise min and max
-  adapt to V / c whatever its range; only the balancing of channels is then less even.
+- Values token-wise over one head's D channels (v_group = D), not over all H*D channels of a token as in the
+  paper: the salient set is per (sequence, KV head), so a pool row holds one head's token.
+- CST (the paper's Sec. 4.1, Eq. 6): values are divided by c = sqrt(max |V|) per (sequence, head, channel) (per
+  sequence, where the reference code shares c over the batch), computed over the prompt at prefill and reused
+  by every window; dequantized as (code * scale + zero) * c. A later value above c stays exactly representable:
+  the token-wise min and max adapt to V / c whatever its range; only the balancing of channels is then less even.
 - Saliency at prefill from probe queries (5% recent + 5% random by default) scored against the prompt's keys; the
   prompt's own attention is the model's, exact. At decode, probes are the last n_rec steps of each window plus
-  random steps (spec Alg. 3, A8); their attention on the window's tokens comes from the same attention pass
+  random steps (the paper's Algorithm 3; the window's last step is a probe, scored before the window is
+  compressed); their attention on the window's tokens comes from the same attention pass
   (``token_mass_rows``) and accumulates until the window is full. Random probes come from
   ``fold_in(fold_in(key(probe_seed), layer), position)``, so generation stays a pure function of its inputs and a
   sequence draws the same probes in any batch.
@@ -57,7 +59,7 @@ from jkv_kernels.quantize_pack import quantize_pack, quantize_pack_reference
 
 ZIPCACHE_BITS = (2, 4, 8)
 POOL_MULTIPLE = 64  # pool capacities are multiples of this (and of key_group): whole blocks for the kernel
-CHANNEL_SCALE_FLOOR = 1e-6  # c = sqrt(max(max |V|, floor)): an all-zero channel gets a finite scale (spec A14)
+CHANNEL_SCALE_FLOOR = 1e-6  # c = sqrt(max(max |V|, floor)): an all-zero channel gets a finite scale
 LEAD = ("layers", "batch", "kv_heads")
 
 
@@ -104,7 +106,7 @@ class ZipCacheState:
 @register
 @dataclasses.dataclass(frozen=True)
 class ZipCache(CacheMethod):
-  """ZipCache settings: the paper's (spec §5: 4/2 bits, r = 0.6, 5% + 5% probes) but for the recompression
+  """ZipCache settings: the paper's (4/2 bits, r = 0.6, 5% + 5% probes) but for the recompression
   interval, 32 steps instead of N = 100 (issue 27, docs/frontier.md): the full-precision window is most of
   the bytes a short context holds. On the default model, 512 + 64 tokens, it held 0.87x the paper setting's bytes
   per token for perplexity 12.229 against 12.148 on pydoc_data.topics and 12.873 against 12.867 on the held-out
@@ -198,14 +200,15 @@ class ZipCache(CacheMethod):
 
   @property
   def window_high(self) -> int:
-    """Tokens of each compressed window stored at high bits: ceil(r N) (spec A11: r applies per window)."""
+    """Tokens of each compressed window stored at high bits: ceil(r N) (r applies per window: an old token never
+    changes precision)."""
     return int(ceil_fraction(exact_fraction(self.salient_ratio), self.interval))
 
   def _rows(self, n):
     return round_up(n, self.key_group)
 
   def _salient(self, n):
-    """ceil(r n), exactly (spec A7)."""
+    """ceil(r n), exactly."""
     return ceil_fraction(exact_fraction(self.salient_ratio), n)
 
   @functools.lru_cache(maxsize=64)
