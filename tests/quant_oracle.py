@@ -1,5 +1,6 @@
-"""Min-max group quantization in numpy, written from the specs (KIVI §2.1; SpeCache Eq. 3 for 1 bit), not from
-``jkv_kernels.quantization``: the independent reference that method tests build their oracles from.
+"""Min-max group quantization in numpy, written from docs/methods/kivi.md, 'The quantizer' (for 1 bit SpeCache's
+Eq. 3, arXiv:2503.16163), not from ``jkv_kernels.quantization``: the independent reference that method tests
+build their oracles from.
 
 It follows the stored format's arithmetic step by step in float32 (scale and zero computed in float32 and
 rounded to fp16 as stored, codes from the float32 difference x - zero and the exact quotient), so its codes and

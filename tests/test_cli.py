@@ -98,7 +98,7 @@ def test_generate_json_kivi_2bit(capsys):
   held = held_tokens(res, 16)
   assert res["kv_bytes"] < res["dense_kv_bytes"]
   assert res["kv_bytes"] == Kivi(bits=2, residual=32).held_bytes(spec_for(res), None, held).total
-  # The same number from the spec §3.2 formula (plus the int32 length): fp16 scales, fp32 exact parts.
+  # The same number from the formula in docs/methods/kivi.md, 'Bytes': fp16 scales, fp32 exact parts.
   n = int(held[0])
   n_k, n_v = 32 * (n // 32), max(n - 32, 0)
   per_row = (0.25 + 4 / 32) * n_k + (0.25 + 4 / 32) * n_v + ACT_BYTES * ((n - n_k) + (n - n_v))
@@ -170,8 +170,9 @@ def test_info_kivi_compression_matches_the_spec_formula(capsys):
   assert info["method"] == "kivi" and info["tokens"] == 4096
   # Decided as it would run here: the MMA packing only where the Hopper kernel runs (off on a CPU, on on an H100).
   assert info["method_config"]["mma"] is hopper_kernel_available()
-  # Spec §3.2, per (layer, KV head, channel), with b = 2, G = 32, R = 128 (the default), σ = 2 (fp16 scales and
-  # zeros), ε = 4 (fp32 activations), N = 4096: nK = R⌊N/R⌋ = 4096 (rK = 0), nV = N - R = 3968 (rV = 128).
+  # The formula in docs/methods/kivi.md, 'Bytes', per (layer, KV head, channel), with b = 2, G = 32, R = 128 (the
+  # default), σ = 2 (fp16 scales and zeros), ε = 4 (fp32 activations), N = 4096: nK = R⌊N/R⌋ = 4096 (rK = 0),
+  # nV = N - R = 3968 (rV = 128).
   N, R, G, b, sigma, eps = 4096, 128, 32, 2, 2, 4
   n_k, n_v = R * (N // R), N - R
   per_row = (b / 8 + 2 * sigma / G) * n_k + (b / 8 + 2 * sigma / G) * n_v + eps * ((N - n_k) + (N - n_v))

@@ -139,7 +139,7 @@ CASES = [
 
 @functools.partial(jax.jit, static_argnames=("bits", "v_bits", "k_group", "v_group"))
 def _quantize_layers(k, v, *, bits, v_bits, k_group, v_group):
-  """[L, B, H, C, D] keys and values -> the KIVI-layout packed arrays (spec §2.8), stacked."""
+  """[L, B, H, C, D] keys and values -> the KIVI-layout packed arrays, stacked."""
   k_codes, k_scale, k_zero = quantization.quantize(jnp.swapaxes(k, -1, -2), bits=bits, axis=-1,
                                                    group_size=k_group)
   v_codes, v_scale, v_zero = quantization.quantize(v, bits=v_bits, axis=-1, group_size=v_group)

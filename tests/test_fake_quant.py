@@ -1,7 +1,7 @@
 """fakequant against a brute-force float64 numpy oracle: every key/value grouping, 2 and 4 bits, partial groups.
 
-The oracle is written from the spec (KIVI §2.1 quantizer, §2.2 grouping axes, §7.15 fake-quant protocol) and the
-method's docstring, not from ``jkv_kernels.quantization``: for each sequence, quantize-dequantize its first N
+The oracle is written from docs/methods/kivi.md (the quantizer, the grouping axes) and the method's docstring (the
+fake-quant protocol), not from ``jkv_kernels.quantization``: for each sequence, quantize-dequantize its first N
 tokens (per-channel groups of G tokens zero-padded past N; per-token groups of G channels; the numpy quantizer
 of ``quant_oracle``, which every method test shares), then softmax attention in float64.
 """
@@ -217,8 +217,9 @@ def test_attend_matches_float64_oracle(key_axis, value_axis, bits, lengths, capa
 
 @pytest.mark.parametrize("key_axis, value_axis", [("channel", "channel"), ("channel", "token")])
 def test_partial_channel_groups_are_zero_padded(key_axis, value_axis):
-  """Spec §7.15: the last partial per-channel group counts positions >= N as zeros. With an outlier channel far
-  from zero those zeros set the group's min, so grouping the N real tokens alone would give other outputs."""
+  """The last partial per-channel group counts positions >= N as zeros (zero-padded, as in KIVI's Sec. 3.1). With an
+  outlier channel far from zero those zeros set the group's min, so grouping the N real tokens alone would give
+  other outputs."""
   lengths, capacity, bits = [37], 64, 2
   k, v, q, q_positions = make_case(7, lengths, key_axis, value_axis, bits, capacity)
   out = run_method(make_method("fakequant", bits=bits, key_axis=key_axis, value_axis=value_axis),

@@ -1,7 +1,7 @@
 """KIVI: streaming equals the position-mask oracle (docs/methods/kivi.md), exactness limits, batching, memory, model.
 
-The oracle below is written from the spec, independently of the method: quantize K[0:bK] per channel and all of
-V per token in one shot, keep the rest exact, one softmax.
+The oracle below is written from that page, independently of the method: quantize K[0:bK] per channel
+and all of V per token in one shot, keep the rest exact, one softmax.
 """
 
 import dataclasses
@@ -81,7 +81,7 @@ def _oracle_jit(q_row, k, v, n, b_k, b_v, k_bits, v_bits):
 
 def _oracle(method, q_rows, k, v, n):
   """Attention of the query rows q_rows [1, H, T, g, D] of a step that ends at length n (row t at position
-  n - T + t, seeing the positions up to its own), with the spec's boundaries (§2.6) at n:
+  n - T + t, seeing the positions up to its own), with the boundaries of docs/methods/kivi.md at n:
   bK = R*floor((n - λ)/R) and bV = max(0, n - λ - R)."""
   lam, R, rows = method.lam, method.residual, q_rows.shape[2]
   b_k = R * ((n - lam) // R)
@@ -197,7 +197,7 @@ def test_batch_of_different_lengths_equals_each_alone(impl, mma):
 
 
 def test_planted_outlier_channels_favour_per_channel_keys():
-  """Spec Table 2 pattern: with a few large fixed channels, per-channel key groups err far less than per-token."""
+  """KIVI's Table 2 pattern: with a few large fixed channels, per-channel key groups err far less than per-token."""
   rng = np.random.default_rng(0)
   k = rng.normal(size=(4, 256, 128)).astype(np.float32)
   k[:, :, [3, 40, 77]] = rng.normal(20.0, 5.0, size=(4, 256, 3))
@@ -211,7 +211,8 @@ def test_planted_outlier_channels_favour_per_channel_keys():
 
 
 def test_memory_matches_the_spec_formula():
-  """Llama-2-7B shapes (32 layers, 32 KV heads, D=128, fp16), G=32, R=128 (spec §3.3)."""
+  """The formula of docs/methods/kivi.md, 'Bytes', at Llama-2-7B shapes (32 layers, 32 KV heads, D=128, fp16),
+  G=32, R=128."""
   spec = CacheSpec(num_layers=32, batch=1, capacity=8192, kv_heads=32, head_dim=128, q_per_kv=1,
                    dtype=jnp.float16)
   mib = 2**20
@@ -222,7 +223,7 @@ def test_memory_matches_the_spec_formula():
   # Right after 4096 tokens: rK = 0, rV = 128 -> 410.0 MiB (5.00x) and 662.0 MiB (3.09x), plus the length counter.
   assert kivi2(spec, np.array([4096])) == 410 * mib + 4
   assert kivi4(spec, np.array([4096])) == 662 * mib + 4
-  # 127 tokens later both residuals are (nearly) full: the spec's upper-bound rows, 4.70x and 2.99x.
+  # 127 tokens later both residuals are (nearly) full: the formula's upper bound at this length, 4.70x and 2.99x.
   n = 4096 + 127
   assert kivi2(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 4.70, rel=0.01)
   assert kivi4(spec, np.array([n])) / (fp16 * n) == pytest.approx(1 / 2.99, rel=0.01)
@@ -360,7 +361,7 @@ def test_default_model_kivi4_matches_dense_and_kivi2_knows_paris(default_model):
   assert kivi4.tokens[0][:32] == dense.tokens[0][:32]
   kivi2 = gen.generate(m.params, m.config, prompt, method=Kivi(bits=2, residual=32), max_new_tokens=16)
   assert "Paris" in tok.decode(kivi2.tokens[0])
-  # Bytes counted from first principles for 37 + 39 = 76 tokens (spec §3.2), not from the method: keys in whole
+  # Bytes counted from first principles for 37 + 39 = 76 tokens, not from the method: keys in whole
   # flushed blocks of R=32 are 4-bit codes plus an fp16 scale and zero per 32 tokens, the other 12 keys fp32;
   # values older than the newest 32 are 4-bit plus fp16 scale and zero per 32 channels, the newest 32 fp32.
   n = len(prompt[0]) + 39

@@ -22,7 +22,7 @@ from jkv.methods.ott import Ott, compete
 from jkv_kernels.attention_reference import gqa_attention_reference
 from jkv_kernels.dequant_attention import QuantizedStore
 from jkv_kernels.mma_layout import MmaStore, pack_mma_store, read_mma_store
-from jkv_kernels.quantization import dequantize, quantize, unpack
+from jkv_kernels.quantization import dequantize, unpack
 import quant_oracle
 from conftest import has_pallas_gpu
 
@@ -77,10 +77,10 @@ def _grid_keys_values(rng, batch, heads, n, head_dim, group, value_group):
 
 
 class OracleSequence:
-  """One sequence, one layer: spec §3.3-3.8 with explicit lists, per KV head. ``k`` [H, n, D] holds every
-  token the sequence will see; ``selection`` is 'oneshot' or 'sequential' (prefill). A full buffer is quantized
-  when the next token arrives (as the method does; the spec quantizes right after the step that filled it
-  attends, which changes nothing that any step attends to)."""
+  """One sequence, one layer: docs/methods/ott.md ('Schedule and state') with explicit lists, per KV head. ``k``
+  [H, n, D] holds every token the sequence will see; ``selection`` is 'oneshot' or 'sequential' (prefill). A full
+  buffer is quantized when the next token arrives (as the method does; quantizing right after the step that
+  filled it attends would change nothing that any step attends to)."""
 
   def __init__(self, k, prompt_len, *, G, R, N, A, selection):
     self.score = np.abs(k).sum(-1, dtype=np.float32)  # [H, n]
@@ -126,8 +126,8 @@ def _host(state, layer):
 
 
 def _check_state_against_oracle(method, host, b, oracle, n):
-  """Pools, holes, counters, the schedule and the partition (spec §9.7, 9.10, 9.12, 9.15) for sequence b holding
-  n tokens; ``host`` from ``_host``."""
+  """Pools, holes, counters, the schedule and the partition for sequence b holding n tokens; ``host`` from
+  ``_host``."""
   G, R, N = method.group_size, method.residual, method.pool_size
   n_q = G * max(0, (n - 1 - R) // G)
   assert n_q == oracle.n_q and n - n_q == len(oracle.fp) and min(n, R + 1) <= n - n_q <= G + R
@@ -149,7 +149,7 @@ def _check_state_against_oracle(method, host, b, oracle, n):
 
 
 def test_compete_equals_brute_force():
-  """Spec §9.4: the new pool is the N_l smallest finite scores of pool ∪ block by (score, position); evicted
+  """The new pool is the N_l smallest finite scores of pool ∪ block by (score, position); evicted
   = old pool minus new; admitted = new pool ∩ block. Random pools with empty slots, ties and +inf pads."""
   rng = np.random.default_rng(0)
   B, H, N, M = 4, 3, 4, 12
@@ -182,7 +182,7 @@ def test_compete_equals_brute_force():
 
 @pytest.mark.parametrize("pool_size, selection", [(1, "sequential"), (3, "oneshot")])
 def test_lossless_quantizer_equals_dense_attention_and_the_oracle(pool_size, selection):
-  """Spec §9.11 (with §9.6, 9.7, 9.10, 9.12, 9.14, 9.15, 9.21): with 8-bit codes of data on the 8-bit grid the
+  """With 8-bit codes of data on the 8-bit grid the
   quantizer is the identity, so OTT must equal dense attention over every token (a token counted twice, missed
   or a hole left unmasked would show), after prefills of 1, R-1, R, R+G-1, R+G and many G tokens in one ragged
   batch and 3G decode steps. Pools, holes, counters and the partition equal the token-by-token oracle after
@@ -218,7 +218,7 @@ def test_lossless_quantizer_equals_dense_attention_and_the_oracle(pool_size, sel
         oracles[layer][b].step(int(held[b]))
         _check_state_against_oracle(method, host, b, oracles[layer][b], int(held[b]) + 1)
     score = np.max(host["pool_score"], axis=-1, initial=-np.inf)  # layer 2
-    full = np.isfinite(score)  # spec §9.6: once the pool is full its largest score never rises
+    full = np.isfinite(score)  # once the pool is full its largest score never rises
     assert np.all(score[full] <= max_score[full])
     max_score = np.where(full, score, max_score)
   if pool_size == 3:
@@ -241,7 +241,7 @@ def _kivi_blocks(k, v, n_q, G, Gv, bits):
 
 
 def test_pool_size_zero_is_kivi_on_otts_schedule():
-  """Spec §9.13, 9.15: with no pool, codes, scales and zeros are bit-identical to KIVI quantization of the raw
+  """With no pool, codes, scales and zeros are bit-identical to KIVI quantization of the raw
   blocks (keys and values every G steps, the R newest tokens exact), and every step's attention equals the
   one-shot oracle (positions below q dequantized, the rest exact) on a ragged batch crossing block events."""
   G, R, D, bits = 32, 16, 64, 2
@@ -293,7 +293,7 @@ def test_pool_size_zero_is_kivi_on_otts_schedule():
 
 
 def _planted(rng, n=1024, head_dim=128, planted=(0, 300, 700), heads=2):
-  """Spec §9.16: N(0, 1) keys with four outlier channels ~U(13, 17); the planted tokens are scaled by 0.1 with
+  """N(0, 1) keys with four outlier channels ~U(13, 17); the planted tokens are scaled by 0.1 with
   their outlier channels ~U(0, 1). Returns k, v [1, heads, n, D] and the outlier channels."""
   k = rng.normal(size=(1, heads, n, head_dim)).astype(np.float32)
   channels = np.array([3, 40, 77, 101])
@@ -305,7 +305,7 @@ def _planted(rng, n=1024, head_dim=128, planted=(0, 300, 700), heads=2):
 
 
 def test_planted_outliers_are_found_and_their_channels_quantize_10x_better():
-  """Spec §9.16, 9.18, 9.9, 9.5: the pool is exactly the planted tokens (token 0, sink-like, among them) with
+  """The pool is exactly the planted tokens (token 0, sink-like, among them) with
   either prefill selection; the block of each holds a placeholder at the per-channel block mean, no key range
   widens, and the key quantization error over the outlier channels of the other tokens of those blocks falls
   by at least 10x against KIVI on the same blocks."""
@@ -342,8 +342,8 @@ def test_planted_outliers_are_found_and_their_channels_quantize_10x_better():
 
 
 def test_forced_overflow_freezes_after_ten_evicting_events():
-  """Spec §9.8, 9.7: every block brings N = 3 tokens of strictly smaller norms than the last block's. Each event
-  then evicts 3; with A = 32 the head freezes after 10 evicting events (aux_count 30, rule R1). No token is
+  """Every block brings N = 3 tokens of strictly smaller norms than the last block's. Each event
+  then evicts 3; with A = 32 the head freezes after 10 evicting events (aux_count 30: the overflow rule). No token is
   lost, and the blocks after the freeze are bit-identical to KIVI quantization of their raw rows."""
   G, R, D, blocks = 16, 8, 32, 13
   method = Ott(group_size=G, residual=R, pool_size=3, aux_size=32, prefill_selection="sequential")
@@ -413,7 +413,8 @@ def test_batch_rows_are_independent():
   n = lengths + steps
   n_q = G * (np.maximum(n - 1 - R, 0) // G)
   pooled = int((pos >= 0).sum())
-  expected = (3 * 2 * np.sum(n_q * (2 * 2 / 8 * 64 + 2 * 2 * 64 / G + 2 * 2 * 64 / min(G, 64) + 1) + (n - n_q) * 2 * 4 * 64)
+  expected = (3 * 2 * np.sum(n_q * (2 * 2 / 8 * 64 + 2 * 2 * 64 / G + 2 * 2 * 64 / min(G, 64) + 1)
+                            + (n - n_q) * 2 * 4 * 64)
               + pooled * (2 * 4 * 64 + 4) + int((pos[..., :3] >= 0).sum()) * 4 + 1 * 2 * 3 * 5 + 4 * 3)
   assert method.held_bytes(spec, state, n).device == round(expected)
 
@@ -471,7 +472,8 @@ def test_mma_packing_equals_the_library_layout(G, selection):
 
 def test_mma_left_open_follows_the_kernel_that_would_read_the_store(monkeypatch):
   """mma=None is the MMA packing exactly where the Hopper kernel would read it (impl pallas, the kernel takes
-  the query rows) and the settings allow it (G dividing 64 or a multiple of it); mma=True with settings the packing does not take is a one-line error."""
+  the query rows) and the settings allow it (G dividing 64 or a multiple of it); mma=True with settings the
+  packing does not take is a one-line error."""
   import jkv.attention as attention
   spec = _spec(2, 256, head_dim=64)
   monkeypatch.setattr(attention, "hopper_kernel_takes", lambda rows: True)
@@ -545,14 +547,14 @@ class TestOttKernelGpu(TestOttKernelInterpret):
 
 
 def test_memory_matches_the_first_principles_count():
-  """Spec §4.2 with jkv's representation, Llama-2-7B shapes (32 layers, 32 KV heads, D = 128, fp16), G = 128,
+  """Bytes of jkv's representation at Llama-2-7B shapes (32 layers, 32 KV heads, D = 128, fp16), G = 128,
   R = 32: per quantized token and head 2-bit K and V codes (64 bytes), fp16 scale and zero per 128 tokens of a key
   channel (4) and per 128 channels of a value (4), one bool of the hole mask; 512 bytes per buffered or pooled
   token, plus 4 per position and 4 per pool score; 5 bytes of counters per layer and head with a pool. Without a
-  pool the asymptotic ratio to fp16 is 16 / (2 + 32/G) = 7.11x (spec §9.23)."""
+  pool the asymptotic ratio to fp16 is 16 / (2 + 32/G) = 7.11x."""
   spec = CacheSpec(num_layers=32, batch=1, capacity=32768, kv_heads=32, head_dim=128, q_per_kv=1,
                    dtype=jnp.float16)
-  paper = lambda **options: make_method("ott", preset="paper", **options)  # the spec's setting, not jkv's default
+  paper = lambda **options: make_method("ott", preset="paper", **options)  # the paper's setting, not jkv's default
   heads = 32 * 32
   for n in (100, 1000, 4096, 32768):
     n_q = 128 * max(0, (n - 1 - 32) // 128)

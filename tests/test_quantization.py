@@ -1,4 +1,5 @@
-"""The quantizer and the bit packing: KIVI spec §8 Q1-Q10, on literal arrays and hypothesis-drawn groups."""
+"""The quantizer and the bit packing (docs/methods/kivi.md, 'The quantizer'), on literal arrays and hypothesis-drawn
+groups."""
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def _group_stats(x, group_size):
 @SETTINGS
 @given(grouped_arrays())
 def test_round_trip_bound_and_range(case):
-  """Q1 + Q2: |x - x'| <= s/2 + tol per group; codes in [0, qmax]; min -> 0, max -> qmax; x'(argmin) == z."""
+  """|x - x'| <= s/2 + tol per group; codes in [0, qmax]; min -> 0, max -> qmax; x'(argmin) == z."""
   x, bits, group_size = case
   qmax = 2**bits - 1
   codes, scale, zero = quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)
@@ -67,7 +68,7 @@ def test_round_trip_bound_and_range(case):
 
 
 def test_constant_group_is_exact():
-  """Q3: s = 0 gives no NaN and reconstructs bitwise."""
+  """s = 0 gives no NaN and reconstructs bitwise."""
   x = jnp.full((2, 64), 1.25, jnp.float32).at[1, 32:].set(-7.0)
   codes, scale, zero = quantize(x, bits=2, axis=1, group_size=32)
   assert np.all(np.asarray(scale) == 0) and np.all(np.asarray(codes) == 0)
@@ -78,7 +79,7 @@ def test_constant_group_is_exact():
 @SETTINGS
 @given(grouped_arrays())
 def test_idempotent(case):
-  """Q4: quantizing the dequantized array gives the same codes, and s, z within one fp16 ulp."""
+  """Quantizing the dequantized array gives the same codes, and s, z within one fp16 ulp."""
   x, bits, group_size = case
   codes, scale, zero = quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)
   x_hat = dequantize(codes, scale, zero, axis=1, group_size=group_size, dtype=jnp.float32)
@@ -91,7 +92,7 @@ def test_idempotent(case):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])  # 1 bit has quarter-point levels: test_one_bit_quarter_points
 def test_exact_grid(bits):
-  """Q5: x = z + k * s with integer k (exactly representable s, z) gives codes k and x' == x."""
+  """x = z + k * s with integer k (exactly representable s, z) gives codes k and x' == x."""
   rng = np.random.default_rng(bits)
   k = rng.integers(0, 2**bits, size=(3, 64))
   k[:, 0], k[:, 1] = 0, 2**bits - 1  # pin min and max so the group's s and z are the chosen ones
@@ -104,7 +105,7 @@ def test_exact_grid(bits):
 @SETTINGS
 @given(grouped_arrays())
 def test_codes_monotone_within_group(case):
-  """Q7: x_i <= x_j implies c_i <= c_j inside a group."""
+  """x_i <= x_j implies c_i <= c_j inside a group."""
   x, bits, group_size = case
   codes = np.asarray(quantize(jnp.asarray(x), bits=bits, axis=1, group_size=group_size)[0])
   order = np.argsort(x.reshape(x.shape[0], -1, group_size), axis=-1, kind="stable")
@@ -113,7 +114,7 @@ def test_codes_monotone_within_group(case):
 
 
 def test_affine_equivariance():
-  """Q6: alpha x + beta (alpha a power of two, so nothing rounds) keeps the codes and maps s, z affinely."""
+  """alpha x + beta (alpha a power of two, so nothing rounds) keeps the codes and maps s, z affinely."""
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)), jnp.float32)
   codes, scale, zero = quantize(x, bits=4, axis=1, group_size=32, meta_dtype=jnp.float32)
   codes2, scale2, zero2 = quantize(4.0 * x, bits=4, axis=1, group_size=32, meta_dtype=jnp.float32)
@@ -123,7 +124,7 @@ def test_affine_equivariance():
 
 
 def test_tie_rule_half_to_even():
-  """Q8: the 2-bit group {0, 0.5, 2.5, 3} has z = 0, s = 1; the ties 0.5 and 2.5 go to the even codes 0 and 2."""
+  """The 2-bit group {0, 0.5, 2.5, 3} has z = 0, s = 1; the ties 0.5 and 2.5 go to the even codes 0 and 2."""
   codes, scale, zero = quantize(jnp.array([[0.0, 0.5, 2.5, 3.0]]), bits=2, axis=1, group_size=4)
   np.testing.assert_array_equal(codes, [[0, 0, 2, 3]])
   assert float(scale[0, 0]) == 1.0 and float(zero[0, 0]) == 0.0
@@ -131,7 +132,7 @@ def test_tie_rule_half_to_even():
 
 @pytest.mark.parametrize("axis", [2, 3])
 def test_grouping_axis_and_locality(axis):
-  """Q9: stats are the min/max of the right G elements; a perturbation changes only its own group."""
+  """Stats are the min/max of the right G elements; a perturbation changes only its own group."""
   group_size = 8
   x = np.random.default_rng(axis).normal(size=(2, 3, 16, 32)).astype(np.float32)  # [B, H, T, D]
   codes, scale, zero = map(np.asarray, quantize(jnp.asarray(x), bits=2, axis=axis, group_size=group_size))
@@ -153,7 +154,7 @@ def test_grouping_axis_and_locality(axis):
 
 
 def test_pack_known_answer():
-  """Q10: at 2 bits, codes [1, 2, 3, 0, 0, ...] pack to 0b00_11_10_01 = 57 (code j at bits 2j)."""
+  """At 2 bits, codes [1, 2, 3, 0, 0, ...] pack to 0b00_11_10_01 = 57 (code j at bits 2j)."""
   codes = jnp.zeros(16, jnp.uint32).at[:3].set(jnp.array([1, 2, 3], jnp.uint32))
   np.testing.assert_array_equal(pack(codes, bits=2, axis=0), [57])
 
@@ -161,7 +162,7 @@ def test_pack_known_answer():
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_pack_unpack_identity(bits, axis):
-  """Q10: unpack(pack(c)) == c at every width, along any axis; the packed axis shrinks by 32 / bits."""
+  """unpack(pack(c)) == c at every width, along any axis; the packed axis shrinks by 32 / bits."""
   per_word = 32 // bits
   shape = [3, 2 * per_word, per_word] if axis == 1 else [per_word, 3, 4 * per_word]
   codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, size=shape), jnp.uint32)
@@ -173,7 +174,7 @@ def test_pack_unpack_identity(bits, axis):
 
 
 def test_kivi_layouts():
-  """§2.8: keys [B, H, T, D] quantize per channel and pack along tokens into [B, H, D, T/P]; values along D."""
+  """Keys [B, H, T, D] quantize per channel and pack along tokens into [B, H, D, T/P]; values along D."""
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 64, 32)), jnp.float32)
   codes, scale, _ = quantize(jnp.swapaxes(x, 2, 3), bits=2, axis=3, group_size=32)
   assert pack(codes, bits=2, axis=3).shape == (2, 3, 32, 4) and scale.shape == (2, 3, 32, 2)
@@ -259,7 +260,7 @@ def test_code_correction_fixes_any_estimate_within_one():
 # ------------------------------------------------------------------------------------------------- 1 bit (SpeCache)
 
 def test_one_bit_quarter_points():
-  """SpeCache spec §8.2: at 1 bit the levels are (3 mn + mx) / 4 and (mn + 3 mx) / 4, the code is
+  """SpeCache's 1-bit grid (arXiv:2503.16163, Eq. 3): the levels are (3 mn + mx) / 4 and (mn + 3 mx) / 4, the code is
   x >= (mn + mx) / 2 and the midpoint itself maps to 1. Values are multiples of 1/4 in [-8, 8] with each group's
   min and max multiples of 2, so the quarter points and the midpoint are exact in fp16 and the identities hold
   bit for bit."""
@@ -281,7 +282,7 @@ def test_one_bit_quarter_points():
 
 
 def test_one_bit_mse_is_a_quarter_of_plain_min_max():
-  """Spec §8.2: on U(0, 1) groups the quarter-point quantizer's MSE is about range^2 / 48, where plain 1-bit
+  """On U(0, 1) groups the quarter-point quantizer's MSE is about range^2 / 48, where plain 1-bit
   min-max (every value to the group's min or max, computed here in numpy) gives about range^2 / 12."""
   x = np.random.default_rng(0).uniform(size=(256, 64)).astype(np.float32)
   codes, scale, zero = quantize(jnp.asarray(x), bits=1, axis=1, group_size=64, meta_dtype=jnp.float32)

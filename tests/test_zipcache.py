@@ -2,8 +2,9 @@
 against attention over the tokens it should hold, streaming bookkeeping, batches, memory, the fused kernel and the
 default model.
 
-References here are written from the spec, independently of the method: explicit softmax matrices and double
-loops for scores, numpy top-k for selections, the one attention reference over dequantized rows for outputs.
+References here are written from docs/methods/zipcache.md and the paper, independently of the method: explicit
+softmax matrices and double loops for scores, numpy top-k for selections, the one attention reference over
+dequantized rows for outputs.
 """
 
 import dataclasses
@@ -156,14 +157,14 @@ def _causal_probs(q, k):
 
 
 def test_scores_equal_brute_force_on_a_causal_attention_matrix():
-  """Spec T8/T9 (i): with every query a probe, the probe mass is the column sum of the causal attention matrix
+  """With every query a probe, the probe mass is the column sum of the causal attention matrix
   (summed over the g query heads), normalized by L - j in both count modes; accumulated is the column sum."""
   rng = np.random.default_rng(0)
   L = 48
   q, k, _ = _qkv(rng, 1, L)
   p = _causal_probs(q[0], k[0])  # [H, g, L, L]
   column, count = np.zeros((H, L)), np.zeros(L)
-  for i in range(L):  # the double loop of the spec
+  for i in range(L):  # the paper's Eq. 7-8 as a double loop
     for j in range(i + 1):
       column[:, j] += p[:, :, i, j].sum(axis=1)
       count[j] += 1
@@ -179,8 +180,9 @@ def test_scores_equal_brute_force_on_a_causal_attention_matrix():
 
 
 def test_toy_matrix_and_a_late_heavy_hitter():
-  """Spec §3.3's toy matrix, and its T8 construction: token 60 of 64 gets half of every later row's mass;
-  normalized ranks it first, accumulated ranks it below token 0."""
+  """A 4x4 causal matrix worked by hand (the last token ties for lowest accumulated score and ranks second
+  normalized), and a late heavy hitter: token 60 of 64 gets half of every later row's mass; normalized ranks it
+  first, accumulated ranks it below token 0."""
   A = np.array([[1.0, 0, 0, 0], [0.6, 0.4, 0, 0], [0.5, 0.2, 0.3, 0], [0.4, 0.1, 0.1, 0.4]])
   score = lambda A, mode: np.asarray(sal.saliency_scores(
       jnp.asarray(A.sum(0))[None, None], jnp.asarray(np.arange(len(A), 0, -1))[None], jnp.asarray([len(A)]),
@@ -198,7 +200,7 @@ def test_toy_matrix_and_a_late_heavy_hitter():
 
 
 def test_exact_counts():
-  """Spec A7 with exact fractions: ceil(0.6 * 100) is 60 (61 in float32) and ceil(0.07 * 100) is 7 (8 in
+  """Counts from exact fractions: ceil(0.6 * 100) is 60 (61 in float32) and ceil(0.07 * 100) is 7 (8 in
   float64); probe counts round half to even, at least one recent probe, never more probes than tokens."""
   assert np.ceil(np.float32(0.6) * np.float32(100)) == 61 and np.ceil(0.07 * 100) == 8
   assert ZipCache(salient_ratio=0.6, interval=100).window_high == 60
@@ -214,7 +216,7 @@ def test_exact_counts():
 
 
 def test_probe_selection():
-  """Spec T10 and A5: recent probes are the last n_rec positions; random probes are distinct, earlier than the
+  """Recent probes are the last n_rec positions; random probes are distinct, earlier than the
   recent ones and n_rand in number; the same key gives the same set whatever the batch or padded length, other
   layers other sets; the random rate over 10^4 decode positions is 5% +- 1%."""
   probes = jax.jit(sal.prefill_probes, static_argnums=(2, 3, 4))
@@ -236,7 +238,7 @@ def test_probe_selection():
 
 
 def test_probe_estimate_tracks_exact_scores_on_heavy_hitters():
-  """Spec T9 (iii): L = 1024, q ~ N(0, I) + 2u, 60 heavy-hitter keys + 3u, key 0 + 6u, 10% probes: the paper's
+  """Synthetic heavy hitters: L = 1024, q ~ N(0, I) + 2u, 60 heavy-hitter keys + 3u, key 0 + 6u, 10% probes: the paper's
   count (probes that see the token) gives Spearman >= 0.8 and top-60% overlap >= 0.8 against exact normalized
   scores, averaged over 5 seeds."""
   L, n_high = 1024, int(np.ceil(0.6 * 1024))
@@ -259,7 +261,7 @@ def test_probe_estimate_tracks_exact_scores_on_heavy_hitters():
 
 
 def test_split_by_score_is_a_stable_top_k_in_position_order():
-  """Spec T13, A16: exactly n_high tokens per (sequence, head) are high, the brute-force top-k (ties to the earlier
+  """Exactly n_high tokens per (sequence, head) are high, the brute-force top-k (ties to the earlier
   token); both sets listed in position order, padded by repeating their last token; pads never chosen."""
   rng = np.random.default_rng(1)
   T = 40
@@ -282,7 +284,7 @@ def test_split_by_score_is_a_stable_top_k_in_position_order():
 # ------------------------------------------------------------------------------------------------- prefill
 
 def test_prefill_stores_the_probe_salient_tokens_at_high_bits():
-  """Spec T6, T13, T14: the high pool's rows are the top ceil(r n) tokens by the probe-normalized score (recomputed
+  """The high pool's rows are the top ceil(r n) tokens by the probe-normalized score (recomputed
   here with explicit softmax matrices), in position order, K and V sharing the set; the low pool holds the rest;
   every row is within its quantizer bound (keys per channel over each group's real rows; values per token of
   V / c with c = sqrt(max |V|) over the prompt); salient tokens err less than the others."""
@@ -319,7 +321,7 @@ def test_prefill_stores_the_probe_salient_tokens_at_high_bits():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_channel_separable_values_beat_plain_per_token_on_outlier_channels(bits):
-  """Spec T5 per head: values N(0, 1) * U(0.5, 2) per token with 4 of 64 channels scaled by U(10, 30); CST
+  """CST's reason, per head: values N(0, 1) * U(0.5, 2) per token with 4 of 64 channels scaled by U(10, 30); CST
   (r = 1: every token in the high pool) against per-token groups of 64 channels at the same width."""
   method = ZipCache(high_bits=bits, low_bits=2, salient_ratio=1.0, key_group=16)
   rng = np.random.default_rng(bits)
@@ -339,11 +341,11 @@ def test_channel_separable_values_beat_plain_per_token_on_outlier_channels(bits)
 # ------------------------------------------------------------------------------------------------- decode
 
 def test_decode_attends_pools_and_window_and_compresses_the_window_by_its_probes():
-  """Spec T16, T17, Alg. 3, A8, A11: every step equals the attention reference over the dequantized real pool rows
-  (the layout's own definition) and the window; each full window is split by the normalized score of its tokens,
-  accumulated here from the reference's probabilities on the probe steps (the last n_rec steps of a window, and
-  steps whose position's priority is below random_probes), and appended from a group boundary; counters follow
-  the spec's formulas."""
+  """Every step equals the attention reference over the dequantized real pool rows (the layout's own definition)
+  and the window; each full window is split by the normalized score of its tokens, accumulated here from the
+  reference's probabilities on the probe steps (the last n_rec steps of a window, and steps whose position's
+  priority is below random_probes), and appended from a group boundary; the window holds (steps mod N) tokens
+  and the high pool ceil(r L) of an L-token prompt."""
   N, G = SHARED.interval, SHARED.key_group
   n_high_w = SHARED.window_high  # 5 of 8
   n_rec = int(sal.probe_counts(N, SHARED.recent_probes, SHARED.random_probes)[0])
@@ -500,8 +502,9 @@ def test_mma_left_open_follows_the_kernel_that_would_read_the_pools(monkeypatch)
 
 
 def test_probe_schedule_of_a_window():
-  """Spec Alg. 3 / A8: a window token is seen by the last n_rec steps of the window and by random steps at or
-  after it (a step at position p is a random probe iff its priority < random_probes)."""
+  """The decode probes (the paper's Algorithm 3, the window's last step included): a window token is seen by the
+  last n_rec steps of the window and by random steps at or after it (a step at position p is a random probe iff
+  its priority < random_probes)."""
   N = SHARED.interval
   rng = np.random.default_rng(4)
   n0 = 24
@@ -549,7 +552,7 @@ def test_pools_never_overflow():
 # ------------------------------------------------------------------------------------------------- memory
 
 def test_held_bytes_count_every_array_from_first_principles(decoded):
-  """Spec T18, A19: bytes from the state's arrays themselves (each pool array's bytes per row times the rows
+  """Bytes from the state's arrays themselves (each pool array's bytes per row times the rows
   written, holes included; the channel scales; the window's occupied slots with their accumulators; the
   counters), every layer; the bound without a state is never below what a real split of the tokens holds."""
   spec, state, lengths = decoded["spec"], decoded["state"], decoded["lengths"]
@@ -642,7 +645,7 @@ class TestZipCacheKernelGpu(TestZipCacheKernelInterpret):
 # ------------------------------------------------------------------------------------------------- models
 
 def test_8_bit_pools_track_the_dense_model(tiny_llama):
-  """Spec T19: teacher-forced on a tiny random model through three recompressions, 8/8-bit pools stay within a
+  """Teacher-forced on a tiny random model through three recompressions, 8/8-bit pools stay within a
   few hundredths of a nat of dense per token (KIVI-8: 0.010 mean, 0.034 max on these windows)."""
   from jkv.evaluation.perplexity import window_nll
   from jkv.model import forward_no_cache
@@ -679,7 +682,7 @@ def _model_qk(model, ids):
 
 
 def test_probe_scores_correlate_with_exact_scores_on_the_default_model(default_model):
-  """Spec T9 on real activations: 1024 tokens of pydoc text through SmolLM2-135M; per layer and KV head, the
+  """The probe estimate on real activations: 1024 tokens of pydoc text through SmolLM2-135M; per layer and KV head, the
   Spearman correlation and top-60% overlap of the probe estimate (10% probes) with exact normalized scores."""
   from jkv.evaluation.perplexity import default_text
   ids = default_model.tokenizer.encode(default_text()[:20_000], add_bos=False)[:1024]
