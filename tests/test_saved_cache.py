@@ -11,6 +11,7 @@ import shutil
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -151,6 +152,12 @@ def test_another_model_method_setting_or_batch_is_refused_in_one_line(params, sa
   _refused(params, dense, r"another model \(dtype \"float32\" there, \"bfloat16\" here\)",
            cfg=dataclasses.replace(CFG, dtype="bfloat16"))
   _refused(jax.tree.map(lambda x: x * 1.01, params), dense, "other weights of this model's shape")
+  # One element in the middle of one weight, far from every row's ends, one unit in the last place larger.
+  w = np.array(params.layers.w_down)
+  middle = tuple(n // 2 for n in w.shape)
+  w[middle] = np.nextafter(w[middle], np.float32(np.inf))
+  nudged = params.replace(layers=params.layers.replace(w_down=jnp.asarray(w)))
+  _refused(nudged, dense, "other weights of this model's shape")
   _refused(params, dense, "holds a dense cache; this run asks for kivi", method=make_method("kivi"))
   kivi, _, _, _ = saved("kivi")
   message = _refused(params, kivi, "holds kivi with other settings", method=make_method("kivi", bits=4, residual=32))
