@@ -16,7 +16,9 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
                      allocated holding that many tokens without a prefill (records say ``synthetic_fill``), so
                      lengths no 10-minute prefill reaches are measured; generate's own decode loop, ms/step against
                      the floor, and the kernels that take the step's time. Not for ZipCache: its pools hold what its
-                     prefill put there, and a synthetic fill leaves them empty (a step would read next to nothing)
+                     prefill put there, and a synthetic fill leaves them empty (a step would read next to nothing).
+                     ``--mesh model=N``: one sequence over N GPUs, its KV heads (and the weights) split; the longest
+                     context and the floor per device
 
 With more than one method or context (prefill, decode), each runs in a process of its own, so a record's peak
 device memory is its own run's.
@@ -27,6 +29,7 @@ benchmarks/README.md.
     python benchmarks/long_context.py --part kernel --contexts 131072 1048576
     python benchmarks/long_context.py --part prefill --context 131072 --methods kivi2_mma dense
     python benchmarks/long_context.py --part decode --contexts 131072 1048576 0 --methods kivi2_mma dense
+    python benchmarks/long_context.py --part decode --contexts 1048576 0 --methods kivi2_mma --mesh model=4
     python benchmarks/long_context.py --part prefill --smoke      # a tiny model, any machine
 """
 
@@ -47,12 +50,16 @@ METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True
            "ott2": ("ott", {}), "ott2_triton": ("ott", {"mma": False}), "zipcache": ("zipcache", {}),
            "specache1": ("specache", {"bits": 1}), "specache1_exact": ("specache", {"bits": 1, "exact_chunks": True})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
-                        r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"])
+                        r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"],
+                        r.get("mesh"))
 
 
-def _base(part, impl, batch, context):
+def _base(part, impl, batch, context, mesh=None):
   import jax
-  return dict(part=part, impl=impl, batch=batch, context=context, devices=1, device=jax.devices()[0].device_kind,
+  devices = 1 if mesh is None else mesh.devices.size
+  return dict(part=part, impl=impl, batch=batch, context=context, devices=devices,
+              mesh=None if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1),
+              device=jax.devices()[0].device_kind,
               jax_version=jax.__version__, date=now(), model="random Llama-3-8B shape", synthetic_fill=False)
 
 
@@ -168,18 +175,23 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
 # ------------------------------------------------------------------------------------------------- decode
 
 
-def decode_part(contexts, labels, steps, smoke):
-  import jax
+def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
   import jax.numpy as jnp
   from profile_decode_step import kernel_events, summarize, trace_decode
-  from jkv import memory
-  from jkv import params as params_lib
+  from sharded_decode import mesh_devices, random_params
+  from jkv import memory, sharding
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
   cfg = ModelConfig(**dict(shape, max_position=1 << 27))  # random weights: RoPE runs at any position
-  params = params_lib.init_random(cfg, jax.random.key(0))
-  weight_bytes = memory.tree_bytes(params)
+  mesh, devices = mesh_devices(mesh_spec)
+  if sharding.axis_size(mesh, "data") > 1:
+    raise SystemExit("long_context.py --part decode runs one sequence: a data axis has nothing to split")
+  # On a mesh each device holds its share of the weights and of the cache (the KV heads split over "model"); the
+  # floor and the longest context are per device.
+  params = random_params(cfg, mesh)
+  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
+  shards = sharding.axis_size(mesh, "model")
   rate, reads = (1e10, 1e10) if smoke else (copy_rate(), read_rate())
   # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
   device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]
@@ -193,24 +205,26 @@ def decode_part(contexts, labels, steps, smoke):
                        "synthetic fill; measure it with --part prefill")
     method = make_method(name, **options)
     for asked in contexts:
-      context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes)
-      base = dict(_base("decode", label, 1, context), context_asked=asked or "longest", synthetic_fill=True)
+      context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes,
+                                                mesh=mesh)
+      base = dict(_base("decode", label, 1, context, mesh), context_asked=asked or "longest", synthetic_fill=True)
       try:
-        traced = trace_decode(params, cfg, method, batch=1, context=context, steps=steps)
+        traced = trace_decode(params, cfg, method, batch=1, context=context, steps=steps, mesh=mesh)
       except (MemoryError, ValueError) as e:
         print(f"{label} {context}: {type(e).__name__}: {e}", flush=True)
         records.append(dict(base, error=f"{type(e).__name__}: {e}"))
         continue
       kv = traced["cache"].held_bytes(jnp.full((1,), context + steps // 2))
-      ms, floor, read_floor = (traced["wall_ms"], 1e3 * (weight_bytes + kv.device) / rate,
-                               1e3 * (weight_bytes + kv.device) / reads)
+      per_device = weight_bytes + kv.device / shards
+      ms, floor, read_floor = traced["wall_ms"], 1e3 * per_device / rate, 1e3 * per_device / reads
       kernels = summarize(kernel_events({n: e for plane in traced["planes"].values() for n, e in plane.items()}),
                           steps, 6)
-      peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+      peak = max((d.memory_stats() or {}).get("peak_bytes_in_use") or 0 for d in devices) or None
       records.append(dict(base, method_config=options, decode_ms_per_step=ms, floor_ms_per_step=floor,
                           ratio_to_floor=ms / floor, read_floor_ms_per_step=read_floor, read_rate=reads,
-                          ratio_to_read_floor=ms / read_floor, steps=steps, kv_bytes=kv.device, kv_host_bytes=kv.host,
-                          peak_device_bytes=peak, weight_bytes=weight_bytes, copy_rate=rate, top_kernels=kernels))
+                          ratio_to_read_floor=ms / read_floor, steps=steps, kv_bytes=kv.device,
+                          kv_bytes_per_device=kv.device / shards, kv_host_bytes=kv.host, peak_device_bytes=peak,
+                          weight_bytes=weight_bytes, copy_rate=rate, top_kernels=kernels))
       print(f"{label:>10} {context} tokens (synthetic fill): decode {ms:.2f} ms/step (floor {floor:.2f}, "
             f"{ms / floor:.2f}x; at the read rate {read_floor:.2f}, {ms / read_floor:.2f}x), "
             f"kv {kv.device / 2**30:.2f} GiB; "
@@ -253,7 +267,8 @@ def markdown_table(records) -> str:
                      + (f"; {r['ratio_to_read_floor']:.2f}x the read-rate floor" if "ratio_to_read_floor" in r else ""))
     else:
       result = r.get("error", "ran")
-    lines.append(f"| {r['part']} | {r['impl']} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
+    impl = r["impl"] + (f" on {r['mesh']}" if r.get("mesh") else "")
+    lines.append(f"| {r['part']} | {impl} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
                  f"{fmt(r, 'prefill_tokens_per_s', '.0f')} | {r.get('prefill_chunk') or '–'} | "
                  f"{fmt(r, 'decode_ms_per_step', '.2f')} | {fmt(r, 'floor_ms_per_step', '.2f')} | "
                  f"{fmt(r, 'ratio_to_floor', '.2f')} | {gib(r, 'kv_bytes')} | {gib(r, 'peak_device_bytes')} | "
@@ -271,6 +286,7 @@ def main():
   parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["kivi2_mma", "dense"])
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--steps", type=int, default=16, help="decode: steps timed per call")
+  parser.add_argument("--mesh", default="none", help="decode: a mesh of GPUs, e.g. model=4 (KV heads split)")
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
   parser.add_argument("--smoke", action="store_true", help="a tiny model, small shapes (any machine)")
@@ -286,7 +302,7 @@ def main():
     return
   runs = len(args.methods) * (len(args.contexts) if args.part == "decode" else 1)
   if args.part != "kernel" and runs > 1 and not args.smoke and args.records_to is None:
-    argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps)]
+    argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--mesh", args.mesh]
     argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens))
              if v is not None]
     records = in_own_processes(argv, args.part, args.methods,
@@ -296,7 +312,7 @@ def main():
                           args.smoke)
   elif args.part == "decode":
     records = decode_part([64, 0] if args.smoke else args.contexts, args.methods, 4 if args.smoke else args.steps,
-                          args.smoke)
+                          args.smoke, args.mesh)
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
                            args.prefill_chunk, args.prefill_tokens, args.smoke)
