@@ -20,8 +20,8 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
-from jkv.methods.specache import (SpeCache, copy_layer_pallas, gather_host_rows, gather_host_rows_one_by_one, gather_rows_pallas,
-                                  top_k_positions)
+from jkv.methods.specache import (SpeCache, copy_layer_pallas, gather_host_rows, gather_host_rows_one_by_one,
+                                  gather_rows_pallas, top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 import quant_oracle
@@ -135,7 +135,7 @@ def _dense(real, pos):
 
 
 def test_every_candidate_fetched_is_dense_attention():
-  """Spec §8.5: with k >= every quantized key, every step equals exact attention, across key flushes (R = 32,
+  """With k >= every quantized key, every step equals exact attention, across key flushes (R = 32,
   including the keys a flush quantizes between two steps) and value-window slides, for a ragged batch."""
   rng = np.random.default_rng(1)
   real, spec_rows = _data(rng, 2, 256)
@@ -149,7 +149,7 @@ def test_every_candidate_fetched_is_dense_attention():
 
 
 def test_k_zero_is_kivi():
-  """Spec §8.6: with k = 0 the real row's output equals KIVI's at the same bits (1, the quarter-point quantizer),
+  """With k = 0 the real row's output equals KIVI's at the same bits (1, the quarter-point quantizer),
   group size and residual, across flushes."""
   rng = np.random.default_rng(11)
   real, spec_rows = _data(rng, 2, 256)
@@ -160,7 +160,7 @@ def test_k_zero_is_kivi():
 
 
 def test_speculative_row_never_changes_the_real_row():
-  """Spec §8.8: the same state stepped with two different speculative rows gives the same real-row output and
+  """The same state stepped with two different speculative rows gives the same real-row output and
   stores the same low-bit and host state; only the choice of the next rows may differ."""
   rng = np.random.default_rng(3)
   real, spec_a = _data(rng, 2, 256)
@@ -183,7 +183,7 @@ def test_speculative_row_never_changes_the_real_row():
 
 
 def test_fetched_rows_are_the_host_rows_and_the_host_holds_only_real_rows():
-  """Spec §8.10 and §8.12: after prefill, pre-decode and every step, the host copy holds exactly the real rows'
+  """After prefill, pre-decode and every step, the host copy holds exactly the real rows'
   K | V at their positions (the speculative rows never), the chosen positions are unique and quantized
   ([0, bK) of the next step), the prefetched rows equal the host rows at them bit for bit, and fetching at use
   time gives the same outputs as prefetching."""
@@ -260,7 +260,7 @@ class _MixedCache:
 
 
 def test_partial_fetch_equals_attention_over_the_mixed_cache():
-  """Spec §8.7: with k < the candidates, both rows of every step equal one softmax over an explicitly built mixed
+  """With k < the candidates, both rows of every step equal one softmax over an explicitly built mixed
   cache: each held position's key and value exact if it is among the fetched rows of its KV head or in the exact
   window (key from bK on, value from bV on), else 1-bit quantized in one shot (keys per channel, values per
   token); the speculative row also sees its own K/V, the real row never does."""
@@ -288,7 +288,7 @@ def test_partial_fetch_equals_attention_over_the_mixed_cache():
 
 
 def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
-  """The non-speculative baseline (``speculate=False``, spec §8.15's upper bound): one row per step, no
+  """The non-speculative baseline (``speculate=False``, an upper bound on the guess's selection): one row per step, no
   pre-decode; the rows it attends in 16 bits are a top k, by brute force, of the real row's own probabilities
   over the low-bit cache among this step's quantized keys, and its output is the softmax over the mixed cache
   with exactly those rows exact; with k >= every candidate it is exact attention."""
@@ -354,7 +354,7 @@ def test_repair_checks_the_guess_and_recomputes_misses():
 
 
 def test_batch_rows_are_independent():
-  """Spec §8.11: a sequence's outputs and chosen rows do not depend on its batch neighbour: sequences of
+  """A sequence's outputs and chosen rows do not depend on its batch neighbour: sequences of
   different lengths (crossing flushes at different steps), then the same sequences in swapped slots beside
   each other, then each beside a different sequence, give the same per-sequence results."""
   rng = np.random.default_rng(5)
@@ -487,7 +487,7 @@ def test_two_stage_top_k_is_a_top_k(capacity, k):
 
 
 def test_memory_matches_the_spec_size_column():
-  """Spec §3: device bytes / fp16 bytes at the model's maximum context reproduce the paper's "KV cache size"
+  """Device bytes / fp16 bytes at the model's maximum context reproduce the paper's "KV cache size"
   column to two decimals (1- and 2-bit, G = 32 and 64, R = k = 64); host bytes are the whole fp16 cache; the
   state really sits in those memory kinds."""
   paper = {("mistral", 2, 32): 0.19, ("mistral", 2, 64): 0.16, ("mistral", 1, 32): 0.13, ("mistral", 1, 64): 0.10,
@@ -539,7 +539,7 @@ def test_generate_and_perplexity_through_the_model(tiny_llama):
   stats = res.stats
   again = gen.generate(m.params, cfg, prompts[::-1], method=SpeCache(fetch_rows=512, residual=32), max_new_tokens=24,
                        eos_ids=(), chunk=8)
-  assert again.stats["compiles"] == 0 and again.tokens == res.tokens[::-1]  # spec §8.18: compiled once, per bucket
+  assert again.stats["compiles"] == 0 and again.tokens == res.tokens[::-1]  # compiled once, per bucket
   assert stats["method_stats"]["speculation_hit_rate"] == 1.0
   assert 0.0 <= stats["method_stats"]["speculative_token_match"] <= 1.0
   assert stats["kv_host_bytes"] == stats["dense_kv_bytes"] and 0 < stats["kv_bytes"]

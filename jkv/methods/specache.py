@@ -1,21 +1,22 @@
 """``specache``: SpeCache (ICML 2025): the full 16-bit K/V in host memory, a low-bit KIVI copy on the device, and a
 speculative row per decode step that chooses which 16-bit rows the next step attends.
 
-Algorithm: docs/methods/specache.md; paper arXiv:2503.16163. What one decode step does, per layer (§2.3-2.6):
+Algorithm: docs/methods/specache.md; paper arXiv:2503.16163. What one decode step does, per layer (the paper's §3.3
+and Algorithm 3):
 
 - it carries two rows: the real token at position n and the speculative token at n + 1 (the greedy output of the
   previous step's speculative row, ``CacheMethod.speculative_rows``); only the real row's K/V is stored: in the
   low-bit copy (``Kivi`` with residual R, bits 1 or 2) at once, and in the host copy at the end of the step
-  (``end_step``: every layer's row in one write per sequence, spec §7.2);
+  (``end_step``: every layer's row in one write per sequence);
 - both rows attend over every held token at its best precision: the k rows per (sequence, KV head) fetched from
   the host for this step in 16 bits, the residual window in full precision, every other token dequantized; the
   fetched positions are holes in the store (or in the window, for keys quantized while their value is still exact)
-  and one segment of their own, so the one softmax runs over exactly the mixed cache (§2.3's patch, by masks);
-- the speculative row's attention probabilities, summed over the g query heads of each KV head (the spec's GQA
-  mean, same ranking), pick the top k positions among those whose key the next step reads quantized, [0, bK) of
-  the next step: the rows it attends in 16 bits. (The spec's candidates are this step's [0, bK); taking the next
-  step's boundary also covers the R keys a flush quantizes in between, whose scores this step has from their
-  exact copies, so k >= every candidate is exact at every step, flushes included.)
+  and one segment of their own, so the one softmax runs over exactly the mixed cache (the paper's Eq. 1, by masks);
+- the speculative row's attention probabilities, summed over the g query heads of each KV head (a mean over them in
+  the paper's terms: the same ranking; the paper leaves GQA open), pick the top k positions among those whose key the
+  next step reads quantized, [0, bK) of the next step: the rows it attends in 16 bits. (A literal reading takes this
+  step's [0, bK); taking the next step's boundary also covers the R keys a flush quantizes in between, whose scores this
+  step has from their exact copies, so k >= every candidate is exact at every step, flushes included.)
 
 Before the first step the pre-decode pass (``pre_decode``) runs the first generated token over the low-bit cache
 alone and picks the first top-k; it stores nothing.
@@ -23,30 +24,30 @@ alone and picks the first top-k; it stores nothing.
 The host/device boundary is ``gather_host_rows`` and the two host writes beside it. Verified on CPU with jax 0.10.2
 (both memory kinds exist there): a jnp gather whose operand is a ``pinned_host`` array and whose indices are
 device arrays is refused at trace time ("memory_space of all inputs passed to `gather` must be the same"), as the
-spec found on an H100; moving the indices to host memory first (``jax.device_put(idx, jax.memory.Space.Host)``)
+measured on an H100 too; moving the indices to host memory first (``jax.device_put(idx, jax.memory.Space.Host)``)
 makes it a host-side gather that traces and returns the right rows, and ``dynamic_update_slice`` into a
 ``pinned_host`` array (donated, inside ``lax.scan`` carries too) of an update moved to host memory writes in place.
-On a GPU (impl "pallas") the fetch is a Pallas kernel reading the ``pinned_host`` operand in place (spec §7.1;
-bit-exact on the H100, 0.15 ms for one layer's 2 MiB of rows at B = 8, 13.8 GB/s:
-benchmarks/results/specache_decode_nvidia_h100_80gb_hbm3.json). On the GPU, XLA refuses the CPU path's host
-gather inside a larger program ("Bitcast cannot have different memory spaces"), so without the kernel the rows
-come one by one. Everything runs in one program on one stream, where a copy cannot overlap the layers' compute,
-so the two fetch schedules differ only in how the copies are batched: ``prefetch=True`` fetches the next step's
-rows of every layer in one kernel call at the end of a step into a device buffer (spec §7.2's pipeline);
+On a GPU (impl "pallas") the fetch is a Pallas kernel reading the ``pinned_host`` operand in place (bit-exact on the
+H100, 0.15 ms for one layer's 2 MiB of rows at B = 8, 13.8 GB/s:
+benchmarks/results/specache_decode_nvidia_h100_80gb_hbm3.json). On the GPU, XLA refuses the CPU path's host gather
+inside a larger program ("Bitcast cannot have different memory spaces"), so without the kernel the rows come one by one.
+Everything runs in one program on one stream, where a copy cannot overlap the layers' compute, so the two fetch
+schedules differ only in how the copies are batched: ``prefetch=True`` fetches the next step's rows of every layer in
+one kernel call at the end of a step into a device buffer (the paper's overlap, §3.3);
 ``prefetch=False`` fetches each layer's rows inside the layer, when it attends (synchronous, no buffer). Both
 give the same rows and outputs; benchmarks/specache_decode.py times them in one H100 run (B = 8, 32k, Llama-3-8B
 shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KIVI-2 and 19.94 ms for dense
 (benchmarks/README.md and the profile in benchmarks/results name the parts; since KIVI reads its window in place,
 27.57 ms with the buffer against 23.95 for KIVI-2). The two schedules are equal within 1% (no overlap to win on
-one stream); the buffer stays the default, as the spec's pipeline. A top-k over each layer's 32k candidates
+one stream); the buffer stays the default, as the paper's pipeline. A top-k over each layer's 32k candidates
 (0.38 ms, a sort) is two small ones (``top_k_positions``).
 
-``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, spec §8.15's upper
+``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, the upper
 bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
 cache, its own probabilities pick the top k, those rows come from host memory and it attends again. It measures
 what the guess costs in quality.
 
-``repair=True`` checks each step's guess and repairs a miss (not in the paper, which never checks: spec §2.5). The
+``repair=True`` checks each step's guess and repairs a miss (not in the paper, which never checks). The
 guess was right exactly when the real token is the previous step's speculative token, and then the two rows'
 layer-0 keys (same token, same position) agree; a different token's key differs in every channel. Where the
 guess was wrong, the real row gets the fetch-then-recompute pass (its own top k, fetched and attended again); the
@@ -58,9 +59,9 @@ perplexity 13.649 against dense's 11.851; with the text's own next token as the 
 non-speculative baseline's 12.670. In greedy generation from the same contexts the guess was right at 50% of the
 steps.
 
-The speculation hit rate (``decode_stats``; spec §8.15): at each step and layer, the fraction of the real row's
-top k (by its attention probability over the same candidates) that the fetched set contains, averaged over KV
-heads, layers, sequences and steps.
+The speculation hit rate (``decode_stats``; docs/methods/specache.md, 'What the guess costs'): at each step and layer,
+the fraction of the real row's top k (by its attention probability over the same candidates) that the fetched set
+contains, averaged over KV heads, layers, sequences and steps.
 """
 
 import dataclasses
@@ -142,7 +143,7 @@ def gather_host_rows(host_kv, first_layer, idx, impl: str):
 
 def gather_host_rows_one_by_one(host_kv, first_layer, idx):
   """``gather_host_rows`` as one ``dynamic_slice`` of the host array and one host-to-device copy per row (the
-  spec measured that form correct on an H100, about 6 µs a row): the path for GPUs without the Pallas kernel."""
+  form measured correct on an H100, about 6 µs a row): the path for GPUs without the Pallas kernel."""
   L, B, H, C, W = host_kv.shape
   Lq, k = idx.shape[0], idx.shape[-1]
   idx = jnp.clip(idx, 0, C - 1)
@@ -286,8 +287,9 @@ class SpeCacheState:
 @register
 @dataclasses.dataclass(frozen=True)
 class SpeCache(CacheMethod):
-  """SpeCache settings (spec §4): a ``bits``-bit KIVI copy with residual R on the device, ``fetch_rows`` (the spec's
-  k) 16-bit rows per (sequence, layer, KV head) fetched from host memory for each step."""
+  """SpeCache settings (defaults: docs/methods/specache.md, 'Defaults and choices'): a ``bits``-bit KIVI copy with
+  residual R on the device, ``fetch_rows`` (the paper's k) 16-bit rows per (sequence, layer, KV head) fetched from host
+  memory for each step."""
 
   name = "specache"
   bits: int = dataclasses.field(default=1, metadata={
@@ -430,7 +432,7 @@ class SpeCache(CacheMethod):
 
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,
-    nothing fetched and nothing stored (spec §2.4); its probabilities pick the first step's rows."""
+    nothing fetched and nothing stored (the paper's §3.3); its probabilities pick the first step's rows."""
     n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
     if self.repairs:  # the first step's real row is this token: its guess is right
       state = state.replace(spec_key=write_layer(state.spec_key, layer, k[:, :, 0]))
@@ -485,10 +487,10 @@ class SpeCache(CacheMethod):
     return out, state
 
   def _fetch_then_recompute(self, low, host_kv, layer, q, positions, n, k_rows, impl):
-    """The non-speculative baseline (spec §8.15's upper bound, §8.19's A/B): the real row q [B, H, 1, g, D] at
-    positions [B, 1] (its K/V already in the window) attends the low-bit cache, its own probabilities pick the
-    top k among this step's quantized keys, those rows come from host memory, and it attends again with them.
-    Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
+    """The non-speculative baseline (an upper bound on the guess's selection, and the paper's Table 4 comparison): the
+    real row q [B, H, 1, g, D] at positions [B, 1] (its K/V already in the window) attends the low-bit cache, its own
+    probabilities pick the top k among this step's quantized keys, those rows come from host memory, and it attends
+    again with them. Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
     fetched = None
     if k_rows:
       _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
@@ -511,7 +513,7 @@ class SpeCache(CacheMethod):
 
   def end_step(self, state, ctx: StepContext):
     """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
-    prefetch, the next step's rows of every layer from it in one call (spec §7.2's host append; the rows chosen
+    prefetch, the next step's rows of every layer from it in one call (the rows chosen
     may include the one just written); with the MMA packing, the low-bit copy's value tile and key flush that
     the stored row completed (``Kivi.settle``)."""
     state = state.replace(low=self.low_bit.settle(state.low, ctx.lengths + 1, True, ctx.impl),
@@ -597,7 +599,7 @@ class SpeCache(CacheMethod):
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     """Device: the low-bit copy (KIVI's count at residual R), the k fetched 16-bit K/V rows per layer and KV head
     with their positions and flags, the step's staged row, the hit counters (``counts_hits``) and the guess check's
-    keys and verdicts (``repairs``): the spec's
+    keys and verdicts (``repairs``): docs/methods/specache.md's
     2·H·D·[n(b/8 + 4/G) + 2(R + k)] per layer plus those few bytes. Host: every stored token's K and V in the
     model dtype."""
     del state
