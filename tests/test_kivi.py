@@ -210,7 +210,7 @@ def test_planted_outlier_channels_favour_per_channel_keys():
   assert per_channel < 0.5 * per_token
 
 
-def test_memory_matches_the_spec_formula():
+def test_memory_matches_the_bytes_formula():
   """The formula of docs/methods/kivi.md, 'Bytes', at Llama-2-7B shapes (32 layers, 32 KV heads, D=128, fp16),
   G=32, R=128."""
   spec = CacheSpec(num_layers=32, batch=1, capacity=8192, kv_heads=32, head_dim=128, q_per_kv=1,
