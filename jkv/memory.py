@@ -126,10 +126,16 @@ def gather_pool(nbytes: int, devices) -> None:
     placeholder.delete()
 
 
-def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token: int = 0,
-                         fixed_bytes: int = 0) -> int:
-  """Prompt tokens one prefill call may process: what half the device's free memory holds of prefill activations,
-  or 2**16 where the device does not report its memory.
+def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token: int = 0, fixed_bytes: int = 0,
+                         floor_tokens: int = 0) -> int:
+  """Prompt tokens one prefill call may process on a device: what half the device's free memory holds of prefill
+  activations (the other half a margin for the estimate), but ``floor_tokens`` where they fit the free memory whole;
+  2**16 where the device does not report its memory.
+
+  ``floor_tokens``: one whole prompt, which ``largest_batch`` counts beside the cache at its largest batch. Without
+  it the plan there found no room for one prompt in half the free memory and prefilled the whole batch in chunks of
+  ``MIN_CHUNK`` tokens per sequence: at the 717 sequences of the Llama-3-8B shape that fit one H200, 183,552 tokens
+  a call, 49 GiB of activations as ``prefill_bytes_per_token`` counts them, against the 1.1 GiB of one prompt.
 
   ``fixed_bytes``: what is not allocated yet but will be beside the call (the cache, when planned before it is
   allocated; a chunk's held rows, ``held_rows_bytes``). ``state_bytes_per_token``: what a sub-batch's own cache costs
@@ -141,7 +147,9 @@ def prefill_token_budget(cfg: ModelConfig, device=None, *, state_bytes_per_token
   if mem is None:
     return 1 << 16
   free = mem["limit"] - mem["in_use"] - RESERVE_BYTES - fixed_bytes
-  return max(1, (free // 2) // (prefill_bytes_per_token(cfg) + state_bytes_per_token))
+  per_token = prefill_bytes_per_token(cfg) + state_bytes_per_token
+  tokens = (free // 2) // per_token
+  return max(1, floor_tokens if tokens < floor_tokens <= free // per_token else tokens)
 
 
 def held_rows_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
@@ -159,21 +167,36 @@ def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int
   return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
 
 
-def _cache_room(cfg: ModelConfig, prompt_tokens: int, device_bytes: int, weight_bytes: int) -> int:
-  """Bytes left for the cache beside the weights, one prefill of ``prompt_tokens`` and ``RESERVE_BYTES``."""
-  return device_bytes - weight_bytes - RESERVE_BYTES - prefill_bytes_per_token(cfg) * prompt_tokens
+def sub_batch_state_per_token(cfg: ModelConfig, method: CacheMethod, capacity: int, width: int, mesh=None) -> int:
+  """What a prefill sub-batch's fresh state (``jkv.prefill``) costs one device per prompt token of prompts padded to
+  ``width``: one sequence of each data shard at the cache's ``capacity``, its KV heads split over ``model``."""
+  return -(-cache_bytes(method, cfg, sharding.axis_size(mesh, "data"), capacity, mesh) // width)
+
+
+def prefill_call_bytes(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, mesh=None) -> int:
+  """Bytes one device needs beside the cache for the smallest prefill sub-batch of whole prompts: one prompt of
+  ``prompt_tokens`` per data shard, so one on each device, its activations counted whole (with ``model`` > 1 an upper
+  estimate: the heads and the MLP split, the residual stream does not), and its fresh state. The prefill plan takes
+  at least this (``prefill_token_budget``'s ``floor_tokens``)."""
+  return prompt_tokens * (prefill_bytes_per_token(cfg) + sub_batch_state_per_token(cfg, method, capacity,
+                                                                                    prompt_tokens, mesh))
+
+
+def _beside_cache(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, mesh) -> int:
+  """What each device needs beside the cache and the weights: ``RESERVE_BYTES`` and one prefill call."""
+  return RESERVE_BYTES + prefill_call_bytes(cfg, method, capacity, prompt_tokens, mesh)
 
 
 def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, *, device_bytes: int,
                   weight_bytes: int, mesh=None) -> int:
-  """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of at
-  least one prompt, and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits.
+  """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of one
+  prompt per device (``prefill_call_bytes``) and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits.
 
   With a ``mesh`` (``jkv.sharding``), every device of it holds ``device_bytes``: its share of the cache beside
-  ``weight_bytes`` (then its share of the weights: ``sharding.param_bytes_per_device``), and the batch is a
-  multiple of the data axis. Prefill is counted whole on each device (an upper estimate)."""
+  ``weight_bytes`` (then its share of the weights: ``sharding.param_bytes_per_device``; whole on each device of a
+  data mesh), and the batch is a multiple of the data axis."""
   step = sharding.axis_size(mesh, "data")
-  free = _cache_room(cfg, prompt_tokens, device_bytes, weight_bytes)
+  free = device_bytes - weight_bytes - _beside_cache(cfg, method, capacity, prompt_tokens, mesh)
   if free <= 0:
     return 0
   per_step = cache_bytes(method, cfg, step, capacity, mesh)  # one sequence per data shard
@@ -188,9 +211,9 @@ def largest_capacity(cfg: ModelConfig, method: CacheMethod, batch: int, prompt_t
   """The longest capacity (tokens per sequence: prompt plus generated, a multiple of the method's
   ``capacity_multiple``, at most the model's context) at which ``batch`` sequences fit as ``largest_batch``
   counts them; 0 when not even the shortest does. A binary search: the cache grows with its capacity."""
-  free = _cache_room(cfg, prompt_tokens, device_bytes, weight_bytes)
   step = method.capacity_multiple()
-  fits = lambda n: cache_bytes(method, cfg, batch, n * step, mesh) <= free
+  fits = lambda n: (cache_bytes(method, cfg, batch, n * step, mesh) + weight_bytes
+                    + _beside_cache(cfg, method, n * step, prompt_tokens, mesh) <= device_bytes)
   lo, hi = 0, cfg.max_position // step  # fits(lo) holds (lo = 0: nothing asked); find the largest such n
   while lo < hi:
     mid = (lo + hi + 1) // 2
@@ -237,9 +260,24 @@ class DeviceMemoryError(MemoryError):
     self.largest_capacity = largest_capacity  # tokens per sequence at which the asked batch fits
 
 
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether ``error`` is XLA's out-of-memory failure (an allocation at run time, or a program too big to compile)."""
-  return isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith("RESOURCE_EXHAUSTED")
+  """Whether ``error`` is XLA's out-of-memory failure: an allocation at run time, a program too big to compile, or
+  one that the compiler's autotuner, wrapping it in its own error, could not find room to try (issue 51: "Out of
+  memory while trying to allocate 5.66GiB" while compiling prefill on a data mesh)."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and any(word in str(error) for word in OUT_OF_MEMORY)
+
+
+def out_of_memory_reason(error: BaseException) -> str:
+  """XLA's reason in one line: from "Out of memory" (or else the status code) on, in the first line that says it;
+  the rest of its message is a many-line allocator report."""
+  for line in str(error).splitlines():
+    at = min((line.find(word) for word in OUT_OF_MEMORY if word in line), default=-1)
+    if at >= 0:
+      return line[at:].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+  return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _gib(n: int) -> str:
@@ -318,8 +356,7 @@ def guard(request: CacheRequest):
   except jax.errors.JaxRuntimeError as e:
     if mem is None or not is_out_of_memory(e):
       raise
-    xla = str(e).splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
-    raise request.error(f"{request} fit, but XLA ran out beside it ({xla})", mem) from e
+    raise request.error(f"{request} fit, but XLA ran out beside it ({out_of_memory_reason(e)})", mem) from e
 
 
 def tree_bytes(tree) -> int:

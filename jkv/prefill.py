@@ -82,12 +82,16 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
     if chunk < 1:
       raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
     return _chunked(B, longest, capacity, round_up(chunk, multiple), multiple, even=False) if chunk < longest else whole
-  budget = lambda **extra: prefill_tokens or memory.prefill_token_budget(cfg, **extra)
+  shards = sharding.axis_size(mesh, "data")
+  # Prompt tokens of one call over the mesh: each device takes 1 / data of them (budgets count one device's memory).
+  budget = lambda **extra: prefill_tokens or shards * memory.prefill_token_budget(cfg, **extra)
   in_cache = memory.cache_bytes(method, cfg, B, capacity, mesh)
   if B * width <= budget(fixed_bytes=in_cache):
     return whole
-  per_sequence = -(-memory.cache_bytes(method, cfg, 1, capacity) // width)  # a sub-batch's fresh state
-  rows = budget(fixed_bytes=in_cache, state_bytes_per_token=per_sequence) // width
+  # Beside a sub-batch's fresh state; at least one prompt per device where that fits whole (what
+  # memory.largest_batch leaves room for).
+  per_sequence = memory.sub_batch_state_per_token(cfg, method, capacity, width, mesh)
+  rows = budget(fixed_bytes=in_cache, state_bytes_per_token=per_sequence, floor_tokens=width) // width
   if rows >= 1:
     return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
   return _chunked(B, longest, capacity, _chunk_budget(cfg, method, B, capacity, prefill_tokens, mesh), multiple,
@@ -119,10 +123,13 @@ def _chunk_budget(cfg: ModelConfig, method: CacheMethod, batch: int, capacity: i
                   mesh) -> int:
   """Tokens per sequence of one chunked call: ``prefill_tokens`` over the batch, or what half the free memory holds
   beside the cache and the chunk's held rows; whole chunk multiples, at least ``memory.MIN_CHUNK``."""
-  multiple = method.chunk_multiple()
-  fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh) + memory.held_rows_bytes(cfg, batch, capacity)
+  multiple, shards = method.chunk_multiple(), sharding.axis_size(mesh, "data")
+  # Per device: the cache's share, and the held rows of its sequences and KV heads.
+  held = memory.held_rows_bytes(cfg, batch // shards, capacity) // sharding.axis_size(mesh, "model")
+  fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh) + held
   # (a chunk's more held rows at the grown capacity: within the halving)
-  size = (prefill_tokens or memory.prefill_token_budget(cfg, fixed_bytes=fixed)) // batch // multiple * multiple
+  tokens = prefill_tokens or shards * memory.prefill_token_budget(cfg, fixed_bytes=fixed)  # over the mesh
+  size = tokens // batch // multiple * multiple
   return max(size, round_up(memory.MIN_CHUNK, multiple))
 
 
@@ -146,6 +153,14 @@ def prefill_starts(batch: int, rows: int) -> list:
   return starts
 
 
+def sub_batch(batch: int, rows: int, start: int, shards: int) -> np.ndarray:
+  """The sequences [rows] of a prefill sub-batch of a cache whose ``batch`` sequences are split into ``shards`` equal
+  parts (a data mesh): ``rows / shards`` from ``start`` within each part, so that every device prefills and writes
+  sequences it holds (``sharding.put_rows``). [start, start + rows) with one part."""
+  per, part = rows // shards, batch // shards
+  return (np.arange(shards)[:, None] * part + start + np.arange(per)[None]).reshape(-1)
+
+
 def pad_prompts(prompts, width: int, pad_id: int) -> np.ndarray:
   """Prompts (lists of ids) right-padded with ``pad_id`` to [B, width] int32."""
   tokens = np.full((len(prompts), width), pad_id, np.int32)
@@ -164,15 +179,16 @@ def prompt_positions(lengths, start, width: int, held=0):
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",),
                    compiler_options=MODEL_COMPILER_OPTIONS)
 def _prefill_rows(params, tokens, lengths, cache, start, *, cfg):
-  """Prefill sequences [start, start + b) of the cache with tokens [b, T] of prompts of lengths [b]; returns their
-  last-token logits [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a
+  """Prefill sequences [start, start + b) of the cache (on a data mesh, b / data sequences from ``start`` within
+  each shard: ``sub_batch``) with tokens [b, T] of prompts of lengths [b]; returns their last-token logits
+  [b, vocab] and the cache. Other sequences' state is untouched, so a batch can be filled a
   sub-batch at a time (the activations of one call are bounded by b x T tokens). The sub-batch starts from a fresh
   empty state, not a slice of the cache: with the cache's only use the in-place write, XLA needs no copy of it
   (reading a slice first made it copy the whole donated cache, 27 GiB at B=98 on the H100)."""
   part = KVCache.create(cache.method, cache.spec.with_batch(tokens.shape[0]), cache.impl)
   positions = prompt_positions(lengths, 0, tokens.shape[1])
   logits, part = forward(params, tokens, positions, part, cfg=cfg, prefill=True, logit_rows=(lengths - 1)[:, None])
-  return logits[:, 0], cache.put_rows(start, part)
+  return logits[:, 0], sharding.put_rows(cache, start, part)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "first"), donate_argnames=("cache", "logits"),
@@ -224,9 +240,9 @@ class Prefill:
     here."""
     p = self.plan
     if p.rows < p.batch:
-      logits = None
-      for start in prefill_starts(p.batch, p.rows):
-        rows = slice(start, start + p.rows)
+      logits, shards = None, sharding.data_shards(cache)
+      for start in prefill_starts(p.batch // shards, p.rows // shards):
+        rows = sub_batch(p.batch, p.rows, start, shards)
         part, cache = _prefill_rows(params, jnp.asarray(self.tokens[rows]), jnp.asarray(self.lengths[rows]), cache,
                                     jnp.int32(start), cfg=self.cfg)
         logits = jnp.zeros((p.batch,) + part.shape[1:], part.dtype) if logits is None else logits

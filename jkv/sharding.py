@@ -468,6 +468,35 @@ def cache_mesh(cache: KVCache) -> Optional[Mesh]:
   return cache.method.mesh if isinstance(cache.method, PerShard) else None
 
 
+def data_shards(cache: KVCache) -> int:
+  """How many parts the cache's sequences are split into (its mesh's ``data`` axis; 1 without a mesh)."""
+  mesh = cache_mesh(cache)
+  return 1 if mesh is None else axis_size(mesh, cache.method.rules.batch)
+
+
+def put_rows(cache: KVCache, start, part: KVCache) -> KVCache:
+  """``cache.put_rows(start, part)`` where each data shard holds its own sequences: every device writes its slice of
+  ``part`` at ``start`` within its own slice of the cache, so ``start`` counts within a shard and the sub-batch is
+  ``part.batch / data`` sequences of each shard (``jkv.prefill.sub_batch``). The partitioner, given a write at a
+  traced offset of a sharded axis, gathers every array of the cache whole on every device (all-gather, update,
+  slice back): on a ``data`` mesh that is the whole cache's bytes of temporaries per device."""
+  if data_shards(cache) == 1:
+    return cache.put_rows(start, part)
+  method = cache.method
+  state_spec, part_spec = (state_specs(method.inner.abstract(c.spec), method.mesh, method.rules) for c in (cache, part))
+  rows = P(method.rules.batch)
+
+  def body(state, lengths, part_state, part_lengths, start):
+    local = cache.replace(state=state, lengths=lengths).put_rows(start, part.replace(state=part_state,
+                                                                                   lengths=part_lengths))
+    return local.state, local.lengths
+
+  run = shard_map(body, mesh=method.mesh, in_specs=(state_spec, rows, part_spec, rows, P()),
+                  out_specs=(state_spec, rows))
+  state, lengths = run(cache.state, cache.lengths, part.state, part.lengths, start)
+  return cache.replace(state=state, lengths=lengths)
+
+
 def splits(mesh, batch: int, kv_heads: int) -> bool:
   """Whether ``batch`` sequences and ``kv_heads`` heads split evenly over the mesh's data and model axes."""
   return batch % axis_size(mesh, "data") == 0 and kv_heads % axis_size(mesh, "model") == 0

@@ -204,8 +204,9 @@ def test_info_largest_batch_on_a_given_device(capsys):
   # Prefill activations per prompt token (jkv.memory.prefill_bytes_per_token): embed 576, 9 x 64 query and
   # 2 x 3 x 64 key/value features, ffw 1536, all fp32.
   prefill = 4 * (4 * 576 + 2 * 576 + 2 * 384 + 3 * 1536)
-  budget = 8 * 2**30 - weights - memory.RESERVE_BYTES - 4096 * prefill
-  assert dense["largest_batch"] == budget // (4096 * DENSE_BYTES_PER_TOKEN + 4)
+  sequence = 4096 * DENSE_BYTES_PER_TOKEN + 4  # one sequence's cache; prefill's sub-batch holds one fresh besides
+  budget = 8 * 2**30 - weights - memory.RESERVE_BYTES - 4096 * prefill - sequence
+  assert dense["largest_batch"] == budget // sequence
   assert kivi["largest_batch"] > 4 * dense["largest_batch"]
 
 

@@ -268,12 +268,15 @@ def test_largest_batch_fits_and_one_more_does_not():
   for name, options in (("dense", {}), ("kivi", dict(bits=2))):
     method = make_method(name, **options)
     b = memory.largest_batch(cfg, method, capacity, 4096, device_bytes=device, weight_bytes=weights)
-    budget = device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096
+    # Beside the weights, the reserve and one prompt's prefill: its activations and a sub-batch's fresh sequence.
+    budget = (device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096
+              - memory.cache_bytes(method, cfg, 1, capacity))
     assert memory.cache_bytes(method, cfg, b, capacity) <= budget < memory.cache_bytes(method, cfg, b + 1, capacity)
     batches[name] = b
   # dense: 2 * 32 * 8 * 128 * 2 bytes = 128 KiB per token, 4608 tokens: 576 MiB per sequence.
-  assert batches["dense"] == (device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096) // (
-      4608 * 131072 + 4)
+  sequence = 4608 * 131072 + 4
+  assert batches["dense"] == (device - weights - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 4096
+                              - sequence) // sequence
   assert batches["kivi"] > 4 * batches["dense"]
 
 

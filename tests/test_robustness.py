@@ -80,14 +80,17 @@ def test_a_cache_that_cannot_fit_is_refused_before_allocation(tiny_llama, monkey
   err = e.value
   assert isinstance(err, MemoryError) and "\n" not in str(err)
   assert err.need_bytes == need and err.free_bytes == free
-  # What fits is what jkv.memory counts: the cache beside one prefill and the reserve, one more does not.
-  room = free - memory.RESERVE_BYTES - memory.prefill_bytes_per_token(cfg) * 32  # prompts padded to 32 tokens
+  # What fits is what jkv.memory counts: the cache beside one prefill (a prompt padded to 32 tokens: activations,
+  # and a sub-batch's fresh sequence at the cache's capacity, per token rounded up) and the reserve, one more does not.
+  room = lambda cap: free - memory.RESERVE_BYTES - 32 * (memory.prefill_bytes_per_token(cfg)
+                                                         + -(-memory.cache_bytes(method, cfg, 1, cap) // 32))
   assert 0 < err.largest_batch < 64
-  assert memory.cache_bytes(method, cfg, err.largest_batch, capacity) <= room
-  assert memory.cache_bytes(method, cfg, err.largest_batch + 1, capacity) > room
+  assert memory.cache_bytes(method, cfg, err.largest_batch, capacity) <= room(capacity)
+  assert memory.cache_bytes(method, cfg, err.largest_batch + 1, capacity) > room(capacity)
   assert 32 < err.largest_capacity < capacity and err.largest_capacity % method.capacity_multiple() == 0
-  assert memory.cache_bytes(method, cfg, 64, err.largest_capacity) <= room
-  assert memory.cache_bytes(method, cfg, 64, err.largest_capacity + method.capacity_multiple()) > room
+  assert memory.cache_bytes(method, cfg, 64, err.largest_capacity) <= room(err.largest_capacity)
+  longer = err.largest_capacity + method.capacity_multiple()
+  assert memory.cache_bytes(method, cfg, 64, longer) > room(longer)
   for words in (f"64 sequences of {capacity} tokens with kivi ({need / GIB:.2f} GiB) does not fit",
                 f"has {free / GIB:.2f} GiB free of {(free + GIB) / GIB:.2f} GiB",
                 f"at most {err.largest_batch} sequences of {capacity} tokens fit, or 64 of {err.largest_capacity}"):
