@@ -1,6 +1,6 @@
 """A round of kernel work measured: two builds of the Mosaic GPU kernel timed alternately, a process at a time.
 
-Round 5 of issue 26 showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
+Earlier kernel work showed why two back-to-back runs of mgpu_decode.py are not enough: cuDNN moved by 5% between
 them, and in one run a quarter-filled cache took longer than the full one. Here each repeat runs one process per
 build, the two in turn (before first in even repeats, after first in odd ones), each timing KIVI-2 and KIVI-4 (the
 kernel alone, and KIVI's whole attention call with its window) and cuDNN dense (``mgpu_decode.py --impls``; a

@@ -10,9 +10,9 @@ line, last, after progress lines only, no traceback, no allocator report) and re
 
 The cases (``--cases`` picks some by name):
 
-- ``oom`` / ``oom_verbose``: issue 28's command, 1024 prompts with ``--max-new-tokens 4000`` (189 GiB of dense
-  cache), refused before anything is allocated (``jkv.DeviceMemoryError``: "... does not fit"), in one line;
-  with ``--verbose`` the same line comes last, after the whole error.
+- ``oom`` / ``oom_verbose``: an H100's earlier out-of-memory command, 1024 prompts with ``--max-new-tokens 4000``
+  (189 GiB of dense cache), refused before anything is allocated (``jkv.DeviceMemoryError``: "... does not fit"), in
+  one line; with ``--verbose`` the same line comes last, after the whole error.
 - ``oom_ppl`` / ``oom_compare``: the same refusal from ``jkv eval ppl`` and ``jkv compare`` (windows of a long text
   decoded together).
 - ``thanks_json`` / ``thanks_stream``: the issue's prompt (the one tests/test_robustness.py uses) with

@@ -29,7 +29,7 @@ row, the real row's own top k fetched inside the layer and attended in a second 
 G = 64); specache1_repair (each step checks the previous guess and gives a sequence that missed the
 fetch-then-recompute pass, under ``lax.cond``: on a random model's near-uniform attention some sequence of the
 batch misses nearly every step, so this times the repair's worst case) and specache1_repair_k128 (the same, 128
-rows fetched: issue 27's quality candidate). A failure is recorded with its first line and the next method runs.
+rows fetched: a quality candidate). A failure is recorded with its first line and the next method runs.
 
     python benchmarks/specache_decode.py --part check                          # on the GPU
     XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \

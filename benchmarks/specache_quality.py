@@ -1,4 +1,4 @@
-"""Where SpeCache's perplexity gap to dense comes from (issue 27, part 3), on the default model, CPU or GPU.
+"""Where SpeCache's perplexity gap to dense comes from, on the default model, CPU or GPU.
 
 SpeCache attends the k rows that the previous step's speculative row found most attended, in 16 bits. Its
 speculative token is a guess of the next real token (the greedy output of the previous speculative row). In

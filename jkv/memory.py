@@ -104,7 +104,7 @@ def gather_pool(nbytes: int, devices) -> None:
   Without it, XLA's GPU allocator with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` gives each array too large for its
   free blocks a new region, sized the next power of two of 2 MiB that holds it but never past what is left of its
   limit. The cache of 303 sequences of 4064 tokens of the default model (dense, 52.85 GiB, with 58.85 GiB free of
-  59.38 GiB) failed on the H100 (issue 28) asking for 26.42 GiB in ``jit_broadcast_in_dim``, the zeros of its second
+  59.38 GiB) failed on the H100 asking for 26.42 GiB in ``jit_broadcast_in_dim``, the zeros of its second
   array: by that rule (tests/test_memory_pool.py models it) the weights' regions come to 1 GiB, K gets a 32 GiB
   region, and V, the same size, finds 26.38 GiB left to grow into (the 5.58 GiB free in K's region is no use to it).
   One placeholder of the whole cache grows the pool by one region that holds every array (the next power of two
@@ -265,8 +265,8 @@ OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory")
 
 def is_out_of_memory(error: BaseException) -> bool:
   """Whether ``error`` is XLA's out-of-memory failure: an allocation at run time, a program too big to compile, or
-  one that the compiler's autotuner, wrapping it in its own error, could not find room to try (issue 51: "Out of
-  memory while trying to allocate 5.66GiB" while compiling prefill on a data mesh)."""
+  one that the compiler's autotuner, wrapping it in its own error, could not find room to try ("Out of memory while
+  trying to allocate 5.66GiB", met while compiling prefill on a data mesh of 2 H200s)."""
   return isinstance(error, jax.errors.JaxRuntimeError) and any(word in str(error) for word in OUT_OF_MEMORY)
 
 

@@ -80,8 +80,8 @@ except ImportError:  # pragma: no cover - an older jax: the kernel is unavailabl
 
 SHARED_PER_SM = 228 * 1024  # shared memory of a Hopper SM (H100, H200)
 STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concurrent_steps: measured there)
-# Programs of 128 threads an SM runs at once, by registers (64K an SM): 168 a thread allow 3 (ptxas on an H100,
-# round 19: KIVI-2 140, with a segment 144; KIVI-4 139, 142), fewer where shared memory does not fit (splits count
+# Programs of 128 threads an SM runs at once, by registers (64K an SM): 168 a thread allow 3 (ptxas on an H100:
+# KIVI-2 140, with a segment 144; KIVI-4 139, 142), fewer where shared memory does not fit (splits count
 # on the fit). At B = 8, L = 32768 KIVI-2 takes 6 splits, all 384 programs at once.
 PROGRAMS_PER_SM = 3
 ROWS = 16       # the most query rows of a KV head; the N of a segment's value product (the smallest swizzle)
@@ -836,8 +836,8 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
 
 
 # A tile's time by code width, relative to 2 bits: the kernel alone at B = 8, L = 32768 on an H100 took 76.6 µs
-# for KIVI-2, 116.2 for KIVI-4 and 75.7 for SpeCache's 1-bit store (rounds 19 and 22 traces: the unpack costs per
-# code, not per bit); KIVI-8 228.6 µs against KIVI-2's 91.8 in one run (round 26, dispatched: near the copy rate).
+# for KIVI-2, 116.2 for KIVI-4 and 75.7 for SpeCache's 1-bit store (profiler traces: the unpack costs per
+# code, not per bit); KIVI-8 228.6 µs against KIVI-2's 91.8 in one run (dispatched: near the copy rate).
 TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5, 8: 2.5}
 
 

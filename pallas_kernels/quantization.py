@@ -19,7 +19,7 @@ Bit-exact on every backend. The Pallas kernel (Triton) and the reference (XLA) m
 and GPU, and a floating-point division is where they differ: Triton lowers fp32 ``/`` to the approximate
 ``div.full.f32`` (up to 2 ulp off), XLA emits an IEEE division, and XLA's simplifier rewrites ``x / const`` into
 ``x * (1 / const)``; one ulp in (x - z) / s moves a value that sits near a rounding boundary to the next code
-(issue 8 saw exactly that on an H100). So the arithmetic here uses no division whose rounding matters:
+(seen on an H100). So the arithmetic here uses no division whose rounding matters:
 
 - s multiplies by the fp32 constant fl(1/qmax) (one correctly rounded product everywhere; it differs from
   (max - min) / qmax by at most one fp32 ulp before the cast to ``meta_dtype``).

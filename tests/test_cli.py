@@ -163,7 +163,7 @@ def test_readme_command_in_a_fresh_process():
 # ------------------------------------------------------------------------------------------------- info
 
 
-def test_info_kivi_compression_matches_the_spec_formula(capsys):
+def test_info_kivi_compression_matches_the_bytes_formula(capsys):
   info = json_of(capsys, "info", "--json", "--method", "kivi", "--bits", "2", "--tokens", "4096")
   cfg = info["config"]
   assert (cfg["num_layers"], cfg["kv_heads"], cfg["head_dim"], cfg["dtype"]) == (30, 3, 64, "float32")

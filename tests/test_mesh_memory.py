@@ -1,4 +1,4 @@
-"""What each device of a mesh holds, as planned and as allocated (issue 51): the weights' shard, the cache's, one
+"""What each device of a mesh holds, as planned and as allocated: the weights' shard, the cache's, one
 prefill call and the reserve fit the device at the largest batch and one more step of the data axis does not; a
 prefill sub-batch on a data mesh writes each device's own sequences (no cache-sized temporaries); XLA running out
 of memory on a mesh is the one-line ``DeviceMemoryError``.
@@ -139,7 +139,7 @@ def test_sub_batches_on_a_mesh_give_one_devices_tokens(params):
 
 @on_four
 def test_xla_out_of_memory_while_compiling_on_a_mesh_is_one_line(params, monkeypatch):
-  """The autotuner's failure of issue 51, raised while prefill compiles on a data mesh: one line naming XLA's reason
+  """The autotuner's failure met on 2 H200s, raised while prefill compiles on a data mesh: one line naming XLA's reason
   and the largest batch that fits each device."""
   free, capacity, batch = 11 * GIB, 512, 8
   monkeypatch.setattr(memory, "available_memory", lambda: dict(limit=12 * GIB, in_use=GIB, peak=0))

@@ -657,7 +657,7 @@ class TestMgpuDecodeAttentionGpu:
   def test_holes_in_one_tile_steps(self, k_bits, head_dim, holes):
     """Holes in one-tile steps, over splits of 8 to 2 steps and one split of all 16, and the default (one-tile
     steps too at head_dim 256, 8 bits): held to the reference. Until holes took two bytes a slot in one-tile steps,
-    a split of more than one step stopped with a misaligned address (round 28)."""
+    a split of more than one step stopped with a misaligned address."""
     store = make_store(40, k_bits=k_bits, v_bits=k_bits, k_group=32, v_group=32, dtype=jnp.bfloat16, capacity=1024,
                        head_dim=head_dim, lengths=[1024, 700, 300])
     kh, kq = jax.random.split(jax.random.key(41))

@@ -570,7 +570,7 @@ def test_memory_matches_the_first_principles_count():
 
 
 def test_default_and_paper_preset_layouts_and_bytes_per_token():
-  """The default (issue 27's frontier: 2-bit, G = 16, Gv = 32, R = 32, N = 8) and the paper preset, whose values are
+  """The default (docs/frontier.md: 2-bit, G = 16, Gv = 32, R = 32, N = 8) and the paper preset, whose values are
   grouped as its keys (Gv = min(G, D), the layout benchmarks/kernel_decode.py times). Bytes per token once the
   pools are full, from first principles at D = 64 in fp16: 2-bit K and V codes (32 bytes), an fp16 scale and zero
   per G tokens of a key channel (4 * 64 / G) and per Gv channels of a value (4 * 64 / Gv), one hole bool with a

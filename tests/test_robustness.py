@@ -26,7 +26,7 @@ from tests.conftest import random_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
-# What XLA raised on the H100 (issue 28), with the start of the allocator report its message carries.
+# What XLA raised on the H100, with the start of the allocator report its message carries.
 XLA_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.55GiB.\nBufferAssignment OOM Debugging.\n"
            "BufferAssignment stats:\n             parameter allocation:    1.00GiB\n")
 

@@ -84,7 +84,7 @@ def test_sentencepiece_gguf_is_refused():
                                eos_ids=(), add_bos=False, chat_template=None)
 
 
-# --- streaming (issue 10 case 3) ------------------------------------------------------------------------------
+# --- streaming ---------------------------------------------------------------------------------------------
 
 
 def _stream(tokenizer, ids, skip_special_tokens=False):

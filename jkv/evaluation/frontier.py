@@ -45,8 +45,8 @@ from jkv.evaluation import perplexity as ppl_lib
 
 DEFAULT_PPL = ppl_lib.WindowPlan(context=512, scored=64, num_windows=16, batch_size=4)
 
-# Each method's main knobs (issue 27): 77 configurations, about an hour and a half at 512 + 64 tokens on 2 shared
-# CPU cores. Every method's default and its presets join the sweep whatever the grid says (``sweep_specs``).
+# Each method's main knobs (docs/frontier.md), 77 configurations: about an hour and a half at 512 + 64 tokens on 2
+# shared CPU cores. Every method's default and its presets join the sweep whatever the grid says (``sweep_specs``).
 SWEEP = {
     "dense": ("dense",),
     "kivi": tuple(f"kivi:bits={b},residual={r}" for b in (1, 2, 4) for r in (32, 64, 128))
@@ -60,7 +60,7 @@ SWEEP = {
         "group_size=32,residual=16,pool_size=8", "group_size=32,residual=48,pool_size=8",
         "group_size=32,residual=32,pool_size=16", "group_size=32,residual=32,pool_size=8,no_pool_layers=0",
         "group_size=16,residual=32,pool_size=8"))
-    # Key groups of 16 tokens (issue 27: the current default is G = 16, Gv = 32, R = 32, N = 8).
+    # Key groups of 16 tokens (the current default: G = 16, Gv = 32, R = 32, N = 8).
     + tuple(f"ott:group_size=16,residual={r},pool_size={n},value_group={gv}"
             for r, n, gv in ((32, 0, 32), (32, 3, 32), (32, 16, 32), (16, 8, 32), (48, 8, 32), (32, 8, 64),
                              (48, 8, 64)))

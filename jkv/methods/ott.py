@@ -128,8 +128,8 @@ def _quantize_pack(x, *, bits, group_size, axis, meta_dtype, impl):
 @register
 @dataclasses.dataclass(frozen=True)
 class Ott(CacheMethod):
-  """OTT settings. The defaults were chosen on the default model's quality-per-byte frontier (issue 27,
-  ``jkv frontier``, docs/frontier.md): 2-bit codes, key groups of G = 16 tokens, values in groups of 32
+  """OTT settings. The defaults were chosen on the default model's quality-per-byte frontier
+  (``jkv frontier``, docs/frontier.md): 2-bit codes, key groups of G = 16 tokens, values in groups of 32
   channels, R = 32 and an 8-token pool. At 512 + 64 tokens they reached perplexity 12.526 where KIVI-2's default
   reached 14.341 (dense 11.851) at 0.84x its bytes per token on pydoc_data.topics (73% of KIVI-2's loss recovered),
   13.538 against 15.423 (dense 12.609; 67%) on the held-out text, and 8.447 against 9.402 (dense 7.910; 64%) at

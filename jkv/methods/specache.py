@@ -52,7 +52,7 @@ guess was right exactly when the real token is the previous step's speculative t
 layer-0 keys (same token, same position) agree; a different token's key differs in every channel. Where the
 guess was wrong, the real row gets the fetch-then-recompute pass (its own top k, fetched and attended again); the
 speculative row and the rows it picks for the next step are unchanged. A step pays the second pass only when some
-sequence missed (``lax.cond``). Why (issue 27, benchmarks/results/specache_quality_512.json, default model, 16
+sequence missed (``lax.cond``). Why (benchmarks/results/specache_quality_512.json, default model, 16
 windows of 512 + 64 tokens of pydoc_data.topics): scored on a text, the speculative token was the text's next token
 at 10.8% of the steps (each guess continues the previous guess, never the real token), and SpeCache-1 reached
 perplexity 13.649 against dense's 11.851; with the text's own next token as the guess it reached 12.712, the

@@ -107,7 +107,7 @@ class ZipCacheState:
 @dataclasses.dataclass(frozen=True)
 class ZipCache(CacheMethod):
   """ZipCache settings: the paper's (4/2 bits, r = 0.6, 5% + 5% probes) but for the recompression
-  interval, 32 steps instead of N = 100 (issue 27, docs/frontier.md): the full-precision window is most of
+  interval, 32 steps instead of N = 100 (docs/frontier.md): the full-precision window is most of
   the bytes a short context holds. On the default model, 512 + 64 tokens, it held 0.87x the paper setting's bytes
   per token for perplexity 12.229 against 12.148 on pydoc_data.topics and 12.873 against 12.867 on the held-out
   text (KIVI-2's default: 14.341 and 15.423 at 1.43x its bytes); in those 64 steps the paper's window never fills,
