@@ -186,9 +186,8 @@ _MIX = (np.uint32(0x9E3779B1), np.uint32(0x85EBCA77))  # odd constants: each pos
 @jax.jit
 def _checksums(params):
   """Two position-weighted sums mod 2**32 of every element's bits, per parameter array (uint32 [2]): one read of
-  every weight on the device where it lives (milliseconds for an 8B model on a GPU). Any change to an element
-  changes both sums unless the difference times an odd weight vanishes mod 2**32, which a change of any other
-  checkpoint does not arrange."""
+  every weight on the device where it lives. One changed element always changes both sums (an odd weight is
+  invertible mod 2**32); changes to several elements leave both unchanged only by coincidence."""
   def sums(x):
     width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
