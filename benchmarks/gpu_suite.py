@@ -1,6 +1,7 @@
 """The whole test suite on a GPU machine, recorded: one run's counts, failures and log, kept beside earlier runs.
 
-Issue 28 asks for clean whole-suite runs on the H100 with their summaries committed. This runs pytest over
+Clean whole-suite runs on the GPU, with their summaries committed, show that what CPU CI checks holds on the device
+kernels too. This runs pytest over
 ``tests`` (or what ``--pytest-args`` names) with pytest-xdist workers and on-demand GPU memory
 (``XLA_PYTHON_CLIENT_PREALLOCATE=false``: preallocating workers run out of device memory), writes the log to
 ``results/pytest_<device>_<date>.txt`` and appends a record (date, commit, device, jax version, workers, passed,
@@ -10,7 +11,8 @@ too on the device machine), then prints the records as a table. The exit status 
     python benchmarks/gpu_suite.py --commit "$(git rev-parse --short HEAD)"    # on the GPU machine
     python benchmarks/gpu_suite.py --table                                     # the committed runs
 
-The device machine's copy of the tree has no git history, so the commit is given on the command line.
+The device machine's copy of the tree has no git history, so the commit is given on the command line. On a machine
+with several GPUs, ``--gpus 0,1`` gives each worker one of them (``pin_worker_gpu.py``), as on single-GPU machines.
 """
 
 import argparse
@@ -66,6 +68,7 @@ def main() -> int:
   parser.add_argument("--commit", default="unknown", help="the commit the tree is at (the device copy has no git)")
   parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers (0: none)")
   parser.add_argument("--pytest-args", nargs="+", default=["tests"], help="what pytest runs (default: tests)")
+  parser.add_argument("--gpus", help="spread the workers over these GPUs, one each (e.g. 0,1); default: all see all")
   parser.add_argument("--timeout", type=float, default=1800, help="seconds the suite may take")
   parser.add_argument("--out", type=pathlib.Path,
                       help="records JSON, the log beside it (default: results/gpu_suite_<device>.json)")
@@ -76,12 +79,14 @@ def main() -> int:
       print(f"{path.name}\n\n{table(json.loads(path.read_text()))}\n")
     return 0
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  if args.gpus:
+    env.update(JKV_SUITE_GPUS=args.gpus, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])))
   info = device_info(env)
   slug = re.sub(r"[^a-z0-9]+", "_", info["device"].lower()).strip("_")
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *args.pytest_args]
   if args.workers:
-    command += ["-n", str(args.workers)]
+    command += ["-n", str(args.workers)] + (["-p", "pin_worker_gpu"] if args.gpus else [])
   start = time.perf_counter()
   try:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -92,7 +97,8 @@ def main() -> int:
   seconds = time.perf_counter() - start
   out = args.out or HERE / "results" / f"gpu_suite_{slug}.json"
   log_path = out.parent / f"pytest_{slug}_{date[:16].replace(':', '').replace('-', '')}.txt"
-  record = dict(date=date, commit=args.commit, **info, workers=args.workers, pytest_args=args.pytest_args,
+  record = dict(date=date, commit=args.commit, **info, workers=args.workers, gpus=args.gpus,
+                pytest_args=args.pytest_args,
                 exit_status=status, seconds=round(seconds, 1), log=log_path.name, **summarize(log))
   for path in [log_path] + ([pathlib.Path(os.environ["OUT"], log_path.name)] if os.environ.get("OUT") else []):
     path.parent.mkdir(parents=True, exist_ok=True)

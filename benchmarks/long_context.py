@@ -10,7 +10,9 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
                      correctness check against the XLA path on a smaller shape
     --part prefill   ``jkv.generate`` on one prompt of ``--context`` tokens for each of ``--methods``: prefill s and
                      tokens/s (with the plan it chose: whole, or the chunk), decode ms/step against the floor (every
-                     weight and the cache's held bytes once, at the copy rate measured in the same run), peak memory
+                     weight and the cache's held bytes once, at the copy rate measured in the same run), peak memory;
+                     ``--profile`` traces the run and records the kernels that take its device time (prefill is most
+                     of it), into results/long_context_profile.json unless ``--out`` says otherwise
     --part decode    B = 1 decode at each of ``--contexts`` tokens (0: the longest the method holds on this device,
                      ``jkv.memory.longest_context``) for each of ``--methods``, over a synthetic fill: the cache is
                      allocated holding that many tokens without a prefill (records say ``synthetic_fill``), so
@@ -125,7 +127,8 @@ def kernel_part(contexts, chunk, smoke):
 # ------------------------------------------------------------------------------------------------- prefill
 
 
-def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke):
+def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke, profile=False):
+  import contextlib
   import jax
   import numpy as np
   from jkv import generate as gen
@@ -144,10 +147,12 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   for label in labels:
     name, options = METHODS[label]
     t = time.perf_counter()
+    trace_dir = tempfile.TemporaryDirectory()
     try:
-      res = gen.generate(params, cfg, [prompt], method=make_method(name, **options), max_new_tokens=new_tokens,
-                         eos_ids=(), chunk=min(16, new_tokens), prefill_chunk=prefill_chunk,
-                         prefill_tokens=prefill_tokens)
+      with jax.profiler.trace(trace_dir.name) if profile else contextlib.nullcontext():
+        res = gen.generate(params, cfg, [prompt], method=make_method(name, **options), max_new_tokens=new_tokens,
+                           eos_ids=(), chunk=min(16, new_tokens), prefill_chunk=prefill_chunk,
+                           prefill_tokens=prefill_tokens)
     except (MemoryError, ValueError) as e:  # the one-line errors: recorded, the next method runs
       print(f"{label}: {type(e).__name__}: {e}", flush=True)
       records.append(dict(_base("prefill", label, 1, context), error=f"{type(e).__name__}: {e}",
@@ -164,12 +169,26 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
         kv_bytes=s["kv_bytes"], kv_host_bytes=s["kv_host_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
         capacity=s["capacity"], peak_device_bytes=s["peak_device_bytes"], compile_s=s["compile_s"],
         weight_bytes=weight_bytes, copy_rate=rate, wall_s=time.perf_counter() - t)
+    if profile:
+      record.update(profiled=True, top_kernels=top_kernels(trace_dir.name))
+      print("\n".join(f"  {k['ms']:9.1f} ms {k['calls']:6.0f} calls  {k['name'][:90]}" for k in record["top_kernels"]),
+            flush=True)
+    trace_dir.cleanup()
     print(f"{label:>10} {context} tokens: prefill {s['prefill_s']:.2f} s ({s['prefill_tokens_per_s']:.0f} tok/s, "
           f"chunk {s['prefill_chunk']}, {s['prefill_calls']} calls), decode {ms:.2f} ms/step (floor {floor:.2f}, "
           f"{ms / floor:.2f}x), kv {s['kv_bytes'] / 2**30:.2f} GiB, peak "
           f"{(s['peak_device_bytes'] or 0) / 2**30:.1f} GiB, compile {s['compile_s']:.0f} s", flush=True)
     records.append(record)
   return records
+
+
+def top_kernels(trace_dir, top=25) -> list:
+  """The ``top`` kernels of a traced generate call by their summed device time: rows {name, ms, calls}. Generate
+  compiles ahead of time, so the trace holds one prefill and the decode steps, nothing run twice."""
+  from profile_decode_step import device_events, kernel_events, summarize
+  planes = device_events(trace_dir)
+  rows = summarize(kernel_events({n: e for plane in planes.values() for n, e in plane.items()}), 1, top)
+  return [dict(name=r["name"], ms=r["us_per_step"] / 1e3, calls=r["calls_per_step"]) for r in rows]
 
 
 # ------------------------------------------------------------------------------------------------- decode
@@ -289,13 +308,15 @@ def main():
   parser.add_argument("--mesh", default="none", help="decode: a mesh of GPUs, e.g. model=4 (KV heads split)")
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
+  parser.add_argument("--profile", action="store_true", help="prefill: trace the run, record its top kernels")
   parser.add_argument("--smoke", action="store_true", help="a tiny model, small shapes (any machine)")
   parser.add_argument("--out", type=pathlib.Path,
                       help="JSON to merge the records into (default: results/long_context.json; none with --smoke)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   parser.add_argument("--records-to", type=pathlib.Path, help=argparse.SUPPRESS)  # a child: its records, unmerged
   args = parser.parse_args()
-  out = args.out or (None if args.smoke else HERE / "results" / "long_context.json")
+  name = "long_context_profile.json" if args.profile else "long_context.json"
+  out = args.out or (None if args.smoke else HERE / "results" / name)
   if args.table:
     write_readme_section("long_context", markdown_table(json.loads(out.read_text())),
                          "## Long context: one sequence")
@@ -304,7 +325,7 @@ def main():
   if args.part != "kernel" and runs > 1 and not args.smoke and args.records_to is None:
     argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--mesh", args.mesh]
     argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens))
-             if v is not None]
+             if v is not None] + ["--profile"] * args.profile
     records = in_own_processes(argv, args.part, args.methods,
                                args.contexts if args.part == "decode" else [args.context])
   elif args.part == "kernel":
@@ -315,7 +336,7 @@ def main():
                           args.smoke, args.mesh)
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
-                           args.prefill_chunk, args.prefill_tokens, args.smoke)
+                           args.prefill_chunk, args.prefill_tokens, args.smoke, args.profile)
   if args.records_to is not None:
     args.records_to.write_text(json.dumps(records))
     return
