@@ -247,6 +247,14 @@ def wait_for_stall(proc: Proc, d: str, timeout: float = 120) -> bool:
   raise TimeoutError(f"worker {proc.index} neither stalled nor ended in {timeout} s")
 
 
+def wait_for_line(procs, line: str, timeout: float = 120) -> None:
+  """Wait until each of ``procs`` has printed ``line`` on stderr or ended: on a loaded machine a process can take
+  seconds to reach the lock, and one that arrives after the holder died never waits."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and any(p.popen.poll() is None and line not in p.stderr() for p in procs):
+    time.sleep(0.05)
+
+
 def kill(proc: Proc, sig: int) -> None:
   if proc.popen.poll() is None:
     proc.signal = sig
@@ -270,6 +278,7 @@ class Scenario:
   max_delay: float  # random kills land within this many seconds of the start
   env: dict = {}
   allowed = ("succeeded", "killed")  # outcomes of a round's process that break nothing
+  waits_with = None  # the line a process prints while another holds the lock: the staller dies once all printed it
 
   def setup(self, d: str) -> None:
     pass
@@ -289,6 +298,7 @@ def _wheel_source() -> str:
 
 class FirstUse(Scenario):
   name, max_delay = "first-use", 1.5
+  waits_with = "another process is fetching the default model"
 
   @staticmethod
   def available() -> bool:
@@ -440,7 +450,10 @@ def run_round(scenario: Scenario, d: str, n: int, rng: random.Random, stall: boo
   procs += [start(scenario.name, d, i, env=scenario.env) for i in range(len(procs), n)]
   plan = [(rng.uniform(0, scenario.max_delay), i, rng.choice((signal.SIGKILL, signal.SIGINT)))
           for i, p in enumerate(procs) if p is not staller and rng.random() < kills]
-  if staller is not None:
+  if staller is not None and scenario.waits_with:
+    wait_for_line(procs[1:], scenario.waits_with)
+    plan.append((time.monotonic() - t0, 0, signal.SIGKILL))
+  elif staller is not None:
     plan.append((0.3, 0, signal.SIGKILL))
   for delay, i, sig in sorted(plan):
     time.sleep(max(0.0, t0 + delay - time.monotonic()))
