@@ -204,9 +204,20 @@ class CacheMethod(abc.ABC):
   def extend(self, state, layer, q, k, v, ctx: StepContext):
     """Attend one prompt chunk over the held tokens and itself, then store it; returns (out [B, H, T, g, D], state)
     (module docstring)."""
+    if self.store_spares_held_rows():
+      state = self.store_chunk(state, layer, q, k, v, ctx)
+      held = self.held_rows(state, layer, ctx.lengths)
+      return chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl), state
     held = self.held_rows(state, layer, ctx.lengths)
     out = chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl)
     return out, self.store_chunk(state, layer, q, k, v, ctx)
+
+  def store_spares_held_rows(self) -> bool:
+    """True where storing a chunk leaves what ``held_rows`` gives for the tokens held before it unchanged (the store
+    writes only rows past them): ``extend`` then stores first and reads the held rows from the stored state. Read
+    first, nothing orders the in-place write after the read of the same arrays, and XLA keeps the read's operand by
+    copying each whole [L, ...] array, every layer of every chunk (in host memory for SpeCache's exact copy)."""
+    return False
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """Every token held at ``layer`` with ``lengths`` [B] tokens stored, as 16-bit rows (module docstring)."""

@@ -3,6 +3,7 @@ against its own decode-path attention, chunks stored against the same rows store
 generate chunked against whole where the method holds a prompt exactly."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,50 @@ def test_rows_stored_in_chunks_hold_what_they_hold_stored_whole(name, options):
     for b in range(B):
       n = int(lengths[b])
       np.testing.assert_array_equal(host[b, :, :n], np.concatenate([k, v], axis=-1)[b, :, :n])
+
+
+@pytest.mark.parametrize("name, options", [("dense", {}), ("specache", dict(exact_chunks=True))])
+def test_a_method_that_stores_a_chunk_first_keeps_its_held_rows(name, options):
+  """A method whose ``extend`` stores the chunk before reading its held rows (``store_spares_held_rows``) gives the
+  same held rows for the tokens held before the chunk either way. The others must not claim it: their stores
+  rewrite rings, windows or pools that their held rows read."""
+  others = [make_method(n, **o) for n, o in METHODS + [("specache", {})] if n != "dense"]
+  assert not [m for m in others if m.store_spares_held_rows()]
+  method, spec, chunk, (q, k, v) = _method_case(name, options, capacity=1024, chunks=2, about=192, seed=5)
+  lengths = jnp.asarray([chunk, chunk - 13], jnp.int32)
+  layer = 1
+  state = _store(method, spec, layer, q, k, v, lengths, [chunk])
+  part = lambda x: x[:, :, chunk:]
+  ctx = StepContext(lengths=lengths, positions=lengths[:, None] + jnp.arange(chunk)[None], impl="xla")
+  before = method.held_rows(state, layer, lengths)
+  after = method.held_rows(method.store_chunk(state, layer, part(q), part(k), part(v), ctx), layer, lengths)
+  assert method.store_spares_held_rows()
+  for i in (0, 1):
+    for b in range(B):
+      n = int(lengths[b])
+      np.testing.assert_array_equal(np.asarray(after[i][b, :, :n]), np.asarray(before[i][b, :, :n]))
+
+
+@pytest.mark.parametrize("name, options", [("dense", {}), ("specache", dict(exact_chunks=True))])
+def test_a_compiled_chunk_copies_no_whole_cache_array(name, options):
+  """Two layers of ``extend``, the second's rows made from the first's output as in the model: the compiled program
+  holds no copy the size of a whole stacked cache array (read first, XLA copied each such array every layer to keep
+  the read's operand from the store's in-place write; SpeCache's exact copy lives in host memory)."""
+  method, spec, chunk, (q, k, v) = _method_case(name, options, capacity=1024, chunks=1, about=192, seed=6)
+  state = method.init(spec)  # allocated: SpeCache's exact copy in host memory
+  lengths = jnp.asarray([chunk, chunk - 13], jnp.int32)
+
+  def two_layers(state, q, k, v, lengths):
+    ctx = StepContext(lengths=lengths, positions=lengths[:, None] + jnp.arange(chunk)[None], impl="xla")
+    for layer in range(2):
+      o, state = method.extend(state, layer, q, k, v, ctx)
+      q, k, v = q + o, k + o[:, :, :, 0], v + o[:, :, :, -1]
+    return q, state
+
+  text = jax.jit(two_layers, donate_argnums=0).lower(state, q, k, v, lengths).compile().as_text()
+  whole = {tuple(x.shape) for x in jax.tree.leaves(state) if x.shape[:1] == (L,) and x.size >= spec.capacity * D}
+  copies = [tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(r"\w+\[([\d,]+)\]\S* copy\(", text)]
+  assert whole and not [c for c in copies if c in whole], copies
 
 
 # ------------------------------------------------------------------------------------------------- the plan

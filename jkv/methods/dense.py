@@ -62,5 +62,8 @@ class Dense(CacheMethod):
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     return dense_store(state, layer, k, v, ctx.lengths)
 
+  def store_spares_held_rows(self) -> bool:
+    return True  # a chunk's rows go past the held ones
+
   def held_bytes(self, spec: CacheSpec, state, lengths: np.ndarray) -> HeldBytes:
     return HeldBytes(device=dense_kv_bytes(spec, lengths))

@@ -415,6 +415,9 @@ class SpeCache(CacheMethod):
     rows = jnp.where((ctx.positions >= 0)[:, None, :, None], jnp.concatenate([k, v], axis=-1), 0)
     return state.replace(low=low, host_kv=host_write_chunk(state.host_kv, layer, rows, ctx.lengths))
 
+  def store_spares_held_rows(self) -> bool:
+    return self.exact_chunks  # the host copy's rows past the held ones are written; the low-bit copy's ring is not
+
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """What a prompt chunk attends. With ``exact_chunks`` the host copy's held rows of the layer, moved to the
     device: a chunked prompt's tokens then attend each other exactly, as a whole prompt's do. On a GPU the Pallas
