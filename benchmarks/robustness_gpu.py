@@ -1,4 +1,4 @@
-"""Issue 28 on the GPU, as a user meets it: the ``jkv`` command line in subprocesses, with the default model.
+"""Out-of-memory and bad-input handling on the GPU, as a user meets it: the ``jkv`` command line in subprocesses, with the default model.
 
     PYTHONPATH=. JKV_CACHE=<model cache> python benchmarks/robustness_gpu.py      # on the GPU (about 8 minutes)
     python benchmarks/robustness_gpu.py --cpu-smoke                              # anywhere: a simulated device
@@ -449,7 +449,7 @@ def slug(kind: str) -> str:
 
 
 def markdown(results: dict) -> str:
-  head = (f"Issue 28 robustness on {results['device']} ({results['mode']}), jax {results['jax_version']}, "
+  head = (f"Robustness on {results['device']} ({results['mode']}), jax {results['jax_version']}, "
           f"{results['date']}: {results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped.\n\n")
   rows = ["| case | command | exit | stderr lines | first stderr line | last stderr line | result |",
           "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -360,7 +360,7 @@ def test_config_missing_a_required_key(capsys, tmp_path):
     (lambda d: (d / "m").mkdir() or (d / "m" / "config.json").write_text("{"), ["config.json is not valid JSON"]),
 ], ids=["empty-gguf", "random-gguf", "directory-named-gguf", "config-a-list", "config-not-json"])
 def test_bad_model_files(capsys, tmp_path, make, words):
-  """Issue 28: files that are not what their name says, each one line naming it."""
+  """Files that are not what their name says, each one line naming it."""
   make(tmp_path)
   model = next(p for p in tmp_path.iterdir())
   assert_one_line_error(jkv(capsys, "info", "--model", str(model), memo=False), *words)

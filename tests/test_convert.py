@@ -197,7 +197,7 @@ def test_gguf_logits_match_transformers(arch, tmp_path):
 
 
 def test_non_finite_gguf_weights_are_refused(tmp_path):
-  """Issue 10 case 2: a NaN or Inf weight is one line naming the tensor, whatever the source (here a GGUF)."""
+  """A NaN or Inf weight is one line naming the tensor, whatever the source (here a GGUF)."""
   hf_model = _tiny_hf_model(transformers.LlamaConfig, transformers.LlamaForCausalLM)
   with torch.no_grad():
     hf_model.model.layers[1].mlp.down_proj.weight[0, 0] = float("-inf")

@@ -1,4 +1,4 @@
-"""Issue 28: the largest batch and context jkv's out-of-memory line advises must really allocate and run.
+"""The largest batch and context jkv's out-of-memory line advises must really allocate and run.
 
 On the H100 (benchmarks/results/robustness_gpu_nvidia_h100_80gb_hbm3.md, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``)
 the advised 303 sequences of 4064 tokens (dense, the default model: 52.85 GiB with 58.85 GiB free) failed asking
@@ -133,7 +133,7 @@ def allocate_in(pool, request):
 
 @pytest.mark.parametrize("name, options, prompts", [("dense", {}, 1024), ("kivi", dict(bits=2), 4096)])
 def test_the_advised_batch_and_context_allocate_in_a_growing_pool(name, options, prompts, monkeypatch):
-  """Issue 28's command (1024 prompts of 64 padded tokens, 4000 new tokens; 4096 prompts for KIVI-2, whose cache of
+  """The command that once ran out of memory (1024 prompts of 64 padded tokens, 4000 new tokens; 4096 prompts for KIVI-2, whose cache of
   1024 fits) is refused; the largest batch and the longest context the refusal names then allocate on the modelled
   H100."""
   method = make_method(name, **options)

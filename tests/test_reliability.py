@@ -1,4 +1,4 @@
-"""Issue 10: nothing silently wrong, every bad input one line, interrupts and corrupt files handled.
+"""Nothing silently wrong, every bad input one line, interrupts and corrupt files handled.
 
 Each test names the case of the issue it covers. Commands run in-process through ``jkv.cli.main`` where they can;
 the interrupt tests run ``python -m jkv.cli`` in a subprocess, because only there is a real SIGINT, a real exit
@@ -355,7 +355,7 @@ def test_interrupts_wait_for_imports(program_interrupts, tmp_path, monkeypatch):
 
 BAD_INPUT = [
     (["info", "--tokens", "0"], ["--tokens", "must be >= 1, got 0"]),
-    # Issue 28, past the limits: sizes beyond int32 (jax's positions and shapes) and method options too large for
+    # Past the limits: sizes beyond int32 (jax's positions and shapes) and method options too large for
     # jax, which overflowed in numpy with a traceback; a device of no or absurd memory.
     (["info", "--tokens", str(2 ** 31)], ["--tokens", "must be <= 2**31 - 1, got 2147483648"]),
     (["generate", FRANCE, "--capacity", str(10 ** 20)], ["--capacity", "must be <= 2**31 - 1"]),

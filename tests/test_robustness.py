@@ -1,4 +1,4 @@
-"""Issue 28: out of device memory as one helpful line, and text in whole characters.
+"""Out of device memory as one helpful line, and text in whole characters.
 
 The device's memory is faked (``jkv.memory.device_memory`` reports what a test says; on CPU it reports nothing), so
 the refusal and its numbers run here as they do on a GPU. Commands run in-process through ``jkv.cli.main``.
