@@ -133,9 +133,9 @@ def allocate_in(pool, request):
 
 @pytest.mark.parametrize("name, options, prompts", [("dense", {}, 1024), ("kivi", dict(bits=2), 4096)])
 def test_the_advised_batch_and_context_allocate_in_a_growing_pool(name, options, prompts, monkeypatch):
-  """The command that once ran out of memory (1024 prompts of 64 padded tokens, 4000 new tokens; 4096 prompts for KIVI-2, whose cache of
-  1024 fits) is refused; the largest batch and the longest context the refusal names then allocate on the modelled
-  H100."""
+  """A command that once ran out of memory (1024 prompts of 64 padded tokens, 4000 new tokens; 4096 prompts for
+  KIVI-2, whose cache of 1024 fits) is refused; the largest batch and the longest context the refusal names then
+  allocate on the modelled H100."""
   method = make_method(name, **options)
   pool = on_the_modelled_h100(monkeypatch)
   capacity = gen.plan_capacity(SMOLLM2, method, [40], 4000, 32)
