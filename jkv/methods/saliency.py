@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv_kernels.attention_reference import gqa_attention_probs
+from jkv_kernels.probe_mass import probe_mass as probe_mass_kernel, probe_mass_reference
 
 SALIENCY = ("normalized", "accumulated")
 NORMALIZE_BY = ("probes", "queries")
-PROBE_CHUNK = 32  # probe rows scored together at prefill
 
 
 # ------------------------------------------------------------------------------------------------- exact counts
@@ -91,40 +90,37 @@ def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float, 
   return jnp.where(ok, rows, 0), ok
 
 
-def probe_mass(q, k, rows, ok, *, chunk: int = PROBE_CHUNK):
+def probe_mass(q, k, rows, ok, *, impl: str = "xla"):
   """The attention mass each key receives from the probe rows, and how many probes see it.
 
-  Causal attention of the probe queries over the prompt, PROBE_CHUNK rows at a time (the one attention
-  reference, exact softmax per row): at most [B, Hq, PROBE_CHUNK, T] probabilities exist at once, never the
-  [B, Hq, T, T] matrix.
+  Causal attention of the probe queries over the prompt, never the [B, Hq, T, T] matrix: impl "xla" runs the one
+  attention reference over a chunk of probe rows at a time (``probe_mass_reference``), "pallas" the two-pass
+  kernel that materializes no probabilities (``jkv_kernels.probe_mass``; "interpret": the same in Pallas
+  interpret mode, CPU tests).
 
   Args:
     q: [B, H, T, g, D] prompt queries; k: [B, H, T, D] prompt keys.
     rows, ok: [B, P] probe positions and which are real (``prefill_probes``).
+    impl: "xla", "pallas" or "interpret".
 
   Returns:
     mass [B, H, T] f32 (summed over probes and the g query heads of each KV head: one salient set per KV head)
     and seen [B, T] int32 = #{probes p >= j} (the paper's Eq. 8 read literally on the probe rows).
   """
-  B, H, T, g, D = q.shape
-  P = rows.shape[1]
-  n_chunks = -(-P // chunk)
-  pad = n_chunks * chunk - P
-  rows = jnp.pad(rows, ((0, 0), (0, pad)))
-  ok = jnp.pad(ok, ((0, 0), (0, pad)))
-  keys = jnp.arange(T)
+  if impl == "xla":
+    mass = probe_mass_reference(q, k, rows, ok)
+  else:
+    mass = probe_mass_kernel(q, k, rows, ok, interpret=impl == "interpret")
+  return mass, probes_at_or_after(rows, ok, k.shape[2])
 
-  def body(c, mass):
-    r = jax.lax.dynamic_slice_in_dim(rows, c * chunk, chunk, axis=1)
-    o = jax.lax.dynamic_slice_in_dim(ok, c * chunk, chunk, axis=1)
-    qp = jnp.take_along_axis(q, r[:, None, :, None, None], axis=2)  # [B, H, chunk, g, D]
-    mask = o[:, :, None] & (keys[None, None, :] <= r[:, :, None])  # [B, chunk, T]
-    p, _ = gqa_attention_probs(qp, k, mask)
-    return mass + jnp.sum(p, axis=(2, 3))
 
-  mass = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((B, H, T), jnp.float32))
-  seen = jnp.sum(ok[:, :, None] & (rows[:, :, None] >= keys[None, None, :]), axis=1, dtype=jnp.int32)
-  return mass, seen
+def probes_at_or_after(rows, ok, num_tokens: int):
+  """[B, T] int32: the real probes at positions >= j, for each token j (rows, ok [B, P]; positions in [0, T)).
+
+  A histogram of the probe positions summed from the end: O(P + T) per row, not the [P, T] comparison."""
+  batch = rows.shape[0]
+  count = jnp.zeros((batch, num_tokens), jnp.int32).at[jnp.arange(batch)[:, None], rows].add(ok.astype(jnp.int32))
+  return jnp.flip(jnp.cumsum(jnp.flip(count, axis=1), axis=1), axis=1)
 
 
 # ------------------------------------------------------------------------------------------------- scores

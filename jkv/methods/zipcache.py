@@ -372,7 +372,7 @@ class ZipCache(CacheMethod):
     appended to both pools after their real rows (``prompt_rows``, a group's end: prefill starts them at 0)."""
     T = k.shape[2]
     rows, ok = prefill_probes(self._layer_key(layer), n, T, self.recent_probes, self.random_probes, offset)
-    mass, seen = probe_mass(q, k, rows, ok)
+    mass, seen = probe_mass(q, k, rows, ok, impl=impl)
     score = saliency_scores(mass, seen, n, saliency=self.saliency, normalize_by=self.normalize_by)
     n_high_table = self._salient(np.arange(T + 1))
     n_high = jnp.asarray(n_high_table, jnp.int32)[n]
