@@ -23,7 +23,8 @@ add into each key's mass from many programs at once (atomics, a nondeterministic
 Both passes compute the same logits (the same dot over the same tiles). The wrapper sorts the probes by position
 (real ones ascending, after the padding), so a row block's keys end at its last row's position (pass 1 stops
 there) and the blocks that see a key block are a suffix of the row blocks (pass 2 starts at the first one,
-found by a binary search in XLA): with causal masking each pass does about half of the R x T tile products.
+found by a binary search in XLA): for probes spread evenly over the prompt, each pass computes about half of the
+R x T logits.
 
 Dots take the inputs' dtype (bf16 operands on tensor cores) with fp32 accumulation; fp32 inputs multiply at
 HIGHEST precision (Triton would otherwise use TF32). Logits are scaled by 1/sqrt(D) in fp32, as in the reference.
@@ -44,10 +45,6 @@ from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_probs
 from jkv_kernels.dequant_attention import triton_compiler_params
 
 PROBE_CHUNK = 32  # probe rows scored together by the reference
-
-
-def _next_power_of_2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 def _as_tile_operand(x, dtype, head_dim):
@@ -232,9 +229,9 @@ def probe_mass(q, k, rows, ok, *, block_rows: int = 128, block_keys: int = 64, n
   if P == 0 or T == 0:
     return jnp.zeros((B, H, T), jnp.float32)
   dtype = jnp.result_type(q.dtype, k.dtype)
-  head_dim = max(16, _next_power_of_2(D))
-  block_rows = max(16, min(block_rows, _next_power_of_2(P * g)))
-  block_keys = max(16, min(block_keys, _next_power_of_2(T)))
+  head_dim = max(16, pl.next_power_of_2(D))
+  block_rows = max(16, min(block_rows, pl.next_power_of_2(P * g)))
+  block_keys = max(16, min(block_keys, pl.next_power_of_2(T)))
   n_key_blocks = pl.cdiv(T, block_keys)
 
   # Probes sorted by position, the ones that do not count (position -1) first; padded so that the R = P' * g
