@@ -140,7 +140,9 @@ def _prefixes(arrays: list, shapes: list) -> list:
   does not read host memory everywhere)."""
   on_device = [i for i, x in enumerate(arrays) if x.sharding.memory_kind in (None, "device")]
   cut = dict(zip(on_device, _cut([arrays[i] for i in on_device], shapes=tuple(tuple(shapes[i]) for i in on_device))))
-  front = lambda x, shape: np.ascontiguousarray(np.asarray(x)[tuple(slice(0, n) for n in shape)])
+  # A copy, never a view: numpy reads host memory in place, and while a view of a buffer lives (orbax may hold the
+  # tree past the save) the buffer cannot be donated to the next call ("buffer with external reference").
+  front = lambda x, shape: np.array(np.asarray(x)[tuple(slice(0, n) for n in shape)], copy=True)
   return [np.asarray(sharding.fetch(cut[i])) if i in cut else front(x, shapes[i]) for i, x in enumerate(arrays)]
 
 
