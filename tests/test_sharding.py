@@ -143,9 +143,10 @@ def test_cli_mesh_errors_are_one_line_before_the_model_loads(capsys, monkeypatch
   assert rc == 2 and err.count("\n") == 0 and message in err, err
 
 
-# The sharded suite in two processes of about equal work: the default model's tests (SmolLM2, and the CLI test that
-# reuses its loaded copy) with the tiny Llama's SpeCache case; the tiny Llama's others.
-FIRST_HALF = "default_model or cli_mesh or (tiny_model and specache)"
+# The sharded suite in two processes of about equal work (about 60 s each on one core): the default model's tests
+# (SmolLM2, and the CLI test that reuses its loaded copy) with the tiny Llama's SpeCache, OTT and fakequant cases;
+# the tiny Llama's others.
+FIRST_HALF = "default_model or cli_mesh or (tiny_model and (specache or ott or fakequant))"
 
 
 def test_sharded_suite_on_four_cpu_devices():
