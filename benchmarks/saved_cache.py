@@ -31,6 +31,7 @@ RECORD_KEY = lambda r: (r["impl"], r["context"], r["question_tokens"], r["device
 
 
 def run(context, labels, question, new_tokens, directory, smoke):
+  """Yields one record per method (a failed one's names its error)."""
   import jax
   import numpy as np
   from jkv import generate as gen
@@ -43,7 +44,6 @@ def run(context, labels, question, new_tokens, directory, smoke):
   rng = np.random.default_rng(0)
   document = rng.integers(0, cfg.vocab_size, context).tolist()
   asked = rng.integers(0, cfg.vocab_size, question).tolist()
-  records = []
   for label in labels:
     name, options = METHODS[label]
     method = make_method(name, **options)
@@ -53,6 +53,12 @@ def run(context, labels, question, new_tokens, directory, smoke):
                            save_cache=f"{where}/cache")
       then = gen.generate(params, cfg, [asked], method=method, max_new_tokens=new_tokens, eos_ids=(),
                           chunk=min(16, new_tokens), cache=f"{where}/cache")
+    except (MemoryError, ValueError, RuntimeError) as e:  # recorded (its first line), and the next method runs
+      error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+      print(f"{label}: {error}", flush=True)
+      yield dict(impl=label, context=context, question_tokens=question, device=jax.devices()[0].device_kind,
+                 jax_version=jax.__version__, date=now(), error=error)
+      continue
     finally:
       shutil.rmtree(where, ignore_errors=True)
     saved, loaded = first.stats["cache_saved"], then.stats["cache_loaded"]
@@ -72,8 +78,7 @@ def run(context, labels, question, new_tokens, directory, smoke):
           f"{record['save_s']:.2f} s ({record['save_gb_per_s']:.2f} GB/s), load {record['load_s']:.2f} s "
           f"({record['load_gb_per_s']:.2f} GB/s); a {question}-token question {record['question_prefill_s']:.3f} s",
           flush=True)
-    records.append(record)
-  return records
+    yield record
 
 
 def main():
@@ -87,8 +92,8 @@ def main():
   p.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "saved_cache.json")
   args = p.parse_args()
   context = args.context or (1024 if args.smoke else 131072)
-  records = run(context, args.methods, args.question, args.new_tokens, args.dir, args.smoke)
-  save(args.out, records, RECORD_KEY)
+  for record in run(context, args.methods, args.question, args.new_tokens, args.dir, args.smoke):
+    save(args.out, [record], RECORD_KEY)  # each as it comes: a later method's failure keeps the earlier records
 
 
 if __name__ == "__main__":
