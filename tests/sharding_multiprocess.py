@@ -1,5 +1,6 @@
 """One process of a multi-process run (tests/test_sharding.py starts two): joins the job through the CLI's flags,
-generates on a data=2 x model=2 mesh spanning both processes' CPU devices, and prints the tokens as JSON.
+generates on a data=2 x model=2 mesh spanning both processes' CPU devices, then on one of its own devices alone (the
+reference, compiled as the mesh's programs were), and prints both as JSON.
 
     python tests/sharding_multiprocess.py PROCESS_ID PORT    (with 2 forced CPU devices per process)
 """
@@ -40,10 +41,16 @@ def main(process_id: int, port: int) -> None:
 
   assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
   params = jax.tree.map(np.asarray, tiny_params())  # every process holds the same values; each places its shards
-  res = gen.generate(params, TINY, tiny_prompts(), method=make_method("kivi", bits=2, residual=32),
-                     max_new_tokens=10, chunk=10, eos_ids=(), attention_impl="xla", mesh=mesh)
+  run = lambda params, mesh: gen.generate(params, TINY, tiny_prompts(), max_new_tokens=10, chunk=10, eos_ids=(),
+                                          method=make_method("kivi", bits=2, residual=32), attention_impl="xla",
+                                          mesh=mesh)
+  res = run(params, mesh)
+  device = jax.local_devices()[0]
+  with jax.default_device(device):
+    one = run(jax.device_put(params, device), None)
   print("TOKENS " + json.dumps(dict(process=jax.process_index(), tokens=res.tokens, mesh=res.stats["mesh"],
-                                    kv_bytes=res.stats["kv_bytes"])), flush=True)
+                                    kv_bytes=res.stats["kv_bytes"], one_device_tokens=one.tokens,
+                                    one_device_kv_bytes=one.stats["kv_bytes"])), flush=True)
 
 
 if __name__ == "__main__":

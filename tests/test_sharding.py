@@ -11,12 +11,10 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jkv import cli, sharding
-from jkv import generate as gen
 from jkv.cache import CacheMethod, CacheSpec
 from jkv.config import ModelConfig
 from jkv.memory import largest_batch
 from jkv.methods import make_method
-from sharding_multiprocess import TINY, tiny_params, tiny_prompts  # what each process of the multi-host test runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig("llama", vocab_size=128, embed=96, ffw_size=160, num_layers=2, q_heads=6, kv_heads=2, head_dim=64,
@@ -187,17 +185,17 @@ def _free_port() -> int:
 
 def test_two_processes_on_one_mesh_equal_one_device():
   """The multi-host path: jax.distributed with two processes of two CPU devices each, one data=2 x model=2 mesh
-  across them (each process holds its own shards), the same tokens as one device here."""
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"),
-             JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT,
-                                                               os.environ.get("PYTHONPATH", "")]))
+  across them (each process holds its own shards), the same tokens as one device (each process's own, afterwards).
+
+  Compiled without LLVM's optimizations, like the sharded suite's processes (test_sharded_suite_on_four_cpu_devices
+  says why that compares the same programs): each process took 13 s, 8.7 s so."""
+  xla_flags = " --xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + xla_flags, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH", "")]))
   port = _free_port()
   script = os.path.join(ROOT, "tests", "sharding_multiprocess.py")
   procs = [subprocess.Popen([sys.executable, script, str(i), str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for i in range(2)]
-  with jax.default_device(jax.devices("cpu")[0]):  # the processes run on CPU: so does the reference, on any machine
-    one = gen.generate(tiny_params(), TINY, tiny_prompts(), method=make_method("kivi", bits=2, residual=32),
-                       max_new_tokens=10, chunk=10, eos_ids=(), attention_impl="xla")
   results = []
   for p in procs:
     out, err = p.communicate(timeout=900)
@@ -205,4 +203,5 @@ def test_two_processes_on_one_mesh_equal_one_device():
     results.append(json.loads(next(l for l in out.splitlines() if l.startswith("TOKENS "))[len("TOKENS "):]))
   assert sorted(r["process"] for r in results) == [0, 1]
   for r in results:
-    assert r["mesh"] == "data=2,model=2" and r["tokens"] == one.tokens and r["kv_bytes"] == one.stats["kv_bytes"]
+    assert r["mesh"] == "data=2,model=2" and r["tokens"] == r["one_device_tokens"] == results[0]["tokens"]
+    assert r["kv_bytes"] == r["one_device_kv_bytes"]
