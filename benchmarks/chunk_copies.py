@@ -34,7 +34,8 @@ from jkv.chunk_attention import chunk_attention
 from jkv.methods import make_method
 
 METHODS = {"dense": ("dense", {}), "kivi2": ("kivi", {"bits": 2}), "ott2": ("ott", {}), "zipcache": ("zipcache", {}),
-           "specache1": ("specache", {"bits": 1}), "specache1_exact": ("specache", {"bits": 1, "exact_chunks": True})}
+           "specache1": ("specache", {"bits": 1, "exact_chunks": False}),
+           "specache1_exact": ("specache", {"bits": 1, "exact_chunks": True})}
 
 
 def unordered_extend(method, state, layer, q, k, v, ctx):
@@ -92,8 +93,8 @@ def measure(label, args, impl):
     rows[form] = dict(whole_array_copies=dict(copies), ms=1e3 * statistics.median(times[1:]))
     print(f"{label:>16} {form:>9}: {sum(copies.values())} whole-array copies {dict(copies)}, "
           f"{rows[form]['ms']:.1f} ms a chunk", flush=True)
-  return dict(impl=label, method_config=options, attention_impl=impl, layers=args.layers, held=held, chunk=T, kv_heads=H, group=G, head_dim=D, dtype=jnp.dtype(dtype).name, **rows,
-              device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now())
+  return dict(impl=label, method_config=options, attention_impl=impl, layers=args.layers, held=held, chunk=T,
+              kv_heads=H, group=G, head_dim=D, dtype=jnp.dtype(dtype).name, **rows, device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now())
 
 
 def main():

@@ -315,10 +315,10 @@ class SpeCache(CacheMethod):
       "help": "keep the low-bit copy in the packing the Hopper tensor-core kernel reads (KIVI's mma: residual a "
               "multiple of 64); default: where that kernel runs (a Hopper GPU, attention impl pallas) and the "
               "settings and model allow the packing"})
-  exact_chunks: bool = dataclasses.field(default=False, metadata={
+  exact_chunks: bool = dataclasses.field(default=True, metadata={
       "help": "chunked prefill: each chunk attends the earlier chunks' exact 16-bit rows, the layer read from host "
-              "memory, as a whole prompt's tokens attend each other (else the low-bit device copy, which lost "
-              "every pass key at 8k with chunks of 1024); not yet timed on a GPU"})
+              "memory, as a whole prompt's tokens attend each other (false: the low-bit device copy, which lost "
+              "every pass key at 8k with chunks of 1024; at 128k on an H200 exact chunks took 12.3 s, low-bit 12.7)"})
   repair: bool = dataclasses.field(default=False, metadata={
       "help": "check each step's guess (the real row's layer-0 key equals the previous speculative row's only when "
               "the guess was the real token) and, where it was wrong, give the real row the fetch-then-recompute "
