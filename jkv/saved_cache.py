@@ -140,9 +140,11 @@ def _prefixes(arrays: list, shapes: list) -> list:
   does not read host memory everywhere)."""
   on_device = [i for i, x in enumerate(arrays) if x.sharding.memory_kind in (None, "device")]
   cut = dict(zip(on_device, _cut([arrays[i] for i in on_device], shapes=tuple(tuple(shapes[i]) for i in on_device))))
-  # A copy, never a view: numpy reads host memory in place, and while a view of a buffer lives (orbax may hold the
-  # tree past the save) the buffer cannot be donated to the next call ("buffer with external reference").
-  front = lambda x, shape: np.array(np.asarray(x)[tuple(slice(0, n) for n in shape)], copy=True)
+  # numpy reads a host-resident array in place, and the array may keep that view: its buffer could then never be
+  # donated to the next call (on a GPU, "Donation requested for buffer with external reference" after saving
+  # SpeCache's host copy). So numpy reads a copy of the array, made by the runtime and dropped after the save.
+  front = lambda x, shape: np.ascontiguousarray(
+      np.asarray(jax.device_put(x, x.sharding, may_alias=False))[tuple(slice(0, n) for n in shape)])
   return [np.asarray(sharding.fetch(cut[i])) if i in cut else front(x, shapes[i]) for i, x in enumerate(arrays)]
 
 
