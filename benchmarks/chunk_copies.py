@@ -94,7 +94,8 @@ def measure(label, args, impl):
     print(f"{label:>16} {form:>9}: {sum(copies.values())} whole-array copies {dict(copies)}, "
           f"{rows[form]['ms']:.1f} ms a chunk", flush=True)
   return dict(impl=label, method_config=options, attention_impl=impl, layers=args.layers, held=held, chunk=T,
-              kv_heads=H, group=G, head_dim=D, dtype=jnp.dtype(dtype).name, **rows, device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now())
+              kv_heads=H, group=G, head_dim=D, dtype=jnp.dtype(dtype).name, **rows,
+              device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now())
 
 
 def main():

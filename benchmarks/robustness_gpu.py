@@ -1,4 +1,5 @@
-"""Out-of-memory and bad-input handling on the GPU, as a user meets it: the ``jkv`` command line in subprocesses, with the default model.
+"""Out-of-memory and bad-input handling on the GPU, as a user meets it: the ``jkv`` command line in subprocesses,
+with the default model.
 
     PYTHONPATH=. JKV_CACHE=<model cache> python benchmarks/robustness_gpu.py      # on the GPU (about 8 minutes)
     python benchmarks/robustness_gpu.py --cpu-smoke                              # anywhere: a simulated device

@@ -59,8 +59,9 @@ def position_priority(key, positions):
 
 
 def prefill_probes(key, lengths, num_tokens: int, recent: float, random: float, offset=0):
-  """Probe rows of right-padded prompts (arXiv:2405.14256, Sec. 4.3): the last n_rec positions of each prompt, plus the n_rand
-  earlier positions of lowest priority (distinct, drawn without replacement; shared by every batch row and head).
+  """Probe rows of right-padded prompts (arXiv:2405.14256, Sec. 4.3): the last n_rec positions of each prompt, plus
+  the n_rand earlier positions of lowest priority (distinct, drawn without replacement; shared by every batch row and
+  head).
 
   Args:
     key: PRNG key (one per layer).
