@@ -389,6 +389,9 @@ class PerShard(CacheMethod):
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.store_chunk, state, layer, q, k, v, ctx, returns_out=False)
 
+  def store_spares_held_rows(self) -> bool:
+    return self.inner.store_spares_held_rows()
+
   def held_rows(self, state, layer, lengths) -> HeldRows:
     heads, rows = self._heads(4), P(self.rules.batch)
     run = shard_map(lambda s, i, n: tuple(self.inner.held_rows(s, i, n)), mesh=self.mesh,
