@@ -49,6 +49,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jkv_convert import checkpoint
+from jkv_kernels.host_layer_copy import copy_layer
 from jkv import sharding
 from jkv.cache import CacheMethod, CacheSpec, KVCache, is_array_info
 from jkv.config import ModelConfig
@@ -136,16 +137,36 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
 
 def _prefixes(arrays: list, shapes: list) -> list:
   """The front ``shapes`` of ``arrays`` in host memory: device arrays cut on the device in one call (only the
-  prefixes cross to the host, and one compilation serves them all), host-resident ones on the host (jitted code
-  does not read host memory everywhere)."""
+  prefixes cross to the host, and one compilation serves them all), host-resident ones shard by shard
+  (``_host_prefix``)."""
   on_device = [i for i, x in enumerate(arrays) if x.sharding.memory_kind in (None, "device")]
   cut = dict(zip(on_device, _cut([arrays[i] for i in on_device], shapes=tuple(tuple(shapes[i]) for i in on_device))))
-  # numpy reads a host-resident array in place, and the array may keep that view: its buffer could then never be
-  # donated to the next call (on a GPU, "Donation requested for buffer with external reference" after saving
-  # SpeCache's host copy). So numpy reads a copy of the array, made by the runtime and dropped after the save.
-  front = lambda x, shape: np.ascontiguousarray(
-      np.asarray(jax.device_put(x, x.sharding, may_alias=False))[tuple(slice(0, n) for n in shape)])
-  return [np.asarray(sharding.fetch(cut[i])) if i in cut else front(x, shapes[i]) for i, x in enumerate(arrays)]
+  return [np.asarray(sharding.fetch(cut[i])) if i in cut else _host_prefix(x, tuple(shapes[i]))
+          for i, x in enumerate(arrays)]
+
+
+def _host_prefix(x: jax.Array, shape: tuple) -> np.ndarray:
+  """The front ``shape`` of a host-resident array [L, B, H, C, W] (SpeCache's host copy), gathered from its
+  addressable shards. On a GPU each layer of a shard crosses to the device by a Pallas read of the pinned pages
+  (``jkv_kernels.host_layer_copy``) and back as a new array: numpy never reads the host array in place, since a
+  view of it, while it lives, keeps the array from being donated to the next call ("Donation requested for buffer
+  with external reference"), and a whole host-side copy would double the largest array jkv holds. On a CPU the
+  shard is read in place and its prefix copied."""
+  out, done = np.empty(shape, x.dtype), set()
+  for s in x.addressable_shards:
+    region = tuple(slice(i.start or 0, min(i.stop or n, m)) for i, n, m in zip(s.index, x.shape, shape))
+    key = tuple((r.start, r.stop) for r in region)
+    if any(r.start >= r.stop for r in region) or key in done:  # past the prefix, or a replica already read
+      continue
+    done.add(key)
+    local = tuple(r.stop - r.start for r in region)
+    if jax.default_backend() == "cpu":
+      out[region] = np.asarray(s.data)[tuple(slice(0, n) for n in local)]
+      continue
+    lengths = jnp.full((s.data.shape[1],), local[3], jnp.int32)
+    for layer in range(local[0]):
+      out[region][layer] = np.asarray(_cut([copy_layer(s.data, layer, lengths)], shapes=(local[1:],))[0])
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("shapes",))

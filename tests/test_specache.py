@@ -20,7 +20,7 @@ from jkv.cache import CacheSpec, KVCache, StepContext
 from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
-from jkv.methods.specache import (SpeCache, copy_layer_pallas, gather_host_rows, gather_host_rows_one_by_one,
+from jkv.methods.specache import (SpeCache, gather_host_rows, gather_host_rows_one_by_one,
                                   gather_rows_pallas, top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
@@ -459,18 +459,6 @@ def test_fetch_paths_agree_bit_for_bit():
     got = jax.jit(gather)(kv_in, jnp.asarray(idx))
     assert got.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(got), want)
-
-
-def test_copy_layer_kernel_returns_the_held_rows_and_zeros_past_them():
-  """``copy_layer_pallas`` (interpret mode), what a chunk with ``exact_chunks`` attends on a GPU, returns a layer's
-  rows of every sequence up to its length exactly and zeros past it, at a capacity its block does not divide."""
-  rng = np.random.default_rng(11)
-  kv = rng.normal(size=(3, 2, 2, 96, 2 * D)).astype(np.float32)
-  lengths = np.array([70, 0], np.int32)  # a block read in part, and a sequence with nothing held
-  got = np.asarray(copy_layer_pallas(jnp.asarray(kv), jnp.int32(2), jnp.asarray(lengths), interpret=True))
-  rows = 32  # 64 does not divide 96
-  read = np.arange(96)[None, None, :, None] < -(-lengths[:, None, None, None] // rows) * rows
-  np.testing.assert_array_equal(got, np.where(read, kv[2], 0))
 
 
 @pytest.mark.parametrize("capacity, k", [(1024, 8), (8192, 64), (192, 8)])

@@ -82,6 +82,7 @@ from jkv.config import DTYPES
 from jkv.methods.kivi import Kivi, KiviState
 from jkv.methods.registry import register
 from jkv_kernels.dequant_attention import triton_compiler_params
+from jkv_kernels.host_layer_copy import copy_layer
 
 SPECACHE_BITS = (1, 2)
 
@@ -189,50 +190,6 @@ def gather_rows_pallas(kv, first_layer, idx, interpret: bool = False):
       name=f"specache_gather_rows_{rows=}_{W=}",
   )(jnp.clip(jnp.asarray(first_layer, jnp.int32), 0, L - Lq).reshape(1), idx, kv)
   return out[..., :k, :]
-
-
-def _copy_layer_kernel(
-    layer_ref,    # [1] int32: the layer to copy
-    length_ref,   # [1] int32: rows held by this sequence
-    kv_ref,       # [L, C, W]: every layer of this (b, h); one block of one layer's rows is read
-    out_ref,      # [rows, W]
-):
-  rows = out_ref.shape[0]
-  start = pl.program_id(2) * rows
-
-  @pl.when(start < length_ref[0])
-  def _():
-    out_ref[...] = kv_ref[layer_ref[0], pl.ds(start, rows), :]
-
-  @pl.when(start >= length_ref[0])
-  def _():  # no read: the buffer's empty rows are zeros, as the host copy's
-    out_ref[...] = jnp.zeros_like(out_ref)
-
-
-@functools.partial(jax.jit, static_argnames=("block_rows", "interpret"))
-def copy_layer_pallas(kv, layer, lengths, block_rows: int = 64, interpret: bool = False):
-  """Layer ``layer`` of kv [L, B, H, C, W] (any memory kind) -> [B, H, C, W] on the device, reading only the first
-  lengths [B] rows of each sequence (blocks past them are written as zeros). On a GPU the kernel reads the
-  ``pinned_host`` operand in place, as ``gather_rows_pallas`` does; slicing the host array in XLA instead runs as
-  host compute. Blocks of ``block_rows`` rows (halved until they divide C), grid (B, H, C / rows)."""
-  L, B, H, C, W = kv.shape
-  rows = block_rows
-  while C % rows:
-    rows //= 2
-  return pl.pallas_call(
-      _copy_layer_kernel,
-      grid=(B, H, C // rows),
-      in_specs=[
-          pl.BlockSpec((1,), lambda b, h, j: (0,)),                                  # layer
-          pl.BlockSpec((1,), lambda b, h, j: (b,)),                                  # lengths
-          pl.BlockSpec((L, None, None, C, W), lambda b, h, j: (0, b, h, 0, 0)),      # kv
-      ],
-      out_specs=pl.BlockSpec((None, None, rows, W), lambda b, h, j: (b, h, j, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, H, C, W), kv.dtype),
-      compiler_params=triton_compiler_params(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name=f"specache_copy_layer_{rows=}_{W=}",
-  )(jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1).reshape(1), jnp.asarray(lengths, jnp.int32), kv)
 
 
 def top_k_positions(scores, k: int):
@@ -421,7 +378,7 @@ class SpeCache(CacheMethod):
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """What a prompt chunk attends. With ``exact_chunks`` the host copy's held rows of the layer, moved to the
     device: a chunked prompt's tokens then attend each other exactly, as a whole prompt's do. On a GPU the Pallas
-    copy reads the host array in place, each sequence's held rows only (``copy_layer_pallas``); on a CPU one slice
+    copy reads the host array in place, each sequence's held rows only (``jkv_kernels.host_layer_copy``); on a CPU one slice
     of the host array moves whole. Else the low-bit copy as the next step reads it (KIVI's ``held_rows``): nothing
     moves from host memory for a chunk."""
     if not self.exact_chunks:
@@ -429,7 +386,7 @@ class SpeCache(CacheMethod):
     if jax.default_backend() == "cpu":  # how the rows move, never which rows (as ``gather_host_rows``)
       rows = to_device(jax.lax.dynamic_index_in_dim(state.host_kv, layer, 0, keepdims=False))  # [B, H, C, 2D]
     else:
-      rows = copy_layer_pallas(state.host_kv, layer, lengths)
+      rows = copy_layer(state.host_kv, layer, lengths)
     D = rows.shape[-1] // 2
     return HeldRows(rows[..., :D], rows[..., D:], lengths)
 
