@@ -68,8 +68,12 @@ class GenerateResult:
 
 
 def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_tokens: int, chunk: int,
-                  capacity: Optional[int] = None) -> int:
-  """Cache capacity for these prompts, or a one-line ValueError when they cannot fit."""
+                  capacity: Optional[int] = None, continued: bool = False) -> int:
+  """Cache capacity for these prompts, or a one-line ValueError when they cannot fit. A new prompt's length is
+  bucketed to a power of two (the width its whole prefill pads to, one compilation for many lengths); ``continued``
+  prompts (lengths counting what a loaded cache holds) are not: they run in chunks on top of it, and the
+  continuation's plan grows the capacity to what its chunks write (a 128k document continued by a question would
+  otherwise double its cache)."""
   multiple = method.capacity_multiple()
   if multiple > cfg.max_position:  # a group or window longer than any sequence: a cache of that many tokens, unused
     raise ValueError(f"cache method {method.name!r} holds tokens in blocks of {multiple} (its settings), more than the "
@@ -87,7 +91,7 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
                        f"capacity of {capacity} tokens")
     capacity = round_up(capacity, multiple)
   else:
-    capacity = round_up(bucket(longest) + round_up(max_new_tokens, chunk), multiple)
+    capacity = round_up((longest if continued else bucket(longest)) + round_up(max_new_tokens, chunk), multiple)
   return capacity
 
 
@@ -271,7 +275,7 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
     saved_cache.check_target(save_cache)
     heads = saved_cache.heads(method, lengths)
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
-                      chunk, capacity)
+                      chunk, capacity, continued=saved is not None)
   sharding.check_mesh(mesh, cfg, len(prompts))
   split = heads is not None and heads != lengths
   first = heads if split else lengths

@@ -97,6 +97,20 @@ def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(par
   assert written["array_bytes"] <= written["disk_bytes"] < written["array_bytes"] + 65536  # orbax metadata: kBs
 
 
+def test_a_continued_cache_is_not_grown_to_a_power_of_two(saved):
+  """The default capacity of a loaded cache's continuation holds what is held, the prompt and the new tokens, and is
+  not the power-of-two bucket a new prompt of that length gets (that would double a long document's cache)."""
+  options, n, head = METHODS["kivi"]
+  method = make_method("kivi", **options)
+  directory, doc, _, _ = saved("kivi")
+  question = _ids(20, seed=7)
+  plan = gen.plan_generation(CFG, method, [question], max_new_tokens=NEW, cache=directory)
+  need = n + len(question) + NEW  # the held chunks, the rest of the document, the question, the new tokens
+  assert need <= plan.capacity < prefill_lib.bucket(n + len(question)) + NEW
+  new_prompt = gen.plan_generation(CFG, method, [doc + question], max_new_tokens=NEW)
+  assert new_prompt.capacity >= prefill_lib.bucket(need - NEW)
+
+
 def _first_logits(params, method, prompts, directory, chunk):
   """Last-prompt-token logits [B, vocab] of a chunked prefill, into an empty cache or continuing a saved one (its
   arrays committed, as generate's: the calls it compiled serve)."""
