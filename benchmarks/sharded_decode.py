@@ -168,13 +168,16 @@ def profile(spec, smoke, *, batch, context, steps, one_shard_of=None, top=25):
 
 
 def markdown_table(records) -> str:
-  """Each record's row, its batch and tokens/s against the one-GPU record. The "measured" column says when: a
-  ratio between records of different sessions may compare different versions of the code."""
-  base = next((r for r in records if r["mesh"] == "none"), None)
+  """Each record's row, its batch and tokens/s against the latest one-GPU record of the same device and lengths.
+  The "measured" column says when: a ratio between records of different days may compare different versions of
+  the code."""
+  setting = lambda r: (r["device"], r["prompt_len"], r["new_tokens"])
+  ones = {setting(r): r for r in sorted((r for r in records if r["mesh"] == "none"), key=lambda r: r["date"])}
   lines = ["| mesh | GPUs | largest batch | batch run | decode tokens/s | ms/step | largest batch vs 1 GPU | "
            "tokens/s vs 1 GPU | prefill s | peak GiB per GPU | device | measured (UTC) |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
   for r in records:
+    base = ones.get(setting(r))
     ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base else "–"
     peak = max((p for p in r["peak_device_bytes"] if p is not None), default=None)
     lines.append(f"| {r['mesh']} | {r['devices']} | {r['computed_largest_batch']} | {r['batch']} | "
