@@ -418,10 +418,12 @@ def cmd_info(args):
   device_bytes = int(args.device_gib * 2**30) if args.device_gib else (mem["limit"] if mem else None)
   weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
   batch = None if device_bytes is None else memory.largest_batch(
-      cfg, method, spec.capacity, n, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh)
+      cfg, method, spec.capacity, n, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh,
+      host_bytes=memory.pinned_host_limit())
   # The longest single sequence: its cache beside the weights and a chunked prefill (jkv.prefill).
   longest = None if device_bytes is None else memory.longest_context(
-      cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh)
+      cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes, mesh=mesh,
+      host_bytes=memory.pinned_host_limit())
   info = dict(config=dataclasses.asdict(cfg), method=method.name, method_config=dataclasses.asdict(method),
               tokens=n, kv_bytes=held.device, kv_host_bytes=held.host, dense_kv_bytes=dense,
               kv_bytes_per_token=held.device / n, dense_kv_bytes_per_token=dense / n,

@@ -12,6 +12,7 @@ preallocation) grow by one region that holds the whole cache (``gather_pool``), 
 
 import contextlib
 import dataclasses
+import os
 from typing import Any, Optional
 
 import jax
@@ -71,6 +72,23 @@ def available_memory() -> Optional[dict]:
   """What a cache may take: the first device's memory (``device_memory``), on a CPU the machine's
   (``host_memory``); None where neither is known."""
   return device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
+
+
+PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # read by XLA when its GPU client starts
+
+
+def pinned_host_limit() -> Optional[int]:
+  """Bytes of host-resident (``pinned_host``) arrays a GPU process may hold: XLA pins them from one pool of
+  ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GiB (64 unless set before jax starts), at most the machine's memory; None
+  off a GPU, where host arrays are ordinary memory (``available_memory`` counts the machine's)."""
+  if jax.default_backend() != "gpu":
+    return None
+  try:
+    pool = int(os.environ.get(PINNED_HOST_LIMIT_ENV, "64")) << 30
+  except ValueError:
+    pool = 64 << 30  # XLA logs the bad value and keeps its default
+  host = host_memory()
+  return pool if host is None else min(pool, host["limit"])
 
 
 def allocator_pool(device=None) -> Optional[dict]:
@@ -167,6 +185,16 @@ def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int
   return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
 
 
+def host_cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:
+  """Host bytes the cache allocates (SpeCache's 16-bit copy; 0 for device-only methods), in all for this process:
+  with a mesh, one device's share times this process's devices of it (XLA pins them all from one pool)."""
+  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity))
+  if mesh is None:
+    return abstract_bytes(abstract).host
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  return sharding.local_bytes(abstract, mesh).host * local
+
+
 def sub_batch_state_per_token(cfg: ModelConfig, method: CacheMethod, capacity: int, width: int, mesh=None) -> int:
   """What a prefill sub-batch's fresh state (``jkv.prefill``) costs one device per prompt token of prompts padded to
   ``width``: one sequence of each data shard at the cache's ``capacity``, its KV heads split over ``model``."""
@@ -188,48 +216,63 @@ def _beside_cache(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_t
 
 
 def largest_batch(cfg: ModelConfig, method: CacheMethod, capacity: int, prompt_tokens: int, *, device_bytes: int,
-                  weight_bytes: int, mesh=None) -> int:
+                  weight_bytes: int, mesh=None, host_bytes: Optional[int] = None) -> int:
   """The most sequences of ``capacity`` tokens whose cache fits beside the weights, one prefill sub-batch of one
   prompt per device (``prefill_call_bytes``) and ``RESERVE_BYTES``, in ``device_bytes``; 0 when not even one fits.
 
   With a ``mesh`` (``jkv.sharding``), every device of it holds ``device_bytes``: its share of the cache beside
   ``weight_bytes`` (then its share of the weights: ``sharding.param_bytes_per_device``; whole on each device of a
-  data mesh), and the batch is a multiple of the data axis."""
+  data mesh), and the batch is a multiple of the data axis. With ``host_bytes``, their host arrays fit it too."""
   step = sharding.axis_size(mesh, "data")
   free = device_bytes - weight_bytes - _beside_cache(cfg, method, capacity, prompt_tokens, mesh)
   if free <= 0:
     return 0
   per_step = cache_bytes(method, cfg, step, capacity, mesh)  # one sequence per data shard
   batch = max(0, free // per_step) * step
-  while batch > 0 and cache_bytes(method, cfg, batch, capacity, mesh) > free:  # exact, in case bytes are not linear
+  host_per_step = host_cache_bytes(method, cfg, step, capacity, mesh)
+  if host_bytes is not None and host_per_step:
+    batch = min(batch, host_bytes // host_per_step * step)
+  while batch > 0 and (cache_bytes(method, cfg, batch, capacity, mesh) > free  # exact, in case bytes are not linear
+                       or not _host_fits(method, cfg, batch, capacity, mesh, host_bytes)):
     batch -= step
   return int(batch)
 
 
 def largest_capacity(cfg: ModelConfig, method: CacheMethod, batch: int, prompt_tokens: int, *, device_bytes: int,
-                     weight_bytes: int, mesh=None) -> int:
+                     weight_bytes: int, mesh=None, host_bytes: Optional[int] = None) -> int:
   """The longest capacity (tokens per sequence: prompt plus generated, a multiple of the method's
   ``capacity_multiple``, at most the model's context) at which ``batch`` sequences fit as ``largest_batch``
-  counts them; 0 when not even the shortest does. A binary search: the cache grows with its capacity."""
+  counts them, and their host arrays within ``host_bytes`` where given; 0 when not even the shortest does."""
   step = method.capacity_multiple()
   fits = lambda n: (cache_bytes(method, cfg, batch, n * step, mesh) + weight_bytes
-                    + _beside_cache(cfg, method, n * step, prompt_tokens, mesh) <= device_bytes)
-  lo, hi = 0, cfg.max_position // step  # fits(lo) holds (lo = 0: nothing asked); find the largest such n
+                    + _beside_cache(cfg, method, n * step, prompt_tokens, mesh) <= device_bytes
+                    and _host_fits(method, cfg, batch, n * step, mesh, host_bytes))
+  return _largest(fits, cfg.max_position // step) * step
+
+
+def _host_fits(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh, host_bytes) -> bool:
+  return host_bytes is None or host_cache_bytes(method, cfg, batch, capacity, mesh) <= host_bytes
+
+
+def _largest(fits, hi: int) -> int:
+  """The largest n in [0, hi] with ``fits(n)``, for ``fits`` true up to some n and false after (fits(0) is assumed:
+  nothing asked); a binary search."""
+  lo = 0
   while lo < hi:
     mid = (lo + hi + 1) // 2
     lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-  return lo * step
+  return lo
 
 
 def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int, weight_bytes: int, mesh=None,
-                    limit: int = 1 << 27) -> int:
+                    host_bytes: Optional[int] = None, limit: int = 1 << 27) -> int:
   """The most tokens one sequence can hold on a device of ``device_bytes`` (each device of ``mesh``) beside
   ``weight_bytes``: its cache at that capacity (a multiple of the method's ``chunk_multiple``), a chunked prefill's
   held rows (one layer's keys and values in the model dtype, ``held_rows_bytes``), ``RESERVE_BYTES``, and twice the
-  activations of a chunk of ``MIN_CHUNK`` tokens (the prefill plan leaves half the free memory to them); 0 when
-  not even one chunk fits. The model's own context limit is not applied (a random model's RoPE runs at any
-  position; a real checkpoint's ``max_position`` still bounds what ``generate`` takes). A binary search up to
-  ``limit`` tokens."""
+  activations of a chunk of ``MIN_CHUNK`` tokens (the prefill plan leaves half the free memory to them), with its
+  host arrays within ``host_bytes`` where given (``pinned_host_limit``); 0 when not even one chunk fits. The
+  model's own context limit is not applied (a random model's RoPE runs at any position; a real checkpoint's
+  ``max_position`` still bounds what ``generate`` takes). A binary search up to ``limit`` tokens."""
   step = method.chunk_multiple()
   model_shards = sharding.axis_size(mesh, "model")  # the held rows split with the KV heads
 
@@ -237,20 +280,17 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
     tokens = n * step
     need = (cache_bytes(method, cfg, 1, tokens, mesh) + held_rows_bytes(cfg, 1, tokens) // model_shards
             + RESERVE_BYTES + 2 * MIN_CHUNK * prefill_bytes_per_token(cfg))
-    return need + weight_bytes <= device_bytes
+    return need + weight_bytes <= device_bytes and _host_fits(method, cfg, 1, tokens, mesh, host_bytes)
 
-  lo, hi = 0, limit // step
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-  return lo * step
+  return _largest(fits, limit // step) * step
 
 
 class DeviceMemoryError(MemoryError):
-  """A batch whose cache cannot fit the device, refused before anything is allocated, or an allocation that failed
-  later (then XLA's error, with its allocator report, is the ``__cause__``). The message is one line: what was
-  asked, what it needs, what the device has, and the largest batch and context that fit; the numbers are
-  attributes too, for a caller that retries smaller (0 where nothing fits)."""
+  """A batch whose cache cannot fit the device (or, for host-resident arrays, the host memory XLA pins), refused
+  before anything is allocated, or an allocation that failed later (then XLA's error, with its allocator report,
+  is the ``__cause__``). The message is one line: what was asked, what it needs, what the device has, and the
+  largest batch and context that fit; the numbers are attributes too, for a caller that retries smaller (0 where
+  nothing fits)."""
 
   def __init__(self, message: str, *, need_bytes: int, free_bytes: int, largest_batch: int, largest_capacity: int):
     super().__init__(message)
@@ -302,6 +342,11 @@ class CacheRequest:
     return cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh)
 
   @property
+  def host_bytes(self) -> int:
+    """The cache's host bytes in this process (``host_cache_bytes``)."""
+    return host_cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh)
+
+  @property
   def allocation_bytes(self) -> int:
     """What the allocator takes for the cache's device arrays on one device: ``need_bytes`` with each array
     rounded up as XLA's GPU allocator rounds it."""
@@ -314,11 +359,11 @@ class CacheRequest:
       return [jax.local_devices()[0]]
     return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
-  def error(self, problem: str, mem: dict) -> DeviceMemoryError:
-    """``problem``, then what the device has and what fits in the memory ``mem`` (``device_memory``, read before
-    the cache was allocated)."""
+  def error(self, problem: str, mem: dict, memory_kind: str = "device") -> DeviceMemoryError:
+    """``problem`` (in ``memory_kind`` memory), then what the device has and what fits in the memory ``mem``
+    (``device_memory``, read before the cache was allocated) and in the pinned host memory (``pinned_host_limit``)."""
     free = mem["limit"] - mem["in_use"]  # the weights, already placed, are in use
-    fit = dict(device_bytes=free, weight_bytes=0, mesh=self.mesh)
+    fit = dict(device_bytes=free, weight_bytes=0, mesh=self.mesh, host_bytes=pinned_host_limit())
     batch = largest_batch(self.cfg, self.method, self.capacity, self.prompt_tokens, **fit)
     capacity = largest_capacity(self.cfg, self.method, self.batch, self.prompt_tokens, **fit)
     beside = f"beside a prefill and the {_gib(RESERVE_BYTES)} jkv keeps for XLA's work"
@@ -330,7 +375,7 @@ class CacheRequest:
       fits += f"; one sequence prefilled in chunks holds at most {longest_context(self.cfg, self.method, **fit)} tokens"
     device = ("each device" if self.mesh is not None else "the device") + f" ({jax.local_devices()[0].device_kind})"
     return DeviceMemoryError(
-        f"out of device memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}; {fits}",
+        f"out of {memory_kind} memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}; {fits}",
         need_bytes=self.need_bytes, free_bytes=free, largest_batch=batch, largest_capacity=capacity)
 
   def __str__(self) -> str:
@@ -350,6 +395,11 @@ def guard(request: CacheRequest):
   mem = available_memory()
   if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
     raise request.error(f"{request} does not fit", mem)
+  pinned = pinned_host_limit()
+  if mem is not None and pinned is not None and request.host_bytes > pinned:
+    raise request.error(f"{request} holds {_gib(request.host_bytes)} in host memory, more than the {_gib(pinned)} "
+                        f"XLA pins at most (set {PINNED_HOST_LIMIT_ENV} before jax starts to raise it)", mem,
+                        memory_kind="pinned host")
   gather_pool(request.allocation_bytes, request.devices())
   try:
     yield

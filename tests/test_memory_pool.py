@@ -316,3 +316,41 @@ def test_the_default_prefill_sub_batch_counts_its_own_fresh_state(tiny_llama, mo
   # Every token ends a sequence: the sub-batch is planned and prefill runs as asked, then no decode step runs.
   out = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=new_tokens, eos_ids=range(cfg.vocab_size))
   assert out.stats["prefill_sub_batch"] == 10 and out.stats["decode_steps"] == 0
+
+
+def test_a_host_copy_past_the_pinned_pool_is_refused_in_one_line_and_bounds_the_advice(monkeypatch):
+  """SpeCache's 16-bit host copy against the host memory XLA pins (``pinned_host_limit``, a pool one byte short of
+  the request here): the guard refuses before allocating, in one line naming the variable that raises the pool;
+  the largest batch and the longest context it advises are the largest whose host copy fits (brute force)."""
+  method = make_method("specache")
+  request = memory.CacheRequest(SMOLLM2, method, batch=4, capacity=4096, prompt_tokens=4000)
+  pool = request.host_bytes - 1
+  assert request.host_bytes > 0
+  monkeypatch.setattr(memory, "available_memory", lambda: dict(limit=1 << 50, in_use=0, peak=0))
+  monkeypatch.setattr(memory, "gather_pool", lambda nbytes, devices: None)
+  monkeypatch.setattr(memory, "pinned_host_limit", lambda: pool)
+  with pytest.raises(memory.DeviceMemoryError) as e:
+    with memory.guard(request):
+      pass
+  text = str(e.value)
+  assert "\n" not in text and text.startswith("out of pinned host memory") and memory.PINNED_HOST_LIMIT_ENV in text
+  host = lambda batch, capacity: memory.host_cache_bytes(method, SMOLLM2, batch, capacity)
+  batch = e.value.largest_batch
+  assert host(batch, 4096) <= pool < host(batch + 1, 4096) and batch == 3
+  free = dict(device_bytes=1 << 50, weight_bytes=0)
+  longest = memory.longest_context(SMOLLM2, method, host_bytes=pool, **free)
+  step = method.chunk_multiple()
+  assert host(1, longest) <= pool < host(1, longest + step)
+  assert memory.longest_context(SMOLLM2, method, **free) > longest  # the device alone would hold more
+  monkeypatch.setattr(memory, "pinned_host_limit", lambda: request.host_bytes)
+  with memory.guard(request):  # exactly the pool: allowed
+    pass
+
+
+def test_the_pinned_pool_is_xlas_variable_on_a_gpu_only(monkeypatch):
+  monkeypatch.setenv(memory.PINNED_HOST_LIMIT_ENV, "3")
+  assert memory.pinned_host_limit() is None  # CPU: host arrays are ordinary memory
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert memory.pinned_host_limit() == min(3 * GIB, memory.host_memory()["limit"])
+  monkeypatch.delenv(memory.PINNED_HOST_LIMIT_ENV)
+  assert memory.pinned_host_limit() == min(64 * GIB, memory.host_memory()["limit"])
