@@ -35,6 +35,7 @@ RUNS = {
     "long context": (["long_context.py", "--part", "prefill", "--smoke", "--methods", "kivi2_mma", "--prefill-chunk",
                       "512"], 1),
     "long context decode": (["long_context.py", "--part", "decode", "--smoke", "--methods", "dense"], 1),
+    "staged prefill": (["staged_prefill.py", "--smoke", "--stages", "3"], 1),
     "run and table": (["sharded_decode.py", "--smoke", "--mesh", "data=2", "--new-tokens", "8"], 2),
     "mesh model=2": (["sharded_decode.py", "--smoke", "--profile", "--mesh", "model=2", "--batch", "4", "--steps", "2"],
                      2),
@@ -50,6 +51,7 @@ def _runs_of(item):
     return [f"mesh {item.callspec.params['mesh']}"]
   return {"test_generate_decode": ["generate_decode"], "test_profile_decode_step": ["profile"],
           "test_long_context": ["long context"], "test_long_context_decode": ["long context decode"],
+          "test_staged_prefill": ["staged prefill"],
           "test_sharded_decode_run_and_table": ["run and table"],
           "test_sharded_decode_profile_of_one_shard": ["one shard"]}.get(item.originalname, [])
 
@@ -218,6 +220,22 @@ def test_long_context(smoke):
   assert record["capacity"] >= 3 * 512 + 128 and record["prefill_tokens_per_s"] > 0
   assert record["decode_ms_per_step"] > 0 and record["floor_ms_per_step"] > 0
   assert "kivi2_mma" in out
+
+
+def test_staged_prefill(smoke):
+  """A 1500-token document in three stages, each continuing the cache the one before saved: the slices cover the
+  document once, the first stage loads nothing and the last saves nothing and decodes, and the total prefill is the
+  stages' sum."""
+  records, out = smoke["staged prefill"].result()
+  assert [r["stage"] for r in records] == [0, 1, 2] and all(r["stages"] == 3 for r in records)
+  first, second = records[0]["tokens"], records[1]["tokens"]
+  assert [r["tokens_before"] for r in records] == [0, first, first + second]
+  assert sum(r["tokens"] for r in records) == 1500 and all(r["tokens"] > 0 for r in records)
+  assert "load_s" not in records[0] and all(r["load_s"] > 0 for r in records[1:])
+  assert all(r["save_s"] > 0 for r in records[:2]) and "save_s" not in records[2]
+  assert records[2]["decode_ms_per_step"] > 0 and "decode_ms_per_step" not in records[0]
+  assert records[2]["prefill_s_total"] == pytest.approx(sum(r["prefill_s"] for r in records))
+  assert "stage 3/3" in out
 
 
 def test_long_context_decode(smoke):
