@@ -189,6 +189,21 @@ def test_xla_logs_only_with_verbose(monkeypatch, tmp_path):
   assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
 
 
+def test_the_cli_sizes_the_pinned_host_pool_to_the_machine_unless_told(monkeypatch):
+  """The console script raises XLA's pinned-host cap (64 GiB by default) to 90% of the machine's memory, which
+  ``jkv.memory.pinned_host_limit`` then reads on a GPU; a value the user set is kept."""
+  from jkv import memory
+  monkeypatch.delenv(memory.PINNED_HOST_LIMIT_ENV, raising=False)
+  cli.size_pinned_host_pool()
+  want = int(0.9 * memory.host_memory()["limit"]) >> 30
+  assert abs(int(os.environ[memory.PINNED_HOST_LIMIT_ENV]) - want) <= 1  # sysconf's total against /proc/meminfo's
+  monkeypatch.setenv(memory.PINNED_HOST_LIMIT_ENV, "7")
+  cli.size_pinned_host_pool()
+  assert os.environ[memory.PINNED_HOST_LIMIT_ENV] == "7"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert memory.pinned_host_limit() == 7 << 30
+
+
 # ------------------------------------------------------------------------------------------------- whole characters
 
 THANKS = 'Say "thank you" in Japanese, Chinese and Korean.'  # the default model answers in kana
