@@ -72,6 +72,20 @@ def test_chunked_prefill_on_a_mesh_equals_one_device(tiny_llama, name):
   assert sharded.stats["prefill_chunk"] == one.stats["prefill_chunk"] == 64 and sharded.tokens == one.tokens
 
 
+def test_a_cache_saved_on_a_mesh_loads_on_the_mesh_and_on_one_device(tiny_llama, tmp_path):
+  """SpeCache (its host copy saved shard by shard) prefilled and saved on a data x model mesh, then continued by
+  questions on the mesh and on one device: the tokens of one device's save and load, each way."""
+  _, model = tiny_llama
+  docs = random_prompts(model.config.vocab_size, (150, 140), seed=2)
+  questions = random_prompts(model.config.vocab_size, (20, 11), seed=3)
+  run = lambda prompts, **kw: _generate(model, prompts, "specache", capacity=384, prefill_chunk=128, **kw).tokens
+  mesh = "data=2,model=2"
+  assert run(docs, mesh=mesh, save_cache=str(tmp_path / "mesh")) == run(docs, save_cache=str(tmp_path / "one"))
+  want = run(questions, cache=str(tmp_path / "one"))
+  assert run(questions, cache=str(tmp_path / "mesh"), mesh=mesh) == want
+  assert run(questions, cache=str(tmp_path / "mesh")) == want
+
+
 def test_pallas_kernels_run_per_shard(tiny_llama):
   """The fused dequant-attention and quantize-pack kernels (interpret mode), each on its shard's local arrays."""
   _, model = tiny_llama
