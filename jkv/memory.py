@@ -191,8 +191,10 @@ def host_cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity
   abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity))
   if mesh is None:
     return abstract_bytes(abstract).host
-  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  return sharding.local_bytes(abstract, mesh).host * local
+  share = sharding.local_bytes(abstract, mesh).host
+  if not share or isinstance(mesh, jax.sharding.AbstractMesh):  # planned without devices: all of them this process's
+    return share * mesh.size
+  return share * sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
 def sub_batch_state_per_token(cfg: ModelConfig, method: CacheMethod, capacity: int, width: int, mesh=None) -> int:
