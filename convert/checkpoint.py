@@ -155,13 +155,27 @@ def save(directory: str, cfg: ModelConfig, params: params_lib.Params, tokenizer:
   """
   with atomic_directory(directory, progress=progress) as partial:
     progress(f"saving to {partial} ...")
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(partial, PARAMS), params)
+    _save_params(os.path.join(partial, PARAMS), params)
     meta = {"format": FORMAT, "config": dataclasses.asdict(cfg),
             "tokenizer": None if tokenizer is None else tokenizer.to_dict(), "files": file_digests(partial, PARAMS)}
     write_sealed_json(os.path.join(partial, MARKER), meta)
     progress("verifying the saved checkpoint ...")
     _check_equal(partial, restore(partial)[1], params)
+
+
+def _save_params(path: str, params: params_lib.Params) -> None:
+  """orbax's save, its writes finished before any exception leaves, a Ctrl-C included: orbax writes from threads
+  of its own, which an interrupt of the main thread leaves running, so the partial directory would be removed
+  under them (they write on into it, or print their failure)."""
+  ckptr = ocp.StandardCheckpointer()
+  try:
+    ckptr.save(path, params)
+  finally:
+    try:
+      ckptr.close()  # waits for the writes
+    except KeyboardInterrupt:
+      ckptr.wait_until_finished()
+      raise
 
 
 def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[Tokenizer]]:

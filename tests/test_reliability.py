@@ -300,8 +300,8 @@ def test_ctrl_c_during_compilation_is_one_line_exit_130(interrupted):
 def test_ctrl_c_during_convert_removes_the_partial_checkpoint(interrupted):
   rc, err, out = interrupted["test_ctrl_c_during_convert_removes_the_partial_checkpoint"].result()
   assert rc == 130, err
-  assert err.strip().splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err
-  assert os.listdir(out.parent) == []
+  assert err.strip().splitlines()[-1] == f"jkv: interrupted; nothing written to {out}" and "Traceback" not in err, err
+  assert os.listdir(out.parent) == [], (os.listdir(out.parent), err)
 
 
 def _wait_for(sent):
