@@ -139,6 +139,7 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
   cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens)))
+  pool = size_pinned_pool(cfg, labels, context, new_tokens)
   params = params_lib.init_random(cfg, jax.random.key(0))
   weight_bytes = memory.tree_bytes(params)
   rate = 1e10 if smoke else copy_rate()
@@ -168,6 +169,7 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
         prefill_calls=s["prefill_calls"], prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens,
         decode_ms_per_step=ms, floor_ms_per_step=floor, ratio_to_floor=ms / floor, new_tokens=new_tokens,
         kv_bytes=s["kv_bytes"], kv_host_bytes=s["kv_host_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
+        pinned_pool_limit_gb=pool,
         capacity=s["capacity"], peak_device_bytes=s["peak_device_bytes"], compile_s=s["compile_s"],
         weight_bytes=weight_bytes, copy_rate=rate, wall_s=time.perf_counter() - t)
     if profile:
@@ -181,6 +183,26 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
           f"{(s['peak_device_bytes'] or 0) / 2**30:.1f} GiB, compile {s['compile_s']:.0f} s", flush=True)
     records.append(record)
   return records
+
+
+def size_pinned_pool(cfg, labels, context, new_tokens):
+  """The pinned pool's limit (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, set here before the GPU client starts unless
+  the caller set it) for the largest host copy of ``labels`` at this context: one that holds it and little more
+  (``jkv.memory.pinned_pool_limit_gib``), since the pool grows by regions of powers of two up to its limit and a
+  64.008 GiB copy under a limit of 112 pinned 112. Returns the limit in force, or None without a host copy."""
+  import os
+  from jkv import generate as gen
+  from jkv import memory
+  from jkv.methods import make_method
+  host = 0
+  for label in labels:
+    name, options = METHODS[label]
+    method = make_method(name, **options)
+    capacity = gen.plan_capacity(cfg, method, [context], new_tokens, min(16, new_tokens))
+    host = max(host, memory.host_cache_bytes(method, cfg, 1, capacity))
+  if not host:
+    return None
+  return int(os.environ.setdefault(memory.PINNED_HOST_LIMIT_ENV, str(memory.pinned_pool_limit_gib(host))))
 
 
 def top_kernels(trace_dir, top=25) -> list:

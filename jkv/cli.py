@@ -697,8 +697,10 @@ def quiet_xla_logs(argv) -> None:
 
 def size_pinned_host_pool() -> None:
   """Let XLA pin up to 90% of the machine's memory for host-resident arrays (SpeCache's 16-bit copy) instead of its
-  default 64 GiB: set before the GPU client starts, the only time XLA reads it. The pool grows on demand, so this
-  only raises its cap, which ``jkv.memory.pinned_host_limit`` then plans against. A value the user set is kept."""
+  default 64 GiB: set before the GPU client starts, the only time XLA reads it, and so before jkv knows the copy's
+  size. The pool grows by regions of powers of two, up to this cap (``jkv.memory.pinned_pool_take``): a copy of over
+  half of it pins all of it, and ``jkv.memory.guard`` refuses one that would leave the machine too little, naming the
+  value that holds the copy and little more. A value the user set is kept."""
   try:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError):  # no such sysconf names: XLA's default stays

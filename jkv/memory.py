@@ -91,6 +91,29 @@ def pinned_host_limit() -> Optional[int]:
   return pool if host is None else min(pool, host["limit"])
 
 
+# Host memory a GPU process uses beside XLA's pinned pool (Python, XLA's compiler, transfers' staging): 8 GiB in the
+# SpeCache run of 524,288 tokens on an H200 (benchmarks/results/long_context.json), used 74 GiB with 66 pinned.
+HOST_RESERVE_BYTES = 8 << 30
+
+
+def pinned_pool_take(host_bytes: int, limit: int) -> int:
+  """Bytes XLA pins to hold ``host_bytes`` of host-resident arrays in a process that pinned nothing before. Its
+  pinned pool grows as the device allocator does (``gather_pool``): a region of the next power of two of 2 MiB that
+  holds the array, never past the limit. So a host copy just over a power of two pins twice itself: on an H200,
+  SpeCache's 32.004 GiB copy (262,144 tokens) pinned 64 GiB under the default limit of 64, its 64.008 GiB copy
+  (524,288 tokens) 66 GiB under a limit of 66 (``free``'s shared column, 2026-11-29)."""
+  region = 2 << 20
+  while region < host_bytes:
+    region *= 2
+  return min(region, limit)
+
+
+def pinned_pool_limit_gib(host_bytes: int) -> int:
+  """The ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` that holds ``host_bytes`` of host-resident arrays and pins no more
+  than about them (1 GiB over, for transfers' staging): the limit bounds the pool's last region."""
+  return -(-host_bytes // 2**30) + 1
+
+
 def allocator_pool(device=None) -> Optional[dict]:
   """{"limit", "pool", "largest_free"} bytes of a device allocator that grows its pool region by region (XLA's GPU
   allocator with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): what it may take in all, what it took from the device
@@ -402,6 +425,8 @@ def guard(request: CacheRequest):
     raise request.error(f"{request} holds {_gib(request.host_bytes)} in host memory, more than the {_gib(pinned)} "
                         f"XLA pins at most (set {PINNED_HOST_LIMIT_ENV} before jax starts to raise it)", mem,
                         memory_kind="pinned host")
+  if mem is not None and pinned is not None and request.host_bytes:
+    _check_pinned_take(request, pinned, mem)
   gather_pool(request.allocation_bytes, request.devices())
   try:
     yield
@@ -409,6 +434,29 @@ def guard(request: CacheRequest):
     if mem is None or not is_out_of_memory(e):
       raise
     raise request.error(f"{request} fit, but XLA ran out beside it ({out_of_memory_reason(e)})", mem) from e
+
+
+def _check_pinned_take(request: CacheRequest, pinned: int, mem: dict) -> None:
+  """Refuse a host copy for which the pinned pool, growing by whole regions (``pinned_pool_take``), would leave the
+  process less than ``HOST_RESERVE_BYTES`` of the machine's available memory: the pin would take nearly all of it and
+  the process or its neighbours be killed for memory later, not refused."""
+  host = host_memory()
+  if host is None:
+    return
+  available = host["limit"] - host["in_use"]
+  take = pinned_pool_take(request.host_bytes, pinned)
+  if take + HOST_RESERVE_BYTES <= available:
+    return
+  tight = pinned_pool_limit_gib(request.host_bytes)
+  if (tight << 30) + HOST_RESERVE_BYTES <= available:
+    advice = f"set {PINNED_HOST_LIMIT_ENV}={tight} before jax starts, a pool that holds the copy and little more"
+  else:
+    advice = "not even a pool of the copy alone fits"
+  raise request.error(
+      f"{request} holds {_gib(request.host_bytes)} in host memory, and XLA's pinned pool, which grows by regions "
+      f"of powers of two up to its limit of {_gib(pinned)}, would take {_gib(take)} of the {_gib(available)} this "
+      f"machine has available, leaving less than the {_gib(HOST_RESERVE_BYTES)} the process needs ({advice})", mem,
+      memory_kind="pinned host")
 
 
 def tree_bytes(tree) -> int:

@@ -10,11 +10,13 @@ limit, and jkv's own guard, advice and placeholder run against it; the compiled 
 the cache in place (no temporary the size of a cache array), which on the CPU they already do.
 """
 
+import dataclasses
 import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jkv import generate as gen
@@ -354,3 +356,53 @@ def test_the_pinned_pool_is_xlas_variable_on_a_gpu_only(monkeypatch):
   assert memory.pinned_host_limit() == min(3 * GIB, memory.host_memory()["limit"])
   monkeypatch.delenv(memory.PINNED_HOST_LIMIT_ENV)
   assert memory.pinned_host_limit() == min(64 * GIB, memory.host_memory()["limit"])
+
+
+def test_the_pinned_pool_takes_the_region_xlas_allocator_grows_for_a_host_copy():
+  """``pinned_pool_take`` against the allocator model above, from an empty pool, for random copy sizes (just over and
+  under powers of two among them) and limits: up to twice the copy, never past the limit; and the limit
+  ``pinned_pool_limit_gib`` advises holds the copy with at most 2 GiB pinned beyond it."""
+  rng = np.random.default_rng(0)
+  sizes = [int(x) for x in rng.integers(1 << 20, 100 * GIB, 20)] + [32 * GIB + 2**22, 64 * GIB, 64 * GIB + 2**23]
+  for size in sizes:
+    for limit in (64 * GIB, 112 * GIB, 200 * GIB):
+      pool = GrowingPool(limit)
+      if pool.alloc(size) is None:
+        assert size > limit
+        continue
+      assert memory.pinned_pool_take(size, limit) == pool.pool
+    tight = GrowingPool(memory.pinned_pool_limit_gib(size) * GIB)
+    assert tight.alloc(size) is not None and tight.pool - size <= 2 * GIB
+
+
+def test_a_host_copy_whose_pool_would_leave_the_machine_too_little_is_refused_naming_the_limit_to_set(monkeypatch):
+  """Measured on an H200: a 64.008 GiB host copy under a limit of 112 GiB pins 112 (``pinned_pool_take``). With
+  the machine's available memory below that plus ``HOST_RESERVE_BYTES``, the guard refuses in one line that names
+  the limit which holds the copy; with not even that room, it says so; with room, it allows."""
+  method = make_method("specache")
+  cfg = dataclasses.replace(SMOLLM2, max_position=1 << 20)
+  request = memory.CacheRequest(cfg, method, batch=2, capacity=200704, prompt_tokens=200000)
+  copy = request.host_bytes  # 8.6 GiB: the pool's region is 16, the limit to advise 10
+  limit = 4 * copy  # the pool's region for the copy: twice it (a power of two past it), below the limit
+  take = memory.pinned_pool_take(copy, limit)
+  assert copy < take <= 2 * copy
+  monkeypatch.setattr(memory, "available_memory", lambda: dict(limit=1 << 50, in_use=0, peak=0))
+  monkeypatch.setattr(memory, "gather_pool", lambda nbytes, devices: None)
+  monkeypatch.setattr(memory, "pinned_host_limit", lambda: limit)
+  tight = memory.pinned_pool_limit_gib(copy)
+
+  def guard_with(available):
+    monkeypatch.setattr(memory, "host_memory", lambda: dict(limit=1 << 50, in_use=(1 << 50) - available, peak=0))
+    with memory.guard(request):
+      pass
+
+  reserve = memory.HOST_RESERVE_BYTES
+  guard_with(take + reserve)  # just enough: allowed
+  with pytest.raises(memory.DeviceMemoryError) as e:
+    guard_with(take + reserve - 1)
+  text = str(e.value)
+  assert "\n" not in text and text.startswith("out of pinned host memory")
+  assert f"{memory.PINNED_HOST_LIMIT_ENV}={tight} " in text
+  with pytest.raises(memory.DeviceMemoryError) as e:
+    guard_with((tight << 30) + reserve - 1)
+  assert "not even a pool of the copy alone fits" in str(e.value)
