@@ -139,7 +139,7 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
   cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens)))
-  pool = size_pinned_pool(cfg, labels, context, new_tokens)
+  pool = size_pinned_pool(cfg, labels, lambda m: gen.plan_capacity(cfg, m, [context], new_tokens, min(16, new_tokens)))
   params = params_lib.init_random(cfg, jax.random.key(0))
   weight_bytes = memory.tree_bytes(params)
   rate = 1e10 if smoke else copy_rate()
@@ -185,21 +185,21 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   return records
 
 
-def size_pinned_pool(cfg, labels, context, new_tokens):
+def size_pinned_pool(cfg, labels, capacity):
   """The pinned pool's limit (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, set here before the GPU client starts unless
-  the caller set it) for the largest host copy of ``labels`` at this context: one that holds it and little more
-  (``jkv.memory.pinned_pool_limit_gib``), since the pool grows by regions of powers of two up to its limit and a
-  64.008 GiB copy under a limit of 112 pinned 112. Returns the limit in force, or None without a host copy."""
+  the caller set it) for the largest host copy of ``labels``, each of one sequence of ``capacity(method)`` tokens
+  (None: not known before the device is): one that holds it and little more (``jkv.memory.pinned_pool_limit_gib``),
+  since the pool grows by regions of powers of two up to its limit and a 64.008 GiB copy under a limit of 112 pinned
+  112. Returns the limit in force, or None without a host copy."""
   import os
-  from jkv import generate as gen
   from jkv import memory
   from jkv.methods import make_method
   host = 0
   for label in labels:
     name, options = METHODS[label]
     method = make_method(name, **options)
-    capacity = gen.plan_capacity(cfg, method, [context], new_tokens, min(16, new_tokens))
-    host = max(host, memory.host_cache_bytes(method, cfg, 1, capacity))
+    tokens = capacity(method)
+    host = max(host, memory.host_cache_bytes(method, cfg, 1, tokens) if tokens else 0)
   if not host:
     return None
   return int(os.environ.setdefault(memory.PINNED_HOST_LIMIT_ENV, str(memory.pinned_pool_limit_gib(host))))
@@ -224,8 +224,12 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
   from jkv import memory, sharding
   from jkv.config import ModelConfig
   from jkv.methods import make_method
+  from jkv.prefill import round_up
   shape = SMOKE if smoke else LLAMA3_8B
   cfg = ModelConfig(**dict(shape, max_position=1 << 27))  # random weights: RoPE runs at any position
+  # The longest context (0) is known only from the device's memory: the pool keeps its limit for it.
+  asked = max(contexts)
+  pool = size_pinned_pool(cfg, labels, lambda m: asked and round_up(asked + steps, m.capacity_multiple()))
   mesh, devices = mesh_devices(mesh_spec)
   if sharding.axis_size(mesh, "data") > 1:
     raise SystemExit("long_context.py --part decode runs one sequence: a data axis has nothing to split")
@@ -266,7 +270,8 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
                           ratio_to_floor=ms / floor, read_floor_ms_per_step=read_floor, read_rate=reads,
                           ratio_to_read_floor=ms / read_floor, steps=steps, kv_bytes=kv.device,
                           kv_bytes_per_device=kv.device / shards, kv_host_bytes=kv.host, peak_device_bytes=peak,
-                          weight_bytes=weight_bytes, copy_rate=rate, top_kernels=kernels))
+                          weight_bytes=weight_bytes, copy_rate=rate, pinned_pool_limit_gb=pool,
+                          top_kernels=kernels))
       print(f"{label:>10} {context} tokens (synthetic fill): decode {ms:.2f} ms/step (floor {floor:.2f}, "
             f"{ms / floor:.2f}x; at the read rate {read_floor:.2f}, {ms / read_floor:.2f}x), "
             f"kv {kv.device / 2**30:.2f} GiB; "
@@ -277,8 +282,9 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
 
 def in_own_processes(argv, part, labels, contexts) -> list:
   """The records of one child process per (method, context): this script again with one of each, so each record's
-  peak device memory is its own run's (a process's peak only grows)."""
-  records = []
+  peak device memory is its own run's (a process's peak only grows). Returns the records and a line per child that
+  failed (the others' records are kept: a 524k run that fails must not lose the 128k one before it)."""
+  records, failed = [], []
   for label in labels:
     for context in contexts:
       with tempfile.TemporaryDirectory() as tmp:
@@ -287,9 +293,10 @@ def in_own_processes(argv, part, labels, contexts) -> list:
         done = subprocess.run([sys.executable, __file__, *argv, "--methods", label, flag, str(context),
                                "--records-to", str(one)])
         if done.returncode != 0 or not one.exists():
-          raise SystemExit(f"long_context.py: the {label} run at {context} tokens exited with {done.returncode}")
+          failed.append(f"long_context.py: the {label} run at {context} tokens exited with {done.returncode}")
+          continue
         records += json.loads(one.read_text())
-  return records
+  return records, failed
 
 
 # ------------------------------------------------------------------------------------------------- results
@@ -344,13 +351,14 @@ def main():
     write_readme_section("long_context", markdown_table(json.loads(out.read_text())),
                          "## Long context: one sequence")
     return
+  failed = []
   runs = len(args.methods) * (len(args.contexts) if args.part == "decode" else 1)
   if args.part != "kernel" and runs > 1 and not args.smoke and args.records_to is None:
     argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--mesh", args.mesh]
     argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens))
              if v is not None] + ["--profile"] * args.profile
-    records = in_own_processes(argv, args.part, args.methods,
-                               args.contexts if args.part == "decode" else [args.context])
+    records, failed = in_own_processes(argv, args.part, args.methods,
+                                       args.contexts if args.part == "decode" else [args.context])
   elif args.part == "kernel":
     records = kernel_part([1024, 4096] if args.smoke else args.contexts, 256 if args.smoke else args.chunk,
                           args.smoke)
@@ -366,6 +374,8 @@ def main():
   if out is not None:
     save(out, records, RECORD_KEY)
   print(markdown_table(records))
+  if failed:
+    raise SystemExit("\n".join(failed))
 
 
 if __name__ == "__main__":

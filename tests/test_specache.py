@@ -461,10 +461,11 @@ def test_fetch_paths_agree_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("capacity, k", [(1024, 8), (8192, 64), (192, 8)])
+@pytest.mark.parametrize("capacity, k", [(1024, 8), (8192, 64), (192, 8), (40003, 64)])
 def test_two_stage_top_k_is_a_top_k(capacity, k):
   """``top_k_positions`` returns k unique positions holding the k largest scores (as ``lax.top_k`` on distinct
-  scores), also when they all sit in one block, and with masked (-1) scores among them."""
+  scores), also when they all sit in one block, and with masked (-1) scores among them; 40003 candidates take two
+  levels of blocks, each padded to whole blocks."""
   rng = np.random.default_rng(capacity + k)
   scores = rng.permutation(2 * 3 * capacity).reshape(2, 3, capacity).astype(np.float32)
   scores[0, 0, 64:64 + k] += 1e6  # every winner of one row in one block

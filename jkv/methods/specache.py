@@ -40,7 +40,7 @@ shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KI
 (benchmarks/README.md and the profile in benchmarks/results name the parts; since KIVI reads its window in place,
 27.57 ms with the buffer against 23.95 for KIVI-2). The two schedules are equal within 1% (no overlap to win on
 one stream); the buffer stays the default, as the paper's pipeline. A top-k over each layer's 32k candidates
-(0.38 ms, a sort) is two small ones (``top_k_positions``).
+(0.38 ms, a sort) is a tournament of small ones (``top_k_positions``), for every row that needs one at once.
 
 ``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, the upper
 bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
@@ -192,21 +192,24 @@ def gather_rows_pallas(kv, first_layer, idx, interpret: bool = False):
   return out[..., :k, :]
 
 
-def top_k_positions(scores, k: int):
-  """Positions [B, H, k] of the k largest of scores [B, H, C] (a valid top k; ties in any order), in two small
-  selections instead of one over C: the k blocks with the largest maxima hold a top k, since a value outside them
-  is at most the k-th largest block maximum and each of those k blocks holds a value at least that large; then
-  the top k of those k blocks' values. Blocks of about sqrt(C / k) positions (a power of two dividing C) make the
-  two selections about the same size: 2052 and 1024 values a row at C = 32832, k = 64, where one ``lax.top_k``
-  over all of C took 0.38 ms per layer on an H100 (a sort of 64 rows of 32832)."""
-  B, H, C = scores.shape
-  block = min(C & -C, 1 << max(0, int(np.log2(max(1.0, np.sqrt(C / max(k, 1)))))))
-  n_blocks = C // block
-  if n_blocks <= k:
+def top_k_positions(scores, k: int, block: int = 16):
+  """Positions [..., k] of the k largest of scores [..., C] (a valid top k; ties in any order), by a tournament of
+  small selections instead of one over C. The k blocks of ``block`` positions with the largest maxima hold a top k
+  (a value outside them is at most the k-th largest block maximum, and each of those blocks holds one at least as
+  large), so the top k of C is the top k of those blocks' k * block values; and those k blocks are the top k of the
+  C / block maxima, chosen the same way, down to rows of at most 2 k * block. XLA's ``lax.top_k`` sorts, at a cost
+  set by the row's length, not by the number of rows: on an H200, k = 64, 15 us for rows of 1024, 39 for 4096, 54
+  for 4098, 59 for 16384, alike for 8, 16 or 32 rows (``benchmarks/top_k.py``).
+  The end of C is padded to whole blocks with -inf, never chosen while C holds k finite scores."""
+  C = scores.shape[-1]
+  if C <= 2 * k * block:
     return jax.lax.top_k(scores, k)[1]
-  blocks = scores.reshape(B, H, n_blocks, block)
-  _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [B, H, k] block indices
-  values = jnp.take_along_axis(blocks, chosen[..., None], axis=2).reshape(B, H, k * block)
+  lead, n = scores.shape[:-1], -(-C // block)
+  if n * block > C:
+    scores = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, n * block - C)], constant_values=-jnp.inf)
+  blocks = scores.reshape(lead + (n, block))
+  chosen = top_k_positions(jnp.max(blocks, axis=-1), k, block)  # [..., k] block indices
+  values = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(lead + (k * block,))
   _, j = jax.lax.top_k(values, k)
   return jnp.take_along_axis(chosen, j // block, axis=-1) * block + j % block
 
@@ -399,7 +402,8 @@ class SpeCache(CacheMethod):
     own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
     out, scores = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
     if k_rows:
-      idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      idx, ok = self._select(scores, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      idx, ok = idx[:, :, 0], ok[:, :, 0]
       state = self._keep(state, layer, idx, ok)
       if self.prefetch:  # once per generation: this layer's rows now, not all layers at the end
         rows = gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0]
@@ -440,10 +444,12 @@ class SpeCache(CacheMethod):
       repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
           low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, k_rows, ctx.impl)[0])
       out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
-    if k_rows:
+    if k_rows:  # scores' rows are mass_rows: the real row's (to count hits) and the speculative row's, one selection
+      bounds = ((self.low_bit.key_boundary(n + 1),) if self.counts_hits else ()) + (self.low_bit.key_boundary(n + 2),)
+      top, top_ok = self._select(scores, jnp.stack(bounds, axis=1), k_rows)
       if self.counts_hits:
-        state = self._count_hits(state, layer, idx, ok, scores[:, :, 0], self.low_bit.key_boundary(n + 1))
-      state = self._keep(state, layer, *self._select(scores[:, :, -1], self.low_bit.key_boundary(n + 2), k_rows))
+        state = self._count_hits(state, layer, idx, ok, top[:, :, 0], top_ok[:, :, 0])
+      state = self._keep(state, layer, top[:, :, -1], top_ok[:, :, -1])
     return out, state
 
   def _fetch_then_recompute(self, low, host_kv, layer, q, positions, n, k_rows, impl):
@@ -454,7 +460,8 @@ class SpeCache(CacheMethod):
     fetched = None
     if k_rows:
       _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
-      idx, ok = self._select(scores[:, :, 0], self.low_bit.key_boundary(n + 1), k_rows)
+      idx, ok = self._select(scores, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      idx, ok = idx[:, :, 0], ok[:, :, 0]
       fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
     out, _ = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)
     return out, fetched
@@ -526,10 +533,12 @@ class SpeCache(CacheMethod):
 
   @staticmethod
   def _select(scores, bound, k: int):
-    """Top k positions [B, H, k] of scores [B, H, C] among [0, bound) (bound [B]), and which are real."""
-    candidate = jnp.arange(scores.shape[-1])[None, None, :] < bound[:, None, None]
+    """Top k positions [B, H, R, k] of each of R rows of scores [B, H, R, C] among [0, bound) (bound [B, R]), and
+    which are real. Rows that need a selection go in one call: it costs what one row's does (``top_k_positions``)."""
+    bound = bound[:, None, :, None]
+    candidate = jnp.arange(scores.shape[-1]) < bound
     idx = top_k_positions(jnp.where(candidate, scores, -1.0), k)  # probabilities are >= 0 > -1
-    return idx.astype(jnp.int32), idx < bound[:, None, None]
+    return idx.astype(jnp.int32), idx < bound
 
   @staticmethod
   def _keep(state, layer, idx, ok):
@@ -537,10 +546,10 @@ class SpeCache(CacheMethod):
     return state.replace(fetched_idx=write_layer(state.fetched_idx, layer, idx),
                          fetched_ok=write_layer(state.fetched_ok, layer, ok))
 
-  def _count_hits(self, state, layer, idx, ok, real_scores, bound):
+  def _count_hits(self, state, layer, idx, ok, top, top_ok):
     """Add this step's hit fraction per sequence: |fetched ∩ top k of the real row| / min(k, candidates), over
-    the candidates the fetched set was chosen from (this step's [0, bK)), per KV head."""
-    top, top_ok = self._select(real_scores, bound, idx.shape[-1])
+    the candidates the fetched set was chosen from (this step's [0, bK)), per KV head; top, top_ok [B, H, k]: the
+    real row's own top k among them (``_select``)."""
     hits = jnp.sum((idx[..., :, None] == top[..., None, :]) & ok[..., :, None] & top_ok[..., None, :], axis=(-2, -1))
     slots = jnp.sum(top_ok, axis=-1)  # [B, H], equal across heads
     counted = slots > 0
