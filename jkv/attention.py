@@ -257,7 +257,7 @@ def read_store(store, layer, dtype):
   return k, v
 
 
-def _normalized_partial(o, lse):
+def normalized_partial(o, lse):
   """(o, lse) of one pass -> an (o, m, l) partial for ``merge_partials`` (l = 0 for a row with no key)."""
   return o.astype(jnp.float32), lse, jnp.where(lse == MASK_VALUE, 0.0, 1.0)
 
@@ -358,7 +358,7 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   parts = [part[:3] for part in parts]
   segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
   if stores or segments:
-    parts.append(_normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
+    parts.append(normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
                                                                          return_lse=True)))
   o, lse = merge_partials(parts)
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())

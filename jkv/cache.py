@@ -50,6 +50,12 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     ends where the method's blocks end (KIVI's residual, OTT's groups, ZipCache's split into whole key groups).
     An ``extend`` call writes nothing past ctx.lengths + T + chunk_multiple on the token axis (KIVI rewrites up to
     R held rows with the chunk; padding rows land past a prompt's end): the planner leaves that much room.
+``attend(state, layer, q, ctx) -> (out, lse)`` and ``store_span(state, layer, q, k, v, ctx) -> state``
+    Optional: what a method provides to hold one range of each sequence's tokens on each device of a mesh's
+    ``seq`` axis (context parallelism, ``jkv.context_parallel``, which composes decode steps and prompt chunks
+    from them and merges the devices' attention exactly). ``attend``: q's rows over what the state holds, nothing
+    stored, with the log-sum-exp. ``store_span``: rows stored at slots that may lie outside the state's, those
+    rows dropped. Methods without them refuse a ``seq`` axis up front.
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
@@ -226,6 +232,24 @@ class CacheMethod(abc.ABC):
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     """Store one prompt chunk's rows after the held ones; returns the state (module docstring)."""
     raise NotImplementedError(f"cache method {self.name!r} has no chunked prefill (store_chunk)")
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    """q [B, H, T, g, D] over the held tokens, nothing stored: row t sees slots s <= ctx.positions[b, t] (all the
+    slots of a row whose position is past the capacity, none of one at a negative position); ctx.lengths [B]
+    bounds the slots held. Returns (o [B, H, T, g, D] in q.dtype, lse [B, H, T, g] float32: MASK_VALUE and o = 0
+    for a row that sees no slot). Context parallelism's per-device decode attention (``jkv.context_parallel``)."""
+    raise NotImplementedError(f"cache method {self.name!r} cannot split a sequence over devices (attend)")
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    """Store T rows k, v [B, H, T, D] (a decode step's or a prompt chunk's; q [B, H, T, g, D]) at slots
+    ctx.lengths + [0, T), where ctx.lengths [B] may be negative or past the capacity: rows whose slots lie outside
+    [0, capacity) are dropped, and a sequence with none inside keeps its state (another device holds those
+    tokens: ``jkv.context_parallel``). Returns the state."""
+    raise NotImplementedError(f"cache method {self.name!r} cannot split a sequence over devices (store_span)")
+
+  def splits_tokens(self) -> bool:
+    """Whether the method provides ``attend`` and ``store_span``: a mesh's ``seq`` axis may split its tokens."""
+    return type(self).attend is not CacheMethod.attend and type(self).store_span is not CacheMethod.store_span
 
   speculative_rows: ClassVar[int] = 0
 

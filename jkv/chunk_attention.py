@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jkv.attention import block_size, blockwise_partials, merge_partials
+from jkv.attention import block_size, blockwise_partials, merge_partials, normalized_partial
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -36,7 +36,7 @@ class HeldRows(NamedTuple):
   count: jax.Array
 
 
-def chunk_attention(q, k, v, positions, held: HeldRows, *, impl: str, block: int = 512):
+def chunk_attention(q, k, v, positions, held: HeldRows, *, impl: str, block: int = 512, merge_held=None):
   """Attention of a prompt chunk over the held rows and, causally, itself.
 
   Args:
@@ -46,12 +46,16 @@ def chunk_attention(q, k, v, positions, held: HeldRows, *, impl: str, block: int
     held: the method's held rows (``HeldRows``).
     impl: "pallas" (a GPU: cuDNN's flash attention where the dtype is 16-bit) or anything else (XLA).
     block: keys per step of the XLA path.
+    merge_held: optional ``(o, lse) -> (o, lse)``, applied to the rows' attention over the held rows (o [..., D]
+      float32 normalized, lse [...] float32; the leading axes in any order, batch first) before the chunk's own
+      part joins it: where other devices hold the rest of the sequence, it merges theirs in
+      (``jkv.context_parallel``).
 
   Returns:
     [B, H, T, g, D] in q.dtype.
   """
   if impl == "pallas" and q.dtype in CUDNN_DTYPES and held.k.dtype == q.dtype:
-    return _cudnn_chunk_attention(q, k, v, positions, held)
+    return _cudnn_chunk_attention(q, k, v, positions, held, merge_held)
   B, H, T, g, D = q.shape
   S = held.k.shape[2]
   past_block = block_size(S, block)
@@ -59,6 +63,8 @@ def chunk_attention(q, k, v, positions, held: HeldRows, *, impl: str, block: int
       q, lambda s: _rows(held, s, past_block),
       lambda s: ((s + jnp.arange(past_block))[None, :] < held.count[:, None])[:, None, None, :],
       None, S // past_block, past_block)
+  if merge_held is not None:
+    past = normalized_partial(*merge_held(*merge_partials([past])))
   chunk_block = block_size(T, block)
   real = positions >= 0
   causal = (jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]) & real[:, None, :]  # [B, T, T]
@@ -74,7 +80,7 @@ def _rows(held: HeldRows, start, size: int):
   return tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=2).astype(jnp.float32) for x in (held.k, held.v))
 
 
-def _cudnn_chunk_attention(q, k, v, positions, held: HeldRows):
+def _cudnn_chunk_attention(q, k, v, positions, held: HeldRows, merge_held=None):
   """The chunk's rows over the held rows (no mask but their count) and over themselves (causal), by two calls of
   cuDNN's flash attention in its [batch, heads, tokens, dim] layout, merged by their log-sum-exps."""
   B, H, T, g, D = q.shape
@@ -82,6 +88,8 @@ def _cudnn_chunk_attention(q, k, v, positions, held: HeldRows):
   real = jnp.maximum(jnp.sum(positions >= 0, axis=1).astype(jnp.int32), 1)  # a chunk of padding: rows unused
   o_past, lse_past = cudnn_attention(q_heads, held.k, held.v, q_lengths=jnp.full((B,), T, jnp.int32),
                                      kv_lengths=held.count, causal=False)
+  if merge_held is not None:
+    o_past, lse_past = merge_held(o_past.astype(jnp.float32), lse_past)
   o_own, lse_own = cudnn_attention(q_heads, k, v, q_lengths=real, kv_lengths=real, causal=True)
   m = jnp.maximum(lse_past, lse_own)
   w_past, w_own = jnp.exp(lse_past - m), jnp.exp(lse_own - m)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import context_parallel
 from jkv import memory
 from jkv import prefill as prefill_lib
 from jkv import saved_cache
@@ -277,6 +278,8 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
                       chunk, capacity, continued=saved is not None)
   sharding.check_mesh(mesh, cfg, len(prompts))
+  context_parallel.check(method, mesh, saved_cache=cache is not None or save_cache is not None)
+  cap = context_parallel.split_capacity(cap, method, mesh, requested=capacity)
   split = heads is not None and heads != lengths
   first = heads if split else lengths
   options = dict(prefill_tokens=prefill_tokens, chunk=prefill_chunk, mesh=mesh)
@@ -290,6 +293,10 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
     rest = prefill_lib.plan_continuation(cfg, method, after, [n - h for n, h in zip(lengths, first)],
                                          prefill.capacity, **options)
     prefill = dataclasses.replace(prefill, capacity=rest.capacity)
+  if context_parallel.seq_devices(mesh) > 1:  # a capacity that chunks grew, split again
+    cap = context_parallel.split_capacity(prefill.capacity, method, mesh)
+    prefill = dataclasses.replace(prefill, capacity=cap)
+    rest = rest and dataclasses.replace(rest, capacity=cap)
   eos = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
   return GenerationPlan(prompts, prefill.capacity, prefill, chunk, max_new_tokens, eos, pad_id, impl, saved, held,
                         save_cache, heads, rest)

@@ -124,8 +124,9 @@ def _chunk_budget(cfg: ModelConfig, method: CacheMethod, batch: int, capacity: i
   """Tokens per sequence of one chunked call: ``prefill_tokens`` over the batch, or what half the free memory holds
   beside the cache and the chunk's held rows; whole chunk multiples, at least ``memory.MIN_CHUNK``."""
   multiple, shards = method.chunk_multiple(), sharding.axis_size(mesh, "data")
-  # Per device: the cache's share, and the held rows of its sequences and KV heads.
-  held = memory.held_rows_bytes(cfg, batch // shards, capacity) // sharding.axis_size(mesh, "model")
+  # Per device: the cache's share, and the held rows of its sequences, KV heads and range of tokens.
+  held = memory.held_rows_bytes(cfg, batch // shards, capacity) // (sharding.axis_size(mesh, "model")
+                                                                     * sharding.axis_size(mesh, sharding.SEQ_AXIS))
   fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh) + held
   # (a chunk's more held rows at the grown capacity: within the halving)
   tokens = prefill_tokens or shards * memory.prefill_token_budget(cfg, fixed_bytes=fixed)  # over the mesh

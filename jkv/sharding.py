@@ -1,8 +1,9 @@
 """Running on a device mesh: JAX's own SPMD (a ``Mesh`` with named axes, ``NamedSharding``, ``shard_map``).
 
-The mesh has two axes, ``data`` (sequences of the batch) and ``model`` (tensor parallelism). Every array is
+The mesh has two axes, ``data`` (sequences of the batch) and ``model`` (tensor parallelism), and a third, ``seq``,
+where one sequence's tokens are split over devices (context parallelism: ``jkv.context_parallel``). Every array is
 placed by the logical names of its axes (``ShardingRules``: ``batch`` -> data; ``q_heads``, ``kv_heads`` and
-``ffw`` -> model; the rest whole), as jax-llm-examples do:
+``ffw`` -> model; a cache's ``tokens`` -> seq; the rest whole), as jax-llm-examples do:
 
 - parameters: attention tensor-parallel over heads (q, k, v over their heads, o over its input heads), the MLP
   over its hidden size, the embedding and LM head over the vocabulary where it divides; norms replicated;
@@ -36,7 +37,9 @@ from jkv.config import ModelConfig
 from jkv.params import Layers, Params
 from jkv.params import abstract as param_shapes
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "model")  # the axes of every mesh
+SEQ_AXIS = "seq"  # context parallelism (jkv.context_parallel): a mesh has it only where its size is > 1
+AXES = MESH_AXES + (SEQ_AXIS,)  # every axis a mesh spec may name, in the device grid's order
 
 
 # ------------------------------------------------------------------------------------------------- compatibility
@@ -77,19 +80,20 @@ def current_mesh():
 # ------------------------------------------------------------------------------------------------- the mesh
 
 def parse_mesh(text: str) -> dict:
-  """``"data=2,model=4"`` -> {"data": 2, "model": 4}; an axis left out has size 1. One-line ValueErrors name the
-  problem (syntax, unknown or repeated axis, a size that is not a positive integer)."""
+  """``"data=2,model=4"`` -> {"data": 2, "model": 4}; an axis left out has size 1 (``seq`` is listed only where it
+  is > 1: ``"seq=4"`` -> {"data": 1, "model": 1, "seq": 4}). One-line ValueErrors name the problem (syntax,
+  unknown or repeated axis, a size that is not a positive integer)."""
   sizes = {}
   items = [item.strip() for item in str(text).split(",")]
   if not any(items):
-    raise ValueError(f"empty mesh spec; write it as data=N,model=M (axes: {', '.join(MESH_AXES)})")
+    raise ValueError(f"empty mesh spec; write it as data=N,model=M (axes: {', '.join(AXES)})")
   for item in items:
     name, eq, value = item.partition("=")
     name = name.strip()
     if not eq or not name:
       raise ValueError(f"mesh spec {text!r}: expected axis=size, got {item!r} (e.g. data=2,model=4)")
-    if name not in MESH_AXES:
-      raise ValueError(f"mesh spec {text!r}: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+    if name not in AXES:
+      raise ValueError(f"mesh spec {text!r}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
     if name in sizes:
       raise ValueError(f"mesh spec {text!r}: axis {name!r} is given twice")
     try:
@@ -99,7 +103,16 @@ def parse_mesh(text: str) -> dict:
     if size < 1:
       raise ValueError(f"mesh spec {text!r}: size of {name!r} must be >= 1, got {size}")
     sizes[name] = size
-  return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+  return _mesh_sizes(sizes)
+
+
+def _mesh_sizes(sizes: Mapping[str, int]) -> dict:
+  """Every axis of ``MESH_AXES`` (size 1 where left out), then ``seq`` where it is > 1."""
+  sizes = dict(sizes)
+  out = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+  if sizes.get(SEQ_AXIS, 1) != 1:
+    out[SEQ_AXIS] = sizes[SEQ_AXIS]
+  return out
 
 
 def mesh_label(mesh: Optional[Mesh]) -> str:
@@ -110,7 +123,8 @@ def mesh_label(mesh: Optional[Mesh]) -> str:
 
 
 def make_mesh(shape: Union[str, Mapping[str, int], Mesh, None], devices: Optional[Sequence] = None) -> Optional[Mesh]:
-  """A (data, model) mesh over ``devices`` (default: every device jax sees, across all processes).
+  """A (data, model) mesh over ``devices`` (default: every device jax sees, across all processes), with a third
+  axis ``seq`` where its size is > 1 (one sequence's tokens split over devices: ``jkv.context_parallel``).
 
   ``shape`` is a spec string (``"data=2,model=4"``), a dict of axis sizes, a ready ``Mesh`` (returned as it is)
   or None (no mesh). The sizes must multiply to the number of devices: a mesh over fewer devices is made by
@@ -119,10 +133,10 @@ def make_mesh(shape: Union[str, Mapping[str, int], Mesh, None], devices: Optiona
   if shape is None or isinstance(shape, Mesh):
     return shape
   sizes = parse_mesh(shape) if isinstance(shape, str) else dict(shape)
-  unknown = sorted(set(sizes) - set(MESH_AXES))
+  unknown = sorted(set(sizes) - set(AXES))
   if unknown:
-    raise ValueError(f"unknown mesh axis {unknown[0]!r}; the axes are {', '.join(MESH_AXES)}")
-  sizes = {axis: int(sizes.get(axis, 1)) for axis in MESH_AXES}
+    raise ValueError(f"unknown mesh axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
+  sizes = {axis: int(size) for axis, size in _mesh_sizes(sizes).items()}
   if min(sizes.values()) < 1:
     raise ValueError(f"mesh axis sizes must be >= 1, got {sizes}")
   devices = list(jax.devices() if devices is None else devices)
@@ -134,10 +148,10 @@ def make_mesh(shape: Union[str, Mapping[str, int], Mesh, None], devices: Optiona
       hint = f"; XLA_FLAGS=--xla_force_host_platform_device_count={need} makes {need} CPU devices"
     else:
       hint = "; hide the others with CUDA_VISIBLE_DEVICES" if need < len(devices) else ""
-    raise ValueError(f"mesh {label} needs {need} devices (data x model), but {len(devices)} {platform} "
+    raise ValueError(f"mesh {label} needs {need} devices ({' x '.join(sizes)}), but {len(devices)} {platform} "
                      f"device{'s are' if len(devices) != 1 else ' is'} visible{hint}")
-  grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
-  return Mesh(grid, MESH_AXES)
+  grid = np.asarray(devices, dtype=object).reshape(list(sizes.values()))
+  return Mesh(grid, tuple(sizes))
 
 
 def axis_size(mesh: Optional[Mesh], axis: str) -> int:
@@ -173,6 +187,7 @@ class ShardingRules:
   q_heads: Optional[str] = "model"
   ffw: Optional[str] = "model"
   vocab: Optional[str] = "model"
+  tokens: Optional[str] = SEQ_AXIS  # a cache's token slots: contiguous ranges of every sequence, one per device
 
   def mesh_axis(self, name: str) -> Optional[str]:
     return getattr(self, name, None) if name in _RULE_NAMES else None
@@ -392,6 +407,17 @@ class PerShard(CacheMethod):
   def store_spares_held_rows(self) -> bool:
     return self.inner.store_spares_held_rows()
 
+  def attend(self, state, layer, q, ctx: StepContext):
+    heads = self._heads(q.ndim)
+    return self._per_shard(self.inner.attend, (state, layer, q), (self._specs(), P(), heads),
+                           (heads, self._heads(q.ndim - 1)), ctx)
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self.inner.store_span, state, layer, q, k, v, ctx, returns_out=False)
+
+  def splits_tokens(self) -> bool:
+    return self.inner.splits_tokens()
+
   def held_rows(self, state, layer, lengths) -> HeldRows:
     heads, rows = self._heads(4), P(self.rules.batch)
     run = shard_map(lambda s, i, n: tuple(self.inner.held_rows(s, i, n)), mesh=self.mesh,
@@ -424,11 +450,14 @@ class PerShard(CacheMethod):
 
 def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional[Mesh],
                  rules: ShardingRules = DEFAULT_RULES) -> KVCache:
-  """``KVCache.create`` on a mesh: the method wrapped in ``PerShard``, every array allocated in its shards, the
-  lengths split over ``data``. Without a mesh, ``KVCache.create`` itself."""
+  """``KVCache.create`` on a mesh: the method wrapped in ``PerShard`` (``context_parallel.SeqShard`` on a mesh with
+  a ``seq`` axis), every array allocated in its shards, the lengths split over ``data``. Without a mesh,
+  ``KVCache.create`` itself."""
   if mesh is None:
     return KVCache.create(method, spec, impl)
-  cache = KVCache.create(PerShard(method, mesh, spec, rules), spec, impl)
+  from jkv.context_parallel import SeqShard  # here: it builds on PerShard
+  wrapper = SeqShard if axis_size(mesh, SEQ_AXIS) > 1 else PerShard
+  cache = KVCache.create(wrapper(method, mesh, spec, rules), spec, impl)
   return cache.replace(lengths=jax.device_put(cache.lengths, NamedSharding(mesh, P(rules.batch))))
 
 

@@ -38,6 +38,27 @@ def dense_store(state: DenseState, layer, k, v, lengths) -> DenseState:
   return DenseState(k=write_at(state.k, layer, k, lengths, axis=2), v=write_at(state.v, layer, v, lengths, axis=2))
 
 
+def dense_store_span(state: DenseState, layer, k, v, start) -> DenseState:
+  """Write rows k, v [B, H, T, D] at slots start [B] + [0, T), dropping the rows whose slots lie outside
+  [0, C): one scatter of T rows per sequence (``write_at``'s slice would be moved back inside, over held rows)."""
+  B, _, T, _ = k.shape
+  capacity = state.k.shape[3]
+  slots = start[:, None] + jnp.arange(T)  # [B, T]
+  slots = jnp.where((slots >= 0) & (slots < capacity), slots, capacity)  # negative ones would wrap around
+  sequences = jnp.arange(B)[:, None]
+
+  def put(buf, x):  # the advanced indices (sequence, slot) lead the updates: [B, T, H, D]
+    return buf.at[layer, sequences, :, slots].set(x.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")
+  return DenseState(k=put(state.k, k), v=put(state.v, v))
+
+
+def dense_attention(state: DenseState, layer, q, positions, held, impl: str, *, return_lse: bool = False):
+  """q [B, H, T, g, D] over the held slots [0, held [B]), row t seeing those <= positions [B, T]."""
+  mask = causal_mask(positions, state.k.shape[3])
+  return decode_attention(q, layer, segments=((state.k, state.v, mask),), impl=impl, num_keys=jnp.max(held),
+                          return_lse=return_lse)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class Dense(CacheMethod):
@@ -51,10 +72,13 @@ class Dense(CacheMethod):
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     state = dense_store(state, layer, k, v, ctx.lengths)
-    mask = causal_mask(ctx.positions, state.k.shape[3])
-    out = decode_attention(q, layer, segments=((state.k, state.v, mask),), impl=ctx.impl,
-                                 num_keys=jnp.max(ctx.lengths) + q.shape[2])
-    return out, state
+    return dense_attention(state, layer, q, ctx.positions, ctx.lengths + q.shape[2], ctx.impl), state
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    return dense_attention(state, layer, q, ctx.positions, ctx.lengths, ctx.impl, return_lse=True)
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    return dense_store_span(state, layer, k, v, ctx.lengths)
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
     return HeldRows(state.k[layer], state.v[layer], lengths)

@@ -1,0 +1,155 @@
+"""Context parallelism: one sequence's cache split by tokens over the devices of a mesh's ``seq`` axis.
+
+Device i of ``seq`` (n devices) holds slots [i C/n, (i + 1) C/n) of every sequence's C token slots, as the method
+holds a cache of that many tokens: its state's ``tokens`` axis is split over ``seq`` (``ShardingRules.tokens``), so
+each device allocates C/n slots, and ``SeqShard`` runs every cache call per shard through ``shard_map`` in the
+shard's own frame (lengths and positions less the range's first slot).
+
+- A row is stored by the device whose range holds its position: the method's ``store_span`` drops rows outside
+  its slots, so a decode row goes to one device and a prompt chunk that straddles two ranges to both, and the
+  others' state is not touched (no copy of the cache moves between devices).
+- Decode: every device attends the new rows over the slots it holds (``attend``: partial o and its log-sum-exp in
+  fp32), and the partials merge exactly, max-shifted by their log-sum-exps (``jkv.attention.merge_partials``),
+  after one all-gather over ``seq`` per layer of o [B, H, T, g, D] and lse [B, H, T, g].
+- Prefill: the whole prompt's attention is the model's (exact, replicated over ``seq``), and each device stores the
+  rows its range holds. A prompt chunk (``extend``, chunked prefill) attends every device's held rows, merged the
+  same way (``chunk_attention``'s ``merge_held``), and then itself, causally and exactly.
+
+Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``; dense does); a mesh with
+``seq`` > 1 and any other method is refused up front (``check``). Speculative rows (SpeCache) are not split.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jkv.attention import merge_partials, normalized_partial
+from jkv.cache import CacheMethod, CacheSpec, StepContext
+from jkv.chunk_attention import chunk_attention
+from jkv.sharding import SEQ_AXIS, PerShard, axis_size, mesh_label
+from jkv_kernels.attention_reference import MASK_VALUE
+
+
+def seq_devices(mesh) -> int:
+  """Devices one sequence's tokens are split over (the mesh's ``seq`` axis; 1 without one)."""
+  return axis_size(mesh, SEQ_AXIS)
+
+
+def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
+  """One-line ValueError where the mesh splits tokens over ``seq`` and the method cannot be split so, or a cache is
+  saved or loaded (``jkv.saved_cache`` places a cache by sequences and heads alone)."""
+  if seq_devices(mesh) == 1:
+    return
+  if not method.splits_tokens():
+    raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
+                     f"{mesh_label(mesh)}); on a seq axis only dense runs so far: use data and model axes for it")
+  if saved_cache:
+    raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
+                     f"{mesh_label(mesh)}): use data and model axes")
+
+
+def split_capacity(capacity: int, method: CacheMethod, mesh, requested=None) -> int:
+  """``capacity`` rounded up so that it splits into ``seq`` equal ranges of whole ``capacity_multiple``s (and stays
+  a whole number of ``chunk_multiple``s); a ``requested`` capacity that ``seq`` does not divide is a one-line
+  ValueError."""
+  n = seq_devices(mesh)
+  if n == 1:
+    return capacity
+  if requested is not None and requested % n:
+    raise ValueError(f"capacity {requested} does not split over seq={n} (give a multiple of {n})")
+  multiple = math.lcm(n * method.capacity_multiple(), method.chunk_multiple())
+  return -(-capacity // multiple) * multiple
+
+
+def merge_across_seq(o, lse, seen=None):
+  """The exact merge of every ``seq`` device's attention partial (inside ``shard_map``): o [B, ..., D] normalized,
+  lse [B, ...] float32 (MASK_VALUE for a row that saw nothing, whose o is then 0), both over the device's own rows.
+  ``seen`` [B]: whether the device held any row of each sequence (a partial of none is dropped whatever a kernel
+  wrote for it). Returns (o float32, lse), the same on every device of ``seq``."""
+  o = o.astype(jnp.float32)
+  if seen is not None:
+    seen = seen.reshape(seen.shape + (1,) * (lse.ndim - 1))
+    o, lse = jnp.where(seen[..., None], o, 0.0), jnp.where(seen, lse, MASK_VALUE)
+  every_o, every_lse = jax.lax.all_gather((o, lse), SEQ_AXIS)
+  return merge_partials([normalized_partial(every_o[i], every_lse[i]) for i in range(every_o.shape[0])])
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqShard(PerShard):
+  """``PerShard`` on a mesh with a ``seq`` axis: each device holds a contiguous range of every sequence's token slots
+  (module docstring), besides its share of the sequences (``data``) and KV heads (``model``)."""
+
+  def check(self, spec: CacheSpec) -> None:
+    check(self.inner, self.mesh)
+    super().check(spec)
+    n = seq_devices(self.mesh)
+    if spec.capacity % (n * self.inner.capacity_multiple()):
+      raise ValueError(f"a cache of {spec.capacity} tokens does not split over seq={n} into whole blocks of "
+                       f"{self.inner.capacity_multiple()} (method {self.inner.name!r})")
+
+  @property
+  def _range(self) -> int:
+    """Token slots of each device."""
+    return self.spec.capacity // seq_devices(self.mesh)
+
+  # The bodies below run per shard (inside shard_map), on the device's own slots.
+
+  def _first_slot(self):
+    return jax.lax.axis_index(SEQ_AXIS) * self._range
+
+  def _store(self, state, layer, q, k, v, ctx: StepContext):
+    """Rows at global slots ctx.lengths + [0, T), those of this device's range stored."""
+    return self.inner.store_span(state, layer, q, k, v, ctx.replace(lengths=ctx.lengths - self._first_slot()))
+
+  def _step(self, state, layer, q, k, v, ctx: StepContext):
+    state = self._store(state, layer, q, k, v, ctx)
+    first = self._first_slot()
+    held = jnp.clip(ctx.lengths + q.shape[2] - first, 0, self._range)
+    o, lse = self.inner.attend(state, layer, q, StepContext(held, ctx.positions - first, ctx.impl))
+    o, _ = merge_across_seq(o, lse)
+    return o.astype(q.dtype), state
+
+  def _extend(self, state, layer, q, k, v, ctx: StepContext):
+    held_count = jnp.clip(ctx.lengths - self._first_slot(), 0, self._range)
+    store_first = self.inner.store_spares_held_rows()  # (CacheMethod.extend's order)
+    if store_first:
+      state = self._store(state, layer, q, k, v, ctx)
+    held = self.inner.held_rows(state, layer, held_count)
+    out = chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl,
+                          merge_held=functools.partial(merge_across_seq, seen=held_count > 0))
+    if not store_first:
+      state = self._store(state, layer, q, k, v, ctx)
+    return out, state
+
+  # Cache calls.
+
+  def prefill(self, state, layer, q, k, v, ctx: StepContext):
+    at_zero = ctx.replace(lengths=jnp.zeros_like(ctx.lengths))  # the prompt's rows at slots [0, T)
+    return self._layer_call(self._store, state, layer, q, k, v, at_zero, returns_out=False)
+
+  def step(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self._step, state, layer, q, k, v, ctx, returns_out=True)
+
+  def extend(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self._extend, state, layer, q, k, v, ctx, returns_out=True)
+
+  def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self._store, state, layer, q, k, v, ctx, returns_out=False)
+
+  def _per_device_only(self, call: str):
+    raise NotImplementedError(f"{call} of a cache split over {SEQ_AXIS} runs per device, inside SeqShard's calls")
+
+  def held_rows(self, state, layer, lengths):
+    self._per_device_only("held_rows")
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    self._per_device_only("attend")
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    self._per_device_only("store_span")
+
+  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    self._per_device_only("pre_decode")

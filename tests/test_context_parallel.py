@@ -1,0 +1,166 @@
+"""Context parallelism (``jkv.context_parallel``): one sequence's cache split by tokens over a mesh's ``seq`` axis.
+
+The tests that need 4 devices (the count is fixed when jax starts) run in a process of their own, started by
+``test_on_four_cpu_devices`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (as tests/test_sharding.py
+runs its sharded suite); in the main test process they are skipped.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jkv import generate as gen
+from jkv import prefill as prefill_lib
+from jkv import sharding
+from jkv.attention import decode_attention
+from jkv.cache import CacheSpec
+from jkv.config import ModelConfig
+from jkv.context_parallel import merge_across_seq
+from jkv.methods import make_method
+from jkv.model import forward
+from jkv.params import init_random
+from jkv_kernels.attention_reference import gqa_attention_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOUR_DEVICES = jax.device_count() >= 4
+on_four_devices = pytest.mark.skipif(not FOUR_DEVICES, reason="runs in test_on_four_cpu_devices's process")
+
+# 2 KV heads: model=4 cannot split them, seq=4 can split one sequence's tokens.
+CFG = ModelConfig("llama", vocab_size=128, embed=96, ffw_size=160, num_layers=2, q_heads=6, kv_heads=2, head_dim=64,
+                  max_position=2048)
+CAPACITY = 128  # 32 token slots per device of seq=4
+LENGTHS = (70, 9, 45, 100)  # prompts over 3, 1, 2 and 4 devices' ranges
+NEW_TOKENS = 12  # the 100-token prompt's decode crosses from the fourth device's first slots on; the 9's stays
+CHUNK = 24  # prompt chunks that straddle the ranges' boundaries (32, 64, 96)
+
+
+def test_on_four_cpu_devices():
+  if FOUR_DEVICES:
+    pytest.skip("this process is the one with 4 devices")
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
+                         "not test_on_four_cpu_devices", os.path.abspath(__file__)], cwd=ROOT,
+                        env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_mesh_spec_names_seq_only_where_it_splits():
+  assert sharding.parse_mesh("seq=4") == {"data": 1, "model": 1, "seq": 4}
+  assert sharding.parse_mesh("model=2,seq=1") == {"data": 1, "model": 2}
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_random(CFG, jax.random.key(0), scale=0.15)  # peaked enough that tokens vary with the context
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(7)
+  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in LENGTHS]
+
+
+def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, **kw):
+  return gen.generate(params, CFG, prompts, method=make_method(method), max_new_tokens=NEW_TOKENS, chunk=4,
+                      eos_ids=(), attention_impl="xla", capacity=capacity, mesh=mesh, **kw)
+
+
+@on_four_devices
+def test_merging_the_devices_partials_is_softmax_over_all_their_rows():
+  """Each of 4 devices attends its quarter of the keys (some rows see none of a device's, one row none at all);
+  the merged output and log-sum-exp are softmax attention over every key at once."""
+  B, H, T, g, D, S = 3, 2, 2, 3, 16, 64
+  keys = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(keys[0], (B, H, T, g, D), jnp.float32)
+  k, v = (2 * jax.random.normal(key, (B, H, S, D), jnp.float32) for key in keys[1:3])
+  seen = jnp.arange(S)[None, None, :] < jnp.array([[40, 10], [64, 64], [0, 20]])[:, :, None]  # [B, T, S]
+  mesh = sharding.make_mesh("seq=4")
+
+  def per_device(q, k, v, seen):
+    o, lse = decode_attention(q, 0, segments=((k, v, seen),), impl="xla", return_lse=True)
+    return merge_across_seq(o, lse)
+
+  run = sharding.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, None, "seq"), P(None, None, "seq"),
+                                                             P(None, None, "seq")), out_specs=(P(), P()))
+  o, lse = run(q, k, v, seen)
+  want_o, want_lse = gqa_attention_reference(q, k, v, seen, return_lse=True)
+  np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+  assert np.all(np.asarray(o)[2, :, 0] == 0)  # the row that saw no key
+
+
+@on_four_devices
+def test_the_cache_holds_a_quarter_of_each_sequence_on_each_device():
+  spec = CacheSpec.for_model(CFG, 2, CAPACITY)
+  cache = sharding.create_cache(make_method("dense"), spec, "xla", sharding.make_mesh("seq=4"))
+  for x in (cache.state.k, cache.state.v):
+    assert x.shape == (2, 2, 2, CAPACITY, 64)
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 2, 2, CAPACITY // 4, 64)}
+    assert len({s.device for s in x.addressable_shards}) == 4
+
+
+@pytest.fixture(scope="module")
+def one_device_tokens(params, prompts):
+  tokens = _generate(params, prompts).tokens
+  assert len({tuple(t) for t in tokens}) == len(prompts)
+  return tokens
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2", "data=2,seq=2"])
+def test_generate_over_seq_equals_one_device(params, prompts, one_device_tokens, mesh):
+  """Whole prompts (each device stores its range of them) and chunks that straddle the ranges."""
+  split = _generate(params, prompts, mesh=mesh)
+  assert split.stats["mesh"] == sharding.mesh_label(sharding.make_mesh(mesh)) and split.tokens == one_device_tokens
+  chunked = _generate(params, prompts, mesh=mesh, prefill_chunk=CHUNK)
+  assert chunked.stats["prefill_chunk"] == CHUNK and chunked.tokens == one_device_tokens
+
+
+def _logits(params, prompts, mesh):
+  """Each prompt's last-token logits after a chunked prefill, then those of 6 decode steps fed fixed tokens:
+  [7, B, vocab]."""
+  mesh = sharding.make_mesh(mesh)
+  with sharding.use_mesh(mesh):
+    plan = gen.plan_generation(CFG, make_method("dense"), prompts, max_new_tokens=8, capacity=CAPACITY,
+                               prefill_chunk=CHUNK, attention_impl="xla", mesh=mesh)
+    cache = sharding.create_cache(make_method("dense"), CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla",
+                                  mesh)
+    placed = sharding.shard_params(params, CFG, mesh)
+    run = prefill_lib.Prefill(plan.prefill, CFG, prefill_lib.pad_prompts(prompts, plan.prefill.width, 0), LENGTHS)
+    logits, cache = run(placed, cache)
+    out = [np.asarray(logits)]
+    step = jax.jit(lambda p, tokens, cache: forward(p, tokens[:, None], cache.lengths[:, None], cache, cfg=CFG))
+    for i in range(6):
+      logits, cache = step(placed, jnp.full((len(prompts),), 3 + 11 * i, jnp.int32), cache)
+      out.append(np.asarray(logits[:, 0]))
+  return np.stack(out)
+
+
+@on_four_devices
+def test_logits_over_seq_equal_one_devices(params, prompts):
+  one, split = _logits(params, prompts, None), _logits(params, prompts, "seq=4")
+  assert np.std(one) > 1  # logits that a wrong merge would move
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+
+
+@on_four_devices
+@pytest.mark.parametrize("kw, message", [
+    (dict(method="kivi"), "cache method 'kivi' cannot split a sequence's tokens over devices (mesh data=1,model=1,"
+                          "seq=4)"),
+    (dict(capacity=130), "capacity 130 does not split over seq=4"),
+    (dict(save_cache=os.path.join(tempfile.gettempdir(), "jkv-never-saved")),
+     "a saved cache is not yet saved or loaded with its tokens split"),
+])
+def test_what_seq_does_not_take_is_a_one_line_error(params, prompts, kw, message):
+  with pytest.raises(ValueError) as e:
+    _generate(params, prompts, mesh="seq=4", **kw)
+  assert message in str(e.value) and "\n" not in str(e.value)
