@@ -237,13 +237,16 @@ def state_shardings(abstract, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
 
 
 def local_bytes(abstract, mesh: Optional[Mesh], rules: ShardingRules = DEFAULT_RULES) -> HeldBytes:
-  """Bytes one device holds of a state description: each array divided by the mesh axes that shard it."""
+  """Bytes one device holds of a state description: each array divided by the mesh axes that shard it. A size
+  they do not divide counts its largest part (the memory plans search capacities one block apart, which a ``seq``
+  axis need not divide; ``generate`` rounds the capacity it allocates to one it does)."""
   device = host = 0
   for info in jax.tree.leaves(abstract, is_leaf=is_array_info):
     n = info.nbytes
     if mesh is not None:
-      spec = logical_to_spec(info.axes, mesh, rules, info.shape)
-      n //= int(np.prod([mesh.shape[a] for a in spec if a is not None], dtype=np.int64))
+      spec = tuple(logical_to_spec(info.axes, mesh, rules)) + (None,) * len(info.shape)
+      shard = [-(-size // (1 if axis is None else mesh.shape[axis])) for size, axis in zip(info.shape, spec)]
+      n = int(np.prod(shard, dtype=np.int64)) * jax.numpy.dtype(info.dtype).itemsize
     if info.memory_kind == "device":
       device += n
     else:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jkv import generate as gen
 from jkv import prefill as prefill_lib
@@ -56,6 +56,16 @@ def test_on_four_cpu_devices():
 def test_a_mesh_spec_names_seq_only_where_it_splits():
   assert sharding.parse_mesh("seq=4") == {"data": 1, "model": 1, "seq": 4}
   assert sharding.parse_mesh("model=2,seq=1") == {"data": 1, "model": 2}
+
+
+def test_a_devices_bytes_count_the_largest_range_where_seq_does_not_divide_the_capacity():
+  """The memory plans search capacities one block apart; seq=4 splits 130 slots as 33, 33, 33, 31."""
+  try:
+    mesh = AbstractMesh((1, 1, 4), sharding.AXES)
+  except TypeError:  # older signature: ((name, size), ...)
+    mesh = AbstractMesh((("data", 1), ("model", 1), ("seq", 4)))
+  state = make_method("dense").abstract(CacheSpec.for_model(CFG, 3, 130))  # k and v [2, 3, 2, 130, 64] float32
+  assert sharding.local_bytes(state, mesh).device == 2 * (2 * 3 * 2 * 33 * 64) * 4
 
 
 @pytest.fixture(scope="module")
