@@ -299,11 +299,12 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
   model's own context limit is not applied (a random model's RoPE runs at any position; a real checkpoint's
   ``max_position`` still bounds what ``generate`` takes). A binary search up to ``limit`` tokens."""
   step = method.chunk_multiple()
-  model_shards = sharding.axis_size(mesh, "model")  # the held rows split with the KV heads
+  # The held rows split with the KV heads (model) and with the token slots (seq): each device dequantizes its own.
+  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, sharding.SEQ_AXIS)
 
   def fits(n: int) -> bool:
     tokens = n * step
-    need = (cache_bytes(method, cfg, 1, tokens, mesh) + held_rows_bytes(cfg, 1, tokens) // model_shards
+    need = (cache_bytes(method, cfg, 1, tokens, mesh) + held_rows_bytes(cfg, 1, tokens) // shards
             + RESERVE_BYTES + 2 * MIN_CHUNK * prefill_bytes_per_token(cfg))
     return need + weight_bytes <= device_bytes and _host_fits(method, cfg, 1, tokens, mesh, host_bytes)
 

@@ -5,6 +5,7 @@ The tests that need 4 devices (the count is fixed when jax starts) run in a proc
 runs its sharded suite); in the main test process they are skipped.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jkv import generate as gen
+from jkv import memory
 from jkv import prefill as prefill_lib
 from jkv import sharding
 from jkv.attention import decode_attention
@@ -58,14 +60,36 @@ def test_a_mesh_spec_names_seq_only_where_it_splits():
   assert sharding.parse_mesh("model=2,seq=1") == {"data": 1, "model": 2}
 
 
+def _abstract_seq4():
+  """A seq=4 mesh without devices (the memory plans read its axis sizes only)."""
+  try:
+    return AbstractMesh((1, 1, 4), sharding.AXES)
+  except TypeError:  # older signature: ((name, size), ...)
+    return AbstractMesh((("data", 1), ("model", 1), ("seq", 4)))
+
+
 def test_a_devices_bytes_count_the_largest_range_where_seq_does_not_divide_the_capacity():
   """The memory plans search capacities one block apart; seq=4 splits 130 slots as 33, 33, 33, 31."""
-  try:
-    mesh = AbstractMesh((1, 1, 4), sharding.AXES)
-  except TypeError:  # older signature: ((name, size), ...)
-    mesh = AbstractMesh((("data", 1), ("model", 1), ("seq", 4)))
+  mesh = _abstract_seq4()
   state = make_method("dense").abstract(CacheSpec.for_model(CFG, 3, 130))  # k and v [2, 3, 2, 130, 64] float32
   assert sharding.local_bytes(state, mesh).device == 2 * (2 * 3 * 2 * 33 * 64) * 4
+
+
+def test_the_longest_context_over_seq_counts_each_devices_share_of_the_held_rows():
+  """On seq=4 each device holds a quarter of the cache and dequantizes a quarter of a chunk's held rows: the
+  longest context fits those, the reserve and a minimal chunk's activations beside the weights on each device, and
+  one more block does not; about 4x one device's at the Llama-3-8B shape."""
+  mesh = _abstract_seq4()
+  cfg = dataclasses.replace(CFG, embed=4096, ffw_size=14336, num_layers=32, q_heads=32, kv_heads=8, head_dim=128,
+                            dtype="bfloat16")
+  method, device, weights = make_method("dense"), 80 << 30, 4 << 30
+  free = dict(device_bytes=device, weight_bytes=weights)
+  n = memory.longest_context(cfg, method, mesh=mesh, **free)
+  per_device = lambda t: (memory.cache_bytes(method, cfg, 1, t, mesh) + memory.held_rows_bytes(cfg, 1, t) // 4
+                          + memory.RESERVE_BYTES + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+  step = method.chunk_multiple()
+  assert per_device(n) <= device < per_device(n + step)
+  assert 3.5 < n / memory.longest_context(cfg, method, **free) < 4.5
 
 
 @pytest.fixture(scope="module")
