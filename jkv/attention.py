@@ -116,11 +116,12 @@ def _prompt_attention(q, k, v, positions, *, flash: bool):
   if not (flash and q.dtype in (jnp.bfloat16, jnp.float16)):
     return gqa_attention_reference(q, k, v, prompt_mask(positions))
   B, H, T, g, D = q.shape
-  lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+  # No lengths: a prompt's padding follows its tokens, so a real row's causal keys are all real, and cuDNN's padding
+  # mask costs (benchmarks/attention_core.py). XLA's version materializes [B, heads, T, T] logits: 32 GiB at 8k
+  # tokens, B=8.
   out = jax.nn.dot_product_attention(
       q.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-      is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-      implementation="cudnn")  # XLA's version materializes [B, heads, T, T] logits: 32 GiB at 8k tokens, B=8
+      is_causal=True, implementation="cudnn")
   return out.reshape(B, T, H, g, D).transpose(0, 2, 1, 3, 4)
 
 

@@ -13,14 +13,17 @@ rows [0, count) of each sequence are keys for every head and row of the chunk: n
 lets cuDNN read them with a key length alone.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jkv.attention import block_size, blockwise_partials, merge_partials, normalized_partial
+from jkv_kernels.attention_reference import MASK_VALUE
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+HELD_PARTS = 8  # held rows in at most this many bulk sizes (``held_attention``)
 
 
 class HeldRows(NamedTuple):
@@ -55,7 +58,7 @@ def chunk_attention(q, k, v, positions, held: HeldRows, *, impl: str, block: int
     [B, H, T, g, D] in q.dtype.
   """
   if impl == "pallas" and q.dtype in CUDNN_DTYPES and held.k.dtype == q.dtype:
-    return _cudnn_chunk_attention(q, k, v, positions, held, merge_held)
+    return _cudnn_chunk_attention(q, k, v, held, merge_held)
   B, H, T, g, D = q.shape
   S = held.k.shape[2]
   past_block = block_size(S, block)
@@ -80,33 +83,72 @@ def _rows(held: HeldRows, start, size: int):
   return tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=2).astype(jnp.float32) for x in (held.k, held.v))
 
 
-def _cudnn_chunk_attention(q, k, v, positions, held: HeldRows, merge_held=None):
-  """The chunk's rows over the held rows (no mask but their count) and over themselves (causal), by two calls of
-  cuDNN's flash attention in its [batch, heads, tokens, dim] layout, merged by their log-sum-exps."""
+def _cudnn_chunk_attention(q, k, v, held: HeldRows, merge_held=None):
+  """The chunk's rows over the held rows (``held_attention``) and over themselves (causal), by cuDNN's flash
+  attention in its [batch, heads, tokens, dim] layout, merged by their log-sum-exps.
+
+  The chunk's own part takes no lengths: a prompt's padding follows its tokens, so a real row's causal keys are
+  all real (a padding row's output is unspecified), and cuDNN's padding mask costs (``held_attention``)."""
   B, H, T, g, D = q.shape
   q_heads = q.transpose(0, 1, 3, 2, 4).reshape(B, H * g, T, D)  # query head h g + j reads KV head h
-  real = jnp.maximum(jnp.sum(positions >= 0, axis=1).astype(jnp.int32), 1)  # a chunk of padding: rows unused
-  o_past, lse_past = cudnn_attention(q_heads, held.k, held.v, q_lengths=jnp.full((B,), T, jnp.int32),
-                                     kv_lengths=held.count, causal=False)
+  past = held_attention(q_heads, held, cudnn_attention)
   if merge_held is not None:
-    o_past, lse_past = merge_held(o_past.astype(jnp.float32), lse_past)
-  o_own, lse_own = cudnn_attention(q_heads, k, v, q_lengths=real, kv_lengths=real, causal=True)
-  m = jnp.maximum(lse_past, lse_own)
-  w_past, w_own = jnp.exp(lse_past - m), jnp.exp(lse_own - m)
-  o = (o_past.astype(jnp.float32) * w_past[..., None] + o_own.astype(jnp.float32) * w_own[..., None])
-  o = o / (w_past + w_own)[..., None]
+    past = merge_held(*past)
+  own = cudnn_attention(q_heads, k, v, causal=True)
+  o, _ = merge_partials([normalized_partial(*past), normalized_partial(*own)])
   return o.reshape(B, H, g, T, D).transpose(0, 1, 3, 2, 4).astype(q.dtype)
 
 
-def cudnn_attention(q, k, v, *, q_lengths, kv_lengths, causal: bool):
+def held_steps(rows: int, parts: int = HELD_PARTS) -> tuple[int, int]:
+  """(step, n): held rows are read as a bulk of the first s * step rows, s in [0, n], with no mask, then the rest
+  by key lengths. ``step`` is about rows / parts, a whole number of 128-row tiles (at least one)."""
+  step = max(1, -(-rows // (parts * 128))) * 128
+  return step, rows // step
+
+
+def held_attention(q, held: HeldRows, attend):
+  """q [B, N, T, D] over the held rows (k, v [B, K, S, D], rows [0, count) keys): (o [B, N, T, D] float32
+  normalized, lse [B, N, T] float32; o = 0 and lse = MASK_VALUE for a sequence that holds no row).
+
+  ``attend(q, k, v, causal=False, kv_lengths=None)`` -> (o, lse) is one flash-attention call. cuDNN's key lengths
+  (its padding mask) cost it 8% over 128k keys and 14% over 1M (``benchmarks/attention_core.py``), so the rows
+  every sequence holds in whole steps go in one call without a mask and only the rest (less than a step per
+  sequence, more where a batch is ragged) by lengths: one branch of a ``lax.switch`` per bulk size, each of
+  static shapes."""
+  S = held.k.shape[2]
+  step, n = held_steps(S)
+
+  def bulk_then_rest(s: int):
+    bulk = s * step
+    parts = []
+    if bulk:
+      parts.append(normalized_partial(*attend(q, held.k[:, :, :bulk], held.v[:, :, :bulk], causal=False)))
+    if bulk < S:
+      rest = held.count - bulk
+      o, lse = attend(q, held.k[:, :, bulk:], held.v[:, :, bulk:], causal=False, kv_lengths=jnp.maximum(rest, 1))
+      some = (rest > 0)[:, None, None]
+      parts.append(normalized_partial(jnp.where(some[..., None], o, 0.0), jnp.where(some, lse, MASK_VALUE)))
+    return merge_partials(parts)
+
+  bulk_steps = jnp.minimum(jnp.min(held.count) // step, n)
+  return jax.lax.switch(bulk_steps, [functools.partial(bulk_then_rest, s) for s in range(n + 1)])
+
+
+def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None):
   """cuDNN's flash attention in the [batch, heads, tokens, dim] layout with its log-sum-exp in fp32.
 
-  q [B, N, T, D], k and v [B, K, S, D] (N a multiple of K; 16-bit); returns o [B, N, T, D] in q.dtype and the
-  natural log-sum-exp of each row's scaled logits [B, N, T] float32. ``jax.nn.dot_product_attention`` rounds that
-  log-sum-exp to the output dtype (bf16 is 0.125 apart near 20: a merge weight off by up to 6%) and takes only the
-  [batch, tokens, heads, dim] layout (a transpose of every held row), so this calls the function it wraps."""
+  q [B, N, T, D], k and v [B, K, S, D] (N a multiple of K; 16-bit); kv_lengths [B] int32 or None (every key
+  row): keys past a sequence's length are not keys (cuDNN's padding mask, which skips them but costs on the rest:
+  ``held_attention``). Returns o [B, N, T, D] in q.dtype and the natural log-sum-exp of each row's scaled logits
+  [B, N, T] float32. ``jax.nn.dot_product_attention`` rounds that log-sum-exp to the output dtype (bf16 is 0.125
+  apart near 20: a merge weight off by up to 6%) and takes only the [batch, tokens, heads, dim] layout (a transpose
+  of every held row), so this calls the function it wraps."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the wrapped function; no public form keeps fp32
-  mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  o, lse = cudnn.dot_product_attention(q, k, v, None, None, q_lengths, kv_lengths, scale=q.shape[-1] ** -0.5,
+  if kv_lengths is None:
+    mask, lengths = (cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK), (None, None)
+  else:
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    lengths = (jnp.full(q.shape[:1], q.shape[2], jnp.int32), kv_lengths)
+  o, lse = cudnn.dot_product_attention(q, k, v, None, None, *lengths, scale=q.shape[-1] ** -0.5,
                                        mask_type=mask, qkv_layout="BNTH", return_residual=True)
   return o, lse.astype(jnp.float32).reshape(q.shape[:3])

@@ -13,12 +13,12 @@ import pytest
 from jkv import generate as gen
 from jkv import memory
 from jkv import prefill as prefill_lib
-from jkv.attention import decode_attention
+from jkv.attention import decode_attention, prompt_attention, prompt_mask
 from jkv.cache import CacheSpec, KVCache, StepContext
-from jkv.chunk_attention import HeldRows, chunk_attention
+from jkv.chunk_attention import HeldRows, chunk_attention, held_attention, held_steps
 from jkv.config import ModelConfig
 from jkv.methods import make_method
-from jkv_kernels.attention_reference import gqa_attention_reference
+from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
 from conftest import has_pallas_gpu, random_prompts
 
 
@@ -68,6 +68,40 @@ def test_chunk_attention_equals_the_reference(B, H, T, g, D, S, dtype, tol):
   assert out.dtype == dtype and out.shape == q.shape
   a, b = _real_rows(out, positions), _real_rows(ref, positions)
   assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < tol
+
+
+def _softmax_attend(q, k, v, causal=False, kv_lengths=None):
+  """A flash-attention call's contract in plain jnp: q [B, N, T, D] over k, v [B, K, S, D], keys [0, kv_lengths)
+  (all without), -> (o [B, N, T, D], lse [B, N, T])."""
+  assert not causal
+  B, N, T, D = q.shape
+  K, S = k.shape[1], k.shape[2]
+  logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(B, K, N // K, T, D), k) * D**-0.5
+  if kv_lengths is not None:
+    logits = jnp.where(jnp.arange(S) < kv_lengths[:, None, None, None, None], logits, -jnp.inf)
+  o = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(logits, axis=-1), v)
+  return o.reshape(B, N, T, D), jax.nn.logsumexp(logits, axis=-1).reshape(B, N, T)
+
+
+@pytest.mark.parametrize("counts", [(1000, 1000), (0, 7), (128, 903), (256, 256), (640, 999)])
+def test_held_attention_splits_into_an_unmasked_bulk_and_the_rest_exactly(counts):
+  """The held rows read as a bulk of whole steps with no mask plus the rest by key lengths (each branch of the
+  switch: none held, a ragged batch, whole steps, all rows) equal one masked softmax over every held row; a
+  sequence that holds nothing gets o = 0 and lse = MASK_VALUE."""
+  B, N, K, T, S, D = 2, 4, 2, 8, 1000, 32
+  step, n = held_steps(S)
+  assert (step, n) == (128, 7)
+  rng = np.random.default_rng(sum(counts))
+  q = _normal(rng, (B, N, T, D))
+  held = HeldRows(_normal(rng, (B, K, S, D)), _normal(rng, (B, K, S, D)), jnp.asarray(counts, jnp.int32))
+  o, lse = jax.jit(held_attention, static_argnums=2)(q, held, _softmax_attend)
+  ref_o, ref_lse = _softmax_attend(q, held.k, held.v, kv_lengths=held.count)
+  for b, count in enumerate(counts):
+    if count:
+      np.testing.assert_allclose(o[b], ref_o[b], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(lse[b], ref_lse[b], rtol=1e-5)
+    else:
+      assert float(jnp.max(jnp.abs(o[b]))) == 0 and bool(jnp.all(lse[b] == MASK_VALUE))
 
 
 # ------------------------------------------------------------------------------------------------- methods
@@ -316,7 +350,8 @@ def test_generate_chunked_equals_whole_where_the_cache_is_exact(tiny_llama, name
 
 @pytest.mark.skipif(not has_pallas_gpu(), reason="needs a CUDA GPU with compute capability >= 8.0")
 class TestChunkAttentionGpu:
-  """cuDNN's two calls merged by their log-sum-exps, compiled on the GPU, against the fp32 reference."""
+  """cuDNN's calls compiled on the GPU against the fp32 reference: a chunk's (held rows in a bulk and the rest,
+  then itself, merged by their log-sum-exps) and a whole prompt's, none of whose own calls take lengths."""
 
   @pytest.mark.parametrize("B, H, T, g, D, S, dtype", [
       (1, 8, 512, 4, 128, 4096, jnp.bfloat16), (2, 2, 300, 3, 64, 1000, jnp.float16),
@@ -326,6 +361,31 @@ class TestChunkAttentionGpu:
     q, k, v, positions, held = _chunk_case(rng, B, H, T, g, D, S, dtype)
     out = jax.jit(chunk_attention, static_argnames=("impl",))(q, k, v, positions, held, impl="pallas")
     ref = _chunk_reference(q, k, v, positions, held)
+    a, b = _real_rows(out, positions), _real_rows(ref, positions)
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
+
+  @pytest.mark.parametrize("counts", [(4096, 4096), (1024, 3001), (0, 511)])
+  def test_cudnn_held_rows_in_a_bulk_and_the_rest(self, counts):
+    """Held counts at whole steps, ragged, and none: every branch of ``held_attention`` on cuDNN."""
+    rng = np.random.default_rng(sum(counts))
+    q, k, v, positions, held = _chunk_case(rng, 2, 8, 512, 4, 128, 4096, jnp.bfloat16)
+    held = held._replace(count=jnp.asarray(counts, jnp.int32))
+    positions = jnp.where(positions >= 0, held.count[:, None] + jnp.arange(512)[None], -1)
+    out = jax.jit(chunk_attention, static_argnames=("impl",))(q, k, v, positions, held, impl="pallas")
+    ref = _chunk_reference(q, k, v, positions, held)
+    a, b = _real_rows(out, positions), _real_rows(ref, positions)
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
+
+  def test_prompt_attention_equals_the_reference(self):
+    """A whole batch of right-padded prompts of ragged lengths: cuDNN's causal call without lengths gives every
+    real row the fp32 reference's output."""
+    rng = np.random.default_rng(7)
+    B, H, T, g, D = 3, 8, 700, 4, 128
+    q, k, v = _normal(rng, (B, H, T, g, D), jnp.bfloat16), *(_normal(rng, (B, H, T, D), jnp.bfloat16) for _ in "kv")
+    lengths = jnp.asarray([700, 333, 1], jnp.int32)
+    positions = jnp.where(jnp.arange(T)[None] < lengths[:, None], jnp.arange(T)[None], -1)
+    out = jax.jit(prompt_attention, static_argnames=("flash",))(q, k, v, positions, flash=True)
+    ref = gqa_attention_reference(q, k, v, prompt_mask(positions))
     a, b = _real_rows(out, positions), _real_rows(ref, positions)
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
 
