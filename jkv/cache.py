@@ -55,7 +55,10 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     ``seq`` axis (context parallelism, ``jkv.context_parallel``, which composes decode steps and prompt chunks
     from them and merges the devices' attention exactly). ``attend``: q's rows over what the state holds, nothing
     stored, with the log-sum-exp. ``store_span``: rows stored at slots that may lie outside the state's, those
-    rows dropped. Methods without them refuse a ``seq`` axis up front.
+    rows dropped. Methods without them refuse a ``seq`` axis up front. There ``ctx`` counts lengths and positions
+    from the state's first slot, which holds position ``ctx.first_slot`` of the sequence, and
+    ``held_span(state, layer, ctx)`` gives ``held_rows`` of the state's range for a chunk (default: ``held_rows``
+    of the count it holds, for a method whose held rows are its slots).
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
@@ -165,6 +168,9 @@ class StepContext:
   lengths: jax.Array  # [B] int32: prompt lengths at prefill; tokens held before the call at a step
   positions: jax.Array  # [B, T] int32 position of each row (-1 for prompt padding)
   impl: str = struct.field(pytree_node=False, default="xla")  # one of IMPLS
+  # The sequence position of the state's slot 0: 0 but where the state holds a range of the sequence (a seq device's,
+  # jkv.context_parallel), whose lengths and positions count from it (and may then lie outside its slots).
+  first_slot: Any = 0
 
 
 class CacheMethod(abc.ABC):
@@ -236,7 +242,8 @@ class CacheMethod(abc.ABC):
   def attend(self, state, layer, q, ctx: StepContext):
     """q [B, H, T, g, D] over the held tokens, nothing stored: row t sees slots s <= ctx.positions[b, t] (all the
     slots of a row whose position is past the capacity, none of one at a negative position); ctx.lengths [B]
-    bounds the slots held. Returns (o [B, H, T, g, D] in q.dtype, lse [B, H, T, g] float32: MASK_VALUE and o = 0
+    counts the tokens held (negative or past the capacity where the state's range lies after or before them).
+    Returns (o [B, H, T, g, D] in q.dtype, lse [B, H, T, g] float32: MASK_VALUE and o = 0
     for a row that sees no slot). Context parallelism's per-device decode attention (``jkv.context_parallel``)."""
     raise NotImplementedError(f"cache method {self.name!r} cannot split a sequence over devices (attend)")
 
@@ -246,6 +253,13 @@ class CacheMethod(abc.ABC):
     [0, capacity) are dropped, and a sequence with none inside keeps its state (another device holds those
     tokens: ``jkv.context_parallel``). Returns the state."""
     raise NotImplementedError(f"cache method {self.name!r} cannot split a sequence over devices (store_span)")
+
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    """``held_rows`` of a state that holds one range of each sequence's slots (``jkv.context_parallel``): rows of
+    the tokens its slots hold, ctx.lengths [B] counted from its first slot as in ``attend``. The default suits a
+    method whose held rows are its slots, the first ``count`` of them held (dense)."""
+    held = self.held_rows(state, layer, jnp.maximum(ctx.lengths, 0))
+    return held._replace(count=jnp.minimum(held.count, held.k.shape[2]))
 
   def splits_tokens(self) -> bool:
     """Whether the method provides ``attend`` and ``store_span``: a mesh's ``seq`` axis may split its tokens."""

@@ -31,6 +31,18 @@ def write_at(buf, layer, x, start, axis):
   return buf
 
 
+def write_span(buf, layer, x, start, axis):
+  """``write_at`` of a span that may reach outside buf: the entries of x whose index along ``axis`` (start [B] + i)
+  lies outside buf's are dropped, not moved inside over what buf holds (a device of ``seq`` keeps the rows of its
+  range: ``jkv.context_parallel``). One scatter."""
+  B, size = x.shape[0], buf.shape[axis + 1]
+  index = start[:, None] + jnp.arange(x.shape[axis])[None]  # [B, M]
+  index = jnp.where((index >= 0) & (index < size), index, size)  # a negative one would wrap around
+  # The advanced indices (sequence, index) stand apart from the sliced axes, so they lead the updates: [B, M, ...].
+  at = (layer, jnp.arange(B)[:, None]) + (slice(None),) * (axis - 1) + (index,)
+  return buf.at[at].set(jnp.moveaxis(x, axis, 1).astype(buf.dtype), mode="drop")
+
+
 def write_at_where(buf, layer, x, start, axis, where=None):
   """``write_at`` for the sequences where ``where`` [B] (all of them when None); the others keep what they had."""
   if where is not None:

@@ -45,7 +45,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense runs so far: use data and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis only dense and kivi (without mma) run so far: use data "
+                     "and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")
@@ -90,6 +91,14 @@ class SeqShard(PerShard):
       raise ValueError(f"a cache of {spec.capacity} tokens does not split over seq={n} into whole blocks of "
                        f"{self.inner.capacity_multiple()} (method {self.inner.name!r})")
 
+  def for_impl(self, spec: CacheSpec, impl: str) -> "SeqShard":
+    """The inner method's settings for ``impl``, but where a setting left to the device (KIVI's ``mma`` packing)
+    would be one a seq axis does not split, decided as for the XLA path (which no kernel packing serves)."""
+    inner = self.inner.for_impl(spec, impl)
+    if not inner.splits_tokens():
+      inner = self.inner.for_impl(spec, "xla")
+    return dataclasses.replace(self, inner=inner)
+
   @property
   def _range(self) -> int:
     """Token slots of each device."""
@@ -100,15 +109,19 @@ class SeqShard(PerShard):
   def _first_slot(self):
     return jax.lax.axis_index(SEQ_AXIS) * self._range
 
+  def _local(self, ctx: StepContext) -> StepContext:
+    """ctx in the frame of this device's state: lengths and positions counted from its range's first slot."""
+    first = self._first_slot()
+    return ctx.replace(lengths=ctx.lengths - first, positions=ctx.positions - first, first_slot=first)
+
   def _store(self, state, layer, q, k, v, ctx: StepContext):
     """Rows at global slots ctx.lengths + [0, T), those of this device's range stored."""
-    return self.inner.store_span(state, layer, q, k, v, ctx.replace(lengths=ctx.lengths - self._first_slot()))
+    return self.inner.store_span(state, layer, q, k, v, self._local(ctx))
 
   def _step(self, state, layer, q, k, v, ctx: StepContext):
     state = self._store(state, layer, q, k, v, ctx)
-    first = self._first_slot()
-    held = jnp.clip(ctx.lengths + q.shape[2] - first, 0, self._range)
-    o, lse = self.inner.attend(state, layer, q, StepContext(held, ctx.positions - first, ctx.impl))
+    local = self._local(ctx)
+    o, lse = self.inner.attend(state, layer, q, local.replace(lengths=local.lengths + q.shape[2]))
     o, _ = merge_across_seq(o, lse)
     return o.astype(q.dtype), state
 
@@ -117,7 +130,7 @@ class SeqShard(PerShard):
     store_first = self.inner.store_spares_held_rows()  # (CacheMethod.extend's order)
     if store_first:
       state = self._store(state, layer, q, k, v, ctx)
-    held = self.inner.held_rows(state, layer, held_count)
+    held = self.inner.held_span(state, layer, self._local(ctx))
     out = chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl,
                           merge_held=functools.partial(merge_across_seq, seen=held_count > 0))
     if not store_first:
@@ -144,6 +157,9 @@ class SeqShard(PerShard):
 
   def held_rows(self, state, layer, lengths):
     self._per_device_only("held_rows")
+
+  def held_span(self, state, layer, ctx: StepContext):
+    self._per_device_only("held_span")
 
   def attend(self, state, layer, q, ctx: StepContext):
     self._per_device_only("attend")

@@ -41,6 +41,10 @@ CAPACITY = 128  # 32 token slots per device of seq=4
 LENGTHS = (70, 9, 45, 100)  # prompts over 3, 1, 2 and 4 devices' ranges
 NEW_TOKENS = 12  # the 100-token prompt's decode crosses from the fourth device's first slots on; the 9's stays
 CHUNK = 24  # prompt chunks that straddle the ranges' boundaries (32, 64, 96)
+# KIVI with a key block of 16 tokens: blocks flushed in prefill and decode, two in each range of seq=4, whose
+# chunks of 3 blocks straddle the ranges' boundaries; the window (the rings) straddles them too.
+SMALL_KIVI = dict(residual=16, group_size=16)
+KIVI_CHUNK = 48
 
 
 def test_on_four_cpu_devices():
@@ -103,9 +107,10 @@ def prompts():
   return [rng.integers(2, CFG.vocab_size, n).tolist() for n in LENGTHS]
 
 
-def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, **kw):
-  return gen.generate(params, CFG, prompts, method=make_method(method), max_new_tokens=NEW_TOKENS, chunk=4,
-                      eos_ids=(), attention_impl="xla", capacity=capacity, mesh=mesh, **kw)
+def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, **kw):
+  return gen.generate(params, CFG, prompts, method=make_method(method, **(settings or {})),
+                      max_new_tokens=NEW_TOKENS, chunk=4, eos_ids=(), attention_impl="xla", capacity=capacity,
+                      mesh=mesh, **kw)
 
 
 @on_four_devices
@@ -159,15 +164,14 @@ def test_generate_over_seq_equals_one_device(params, prompts, one_device_tokens,
   assert chunked.stats["prefill_chunk"] == CHUNK and chunked.tokens == one_device_tokens
 
 
-def _logits(params, prompts, mesh):
+def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK):
   """Each prompt's last-token logits after a chunked prefill, then those of 6 decode steps fed fixed tokens:
   [7, B, vocab]."""
   mesh = sharding.make_mesh(mesh)
   with sharding.use_mesh(mesh):
-    plan = gen.plan_generation(CFG, make_method("dense"), prompts, max_new_tokens=8, capacity=CAPACITY,
-                               prefill_chunk=CHUNK, attention_impl="xla", mesh=mesh)
-    cache = sharding.create_cache(make_method("dense"), CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla",
-                                  mesh)
+    plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=8, capacity=CAPACITY, prefill_chunk=chunk,
+                               attention_impl="xla", mesh=mesh)
+    cache = sharding.create_cache(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla", mesh)
     placed = sharding.shard_params(params, CFG, mesh)
     run = prefill_lib.Prefill(plan.prefill, CFG, prefill_lib.pad_prompts(prompts, plan.prefill.width, 0), LENGTHS)
     logits, cache = run(placed, cache)
@@ -186,10 +190,47 @@ def test_logits_over_seq_equal_one_devices(params, prompts):
   np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def one_device_kivi(params, prompts):
+  """One device's tokens with KIVI's small blocks: whole prompts, and prompts in chunks (which attend the held
+  tokens quantized, so they differ from whole prompts' tokens)."""
+  whole = _generate(params, prompts, method="kivi", settings=SMALL_KIVI).tokens
+  chunked = _generate(params, prompts, method="kivi", settings=SMALL_KIVI, prefill_chunk=KIVI_CHUNK).tokens
+  assert whole != chunked
+  return whole, chunked
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
+def test_kivi_over_seq_equals_one_device(params, prompts, one_device_kivi, mesh):
+  """KIVI's store split by ranges, its rings on every device: blocks flushed in each range, whole prompts and chunks
+  stored across ranges' boundaries, the window attended once."""
+  whole, chunked = one_device_kivi
+  assert _generate(params, prompts, mesh=mesh, method="kivi", settings=SMALL_KIVI).tokens == whole
+  split = _generate(params, prompts, mesh=mesh, method="kivi", settings=SMALL_KIVI, prefill_chunk=KIVI_CHUNK)
+  assert split.stats["prefill_chunk"] == KIVI_CHUNK and split.tokens == chunked
+
+
+@on_four_devices
+def test_kivi_at_its_defaults_over_seq_equals_one_device(params, prompts):
+  """A key block of 128 tokens: every token in the first device's range (the capacity rounds up to 4 blocks), the
+  other three attend nothing."""
+  split = _generate(params, prompts, mesh="seq=4", method="kivi")
+  assert split.stats["capacity"] == 4 * 128 and split.tokens == _generate(params, prompts, method="kivi").tokens
+
+
+@on_four_devices
+def test_kivi_logits_over_seq_equal_one_devices(params, prompts):
+  method = make_method("kivi", **SMALL_KIVI)
+  one, split = (_logits(params, prompts, mesh, method, KIVI_CHUNK) for mesh in (None, "seq=4"))
+  assert np.std(one) > 1
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+
+
 @on_four_devices
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="kivi"), "cache method 'kivi' cannot split a sequence's tokens over devices (mesh data=1,model=1,"
-                          "seq=4)"),
+    (dict(method="zipcache"), "cache method 'zipcache' cannot split a sequence's tokens over devices (mesh "
+                              "data=1,model=1,seq=4)"),
     (dict(capacity=130), "capacity 130 does not split over seq=4"),
     (dict(save_cache=os.path.join(tempfile.gettempdir(), "jkv-never-saved")),
      "a saved cache is not yet saved or loaded with its tokens split"),

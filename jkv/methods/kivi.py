@@ -38,7 +38,7 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer
+from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer, write_span
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.registry import register
@@ -217,39 +217,51 @@ class Kivi(CacheMethod):
     """A prompt chunk stored as a prompt that starts at the state's key boundary: the rings' exact rows from there
     to the length, then the chunk's. Codes of those ring rows are written again, the same (per-token value groups
     do not depend on neighbours; their key blocks were never quantized)."""
-    n = ctx.lengths
+    return self._store_from_ring(state, layer, k, v, ctx.lengths, ctx.positions, ctx.impl)
+
+  def _store_from_ring(self, state, layer, k, v, n, positions, impl, first_slot=None):
+    """``store_chunk`` of rows k, v [B, H, T, D] at positions [B, T] (-1 past a prompt's end) after n [B] held
+    tokens; with ``first_slot``, the store holds the slots of positions from it on (``store_span``)."""
     R, W, T = self.residual, self.residual + self.lam, k.shape[2]
     start = self._flushed(n)  # n - start <= R
     pos = start[:, None] + jnp.arange(R + T)[None]  # [B, R + T]
     idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
     rows = lambda ring, new: jnp.take_along_axis(jnp.concatenate([ring[layer], new.astype(ring.dtype)], axis=2),
                                                  idx, axis=2)
-    end = n + jnp.sum(ctx.positions >= 0, axis=1).astype(n.dtype)
-    return self._store_prompt(state, layer, rows(state.k_ring, k), rows(state.v_ring, v), start, end, ctx.impl)
+    end = n + jnp.sum(positions >= 0, axis=1).astype(n.dtype)
+    return self._store_prompt(state, layer, rows(state.k_ring, k), rows(state.v_ring, v), start, end, impl,
+                              first_slot)
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """What the next step's first row (position n = ``lengths``) reads of the n held tokens, as its step would: the
     store before bV(n + 1), the rings after, whose keys before bK(n + 1) are as the store gives them back. A key
     block that step would flush first (the state's, [_flushed(n), bK(n + 1))) is read from the store's codes, which
     prefill and ``store_chunk`` write for every whole block."""
-    b_k, b_v, flushed = self.key_boundary(lengths + 1), self.value_boundary(lengths + 1), self._flushed(lengths)
+    return self._held(state, layer, lengths, 0)
+
+  def _held(self, state, layer, n, first_slot):
+    """``held_rows`` of n [B] held tokens, row i the position ``first_slot`` + i (store slot i): the store's range
+    of them, and the rings' positions that lie in it (``held_span``)."""
+    b_k, b_v, flushed = self.key_boundary(n + 1), self.value_boundary(n + 1), self._flushed(n)
     k, v = read_store(self.store(state, b_v), layer, state.k_ring.dtype)
-    p = jnp.arange(k.shape[2])[None]
+    p = first_slot + jnp.arange(k.shape[2])[None]
     ring = lambda x: x[layer][:, :, p[0] % (self.residual + self.lam)]
     rows = lambda where: where[:, None, :, None]
     key_stored = (p < b_v[:, None]) | ((p >= flushed[:, None]) & (p < b_k[:, None]))
     return HeldRows(jnp.where(rows(key_stored), k, ring(state.k_ring)),
-                    jnp.where(rows(p < b_v[:, None]), v, ring(state.v_ring)), lengths)
+                    jnp.where(rows(p < b_v[:, None]), v, ring(state.v_ring)), jnp.clip(n - first_slot, 0, k.shape[2]))
 
   def _flushed(self, n):
     """The key boundary of the state between steps with n [B] tokens: keys before it are in the store, the rest in
     the key ring exactly. With the MMA packing the block ending at n is flushed already (``end_step``)."""
     return self.key_boundary(n + (self.lam if self.mma else 0))
 
-  def _store_prompt(self, state, layer, k, v, start, end, impl):
+  def _store_prompt(self, state, layer, k, v, start, end, impl, first_slot=None):
     """Rows k, v [B, H, T, D] of positions start [B] + [0, T) (start a multiple of R: a key block's; None: 0),
     which leave ``end`` [B] tokens held: every whole group quantized from ``start``, and the rings' slots of
-    positions at or past ``start`` from the rows (keys before bK as the store gives them back)."""
+    positions at or past ``start`` from the rows (keys before bK as the store gives them back). With
+    ``first_slot`` (a multiple of R) the store holds the positions from it on, and the rows outside it are
+    dropped; the rings, every position's, are the same whatever it is."""
     B, H, T, D = k.shape
     R = self.residual
     T_pad = -(-T // R) * R
@@ -258,8 +270,10 @@ class Kivi(CacheMethod):
     vc, vs, vz = self._quantize_pack(v, self.vb, -1, impl, fused=True)
     if start is None:  # one in-place update of the whole layer, where a per-sequence offset would be a scatter
       write, offset = (lambda buf, x, unit, axis: write_layer(buf, layer, x)), jnp.zeros((B,), jnp.int32)
-    else:
+    elif first_slot is None:
       write, offset = (lambda buf, x, unit, axis: write_at(buf, layer, x, start // unit, axis=axis)), start
+    else:
+      write, offset = (lambda buf, x, unit, axis: write_span(buf, layer, x, (start - first_slot) // unit, axis)), start
     if self.mma:
       k_words, k_meta = pack_key_tiles(kc, ks, kz, bits=self.kb)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
@@ -411,15 +425,40 @@ class Kivi(CacheMethod):
 
   # ---------------------------------------------------------------------------------------------- attention
 
-  def _attend(self, state, layer, q, q_positions, lengths, impl):
+  def _attend(self, state, layer, q, q_positions, lengths, impl, first_slot=0, return_lse: bool = False):
     """One softmax over the quantized store and the window. The store is read for positions before
     bV, where both keys and values are quantized; the window [bV, N) (at most R + λ tokens) is the rings, read
-    in place: exact values, keys dequantized before bK and exact from bK on."""
+    in place: exact values, keys dequantized before bK and exact from bK on. A store of the positions from
+    ``first_slot`` on (``attend``) is read for those of them before bV, and the window only where it is 0: every
+    device holds the same rings, and the range that starts the sequence counts them once."""
     win, in_window = self.window(lengths)
-    mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])
+    mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None]) & (first_slot == 0)
     window = (state.k_ring, state.v_ring, mask)
-    store = self.store(state, self.value_boundary(lengths))
-    return decode_attention(q, layer, stores=(store,), segments=(window,), impl=impl)
+    store = self.store(state, jnp.clip(self.value_boundary(lengths) - first_slot, 0, self.capacity(state)))
+    return decode_attention(q, layer, stores=(store,), segments=(window,), impl=impl, return_lse=return_lse)
+
+  # ------------------------------------------------------------------------------- one range of each sequence
+  # Context parallelism (jkv.context_parallel): the store holds slots [0, C) of positions first_slot + [0, C),
+  # first_slot a multiple of R, so a key block or value tile lies in one device's store; the rings hold the newest
+  # positions as on one device, the same on every device (each stores every row into them).
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    """A step's rows or a prompt chunk's, stored as ``store_chunk`` stores a chunk (a step's rows are one: the
+    same boundaries and codes as ``step``'s), the store keeping those of its range. It quantizes the rings' rows
+    from the key boundary again, R rows a step, which beside a range of a sequence long enough to split is small."""
+    first = ctx.first_slot
+    return self._store_from_ring(state, layer, k, v, ctx.lengths + first, ctx.positions + first, ctx.impl, first)
+
+  def splits_tokens(self) -> bool:
+    return not self.mma  # the MMA packing's tiles are not split over devices yet
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    first = ctx.first_slot
+    return self._attend(state, layer, q, ctx.positions + first, ctx.lengths + first, ctx.impl, first,
+                        return_lse=True)
+
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
 
   def store(self, state, b_v, valid=None):
     """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache): an
