@@ -76,10 +76,11 @@ def _softmax_attend(q, k, v, causal=False, kv_lengths=None):
   assert not causal
   B, N, T, D = q.shape
   K, S = k.shape[1], k.shape[2]
-  logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(B, K, N // K, T, D), k) * D**-0.5
+  exact = jax.lax.Precision.HIGHEST  # (a GPU's fp32 products are TF32 by default)
+  logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(B, K, N // K, T, D), k, precision=exact) * D**-0.5
   if kv_lengths is not None:
     logits = jnp.where(jnp.arange(S) < kv_lengths[:, None, None, None, None], logits, -jnp.inf)
-  o = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(logits, axis=-1), v)
+  o = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(logits, axis=-1), v, precision=exact)
   return o.reshape(B, N, T, D), jax.nn.logsumexp(logits, axis=-1).reshape(B, N, T)
 
 
