@@ -9,6 +9,7 @@ first's. Results into results/attention_core.json.
 
     python benchmarks/attention_core.py
     python benchmarks/attention_core.py --smoke      # tiny shapes, any machine (the XLA path)
+    python benchmarks/attention_core.py --table      # render the results into benchmarks/README.md
 """
 
 import argparse
@@ -16,7 +17,7 @@ import functools
 import pathlib
 
 from generate_decode import median_ms, now
-from records import save
+from records import save, write_readme_section
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADS, KV_HEADS, D = 32, 8, 128
@@ -43,6 +44,14 @@ def cudnn_variants():
           for layout in ("BTNH", "BNTH") for lengths in (False, True) for lse in (False, True)}
 
 
+def markdown_table(records) -> str:
+  rows = ["| shape (Tq x Tk) | causal | impl | ms | TFLOP/s | device | date |", "| --- | --- | --- | ---: | ---: | --- | --- |"]
+  for r in sorted(records, key=lambda r: (r["device"], r["causal"], r["tk"], r["tq"], -r["tflops"])):
+    rows.append(f"| {r['tq']} x {r['tk']} | {'yes' if r['causal'] else 'no'} | {r['impl']} | {r['ms']:.2f} | "
+                f"{r['tflops']:.0f} | {r['device']} | {r['date'][:10]} |")
+  return "\n".join(rows)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shapes", nargs="+", default=["8192x131072", "8192x1048576", "16384x16384c"],
@@ -50,7 +59,13 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--out", type=pathlib.Path, default=HERE / "results" / "attention_core.json")
+  parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
+  if args.table:
+    import json
+    write_readme_section("attention_core", markdown_table(json.loads(args.out.read_text())),
+                         "## Flash-attention cores at chunked prefill's shapes (`attention_core.py`)")
+    return
 
   import jax
   import jax.numpy as jnp
