@@ -42,8 +42,9 @@ LENGTHS = (70, 9, 45, 100)  # prompts over 3, 1, 2 and 4 devices' ranges
 NEW_TOKENS = 12  # the 100-token prompt's decode crosses from the fourth device's first slots on; the 9's stays
 CHUNK = 24  # prompt chunks that straddle the ranges' boundaries (32, 64, 96)
 # KIVI with a key block of 16 tokens: blocks flushed in prefill and decode, two in each range of seq=4, whose
-# chunks of 3 blocks straddle the ranges' boundaries; the window (the rings) straddles them too.
-SMALL_KIVI = dict(residual=16, group_size=16)
+# chunks of 3 blocks straddle the ranges' boundaries; the window (the rings) straddles them too. The kernels run (in
+# interpret mode): quantization, and decode attention's partial o and log-sum-exp.
+SMALL_KIVI = dict(method="kivi", settings=dict(residual=16, group_size=16), impl="interpret")
 KIVI_CHUNK = 48
 
 
@@ -107,9 +108,9 @@ def prompts():
   return [rng.integers(2, CFG.vocab_size, n).tolist() for n in LENGTHS]
 
 
-def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, **kw):
+def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, impl="xla", **kw):
   return gen.generate(params, CFG, prompts, method=make_method(method, **(settings or {})),
-                      max_new_tokens=NEW_TOKENS, chunk=4, eos_ids=(), attention_impl="xla", capacity=capacity,
+                      max_new_tokens=NEW_TOKENS, chunk=4, eos_ids=(), attention_impl=impl, capacity=capacity,
                       mesh=mesh, **kw)
 
 
@@ -194,8 +195,8 @@ def test_logits_over_seq_equal_one_devices(params, prompts):
 def one_device_kivi(params, prompts):
   """One device's tokens with KIVI's small blocks: whole prompts, and prompts in chunks (which attend the held
   tokens quantized, so they differ from whole prompts' tokens)."""
-  whole = _generate(params, prompts, method="kivi", settings=SMALL_KIVI).tokens
-  chunked = _generate(params, prompts, method="kivi", settings=SMALL_KIVI, prefill_chunk=KIVI_CHUNK).tokens
+  whole = _generate(params, prompts, **SMALL_KIVI).tokens
+  chunked = _generate(params, prompts, prefill_chunk=KIVI_CHUNK, **SMALL_KIVI).tokens
   assert whole != chunked
   return whole, chunked
 
@@ -206,8 +207,8 @@ def test_kivi_over_seq_equals_one_device(params, prompts, one_device_kivi, mesh)
   """KIVI's store split by ranges, its rings on every device: blocks flushed in each range, whole prompts and chunks
   stored across ranges' boundaries, the window attended once."""
   whole, chunked = one_device_kivi
-  assert _generate(params, prompts, mesh=mesh, method="kivi", settings=SMALL_KIVI).tokens == whole
-  split = _generate(params, prompts, mesh=mesh, method="kivi", settings=SMALL_KIVI, prefill_chunk=KIVI_CHUNK)
+  assert _generate(params, prompts, mesh=mesh, **SMALL_KIVI).tokens == whole
+  split = _generate(params, prompts, mesh=mesh, prefill_chunk=KIVI_CHUNK, **SMALL_KIVI)
   assert split.stats["prefill_chunk"] == KIVI_CHUNK and split.tokens == chunked
 
 
@@ -221,7 +222,7 @@ def test_kivi_at_its_defaults_over_seq_equals_one_device(params, prompts):
 
 @on_four_devices
 def test_kivi_logits_over_seq_equal_one_devices(params, prompts):
-  method = make_method("kivi", **SMALL_KIVI)
+  method = make_method("kivi", **SMALL_KIVI["settings"])
   one, split = (_logits(params, prompts, mesh, method, KIVI_CHUNK) for mesh in (None, "seq=4"))
   assert np.std(one) > 1
   np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jkv import context_parallel
 from jkv import generate as gen
 from jkv import memory
 from jkv import prefill as prefill_lib
@@ -155,6 +156,7 @@ def window_nll(params: Params, cfg: ModelConfig, windows: np.ndarray, *, method:
   cap = gen.plan_capacity(cfg, method, [context], scored, 1, capacity=context + scored)
   sharding.check_mesh(mesh, cfg, B)
   plan = prefill_lib.plan(cfg, method, [context] * B, cap, chunk=prefill_chunk, prefill_tokens=B * cap, mesh=mesh)
+  plan = dataclasses.replace(plan, capacity=context_parallel.split_capacity(plan.capacity, method, mesh))
   params = sharding.shard_params(params, cfg, mesh)
   with memory.guard(memory.CacheRequest(cfg, method, B, plan.capacity, plan.chunk, mesh)):
     cache = sharding.create_cache(method, CacheSpec.for_model(cfg, B, plan.capacity), choose_impl(attention_impl),
