@@ -183,17 +183,26 @@ def restore(directory: str) -> tuple[ModelConfig, params_lib.Params, Optional[To
 
   Raises ValueError (one line naming the file) when a checksum does not match or a file is missing or truncated.
   """
+  cfg, tokenizer = read_config(directory)
+  return cfg, restore_params(directory, cfg), tokenizer
+
+
+def read_config(directory: str) -> tuple[ModelConfig, Optional[Tokenizer]]:
+  """The config and tokenizer of a directory written by ``save``, every file's checksum verified; nothing of jax
+  runs (a caller may still set what XLA reads when its first device starts)."""
   directory = os.path.abspath(directory)
   meta = _read_meta(directory)
   verify_files(directory, meta["files"])
-  cfg = _config(meta["config"])
+  return _config(meta["config"]), None if meta["tokenizer"] is None else Tokenizer.from_dict(meta["tokenizer"])
+
+
+def restore_params(directory: str, cfg: ModelConfig) -> params_lib.Params:
+  """The parameters of a directory written by ``save`` (``read_config``'s ``cfg``), in the saved dtype."""
   # Name the device: the sharding recorded at save time names the saving machine's device (say a CPU).
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), params_lib.abstract(cfg))
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(directory, PARAMS), target)
-  tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_dict(meta["tokenizer"])
-  return cfg, params, tokenizer
+    return ckptr.restore(os.path.join(os.path.abspath(directory), PARAMS), target)
 
 
 def _read_meta(directory: str) -> dict:

@@ -332,6 +332,13 @@ def _tensor_names(paths: list[str]) -> set[str]:
 
 def load_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, params_lib.Params]:
   """Read a HF Llama / Mistral / Qwen2 directory (single or sharded safetensors) as ``dtype`` parameters."""
+  cfg, read_params = open_hf(directory, dtype)
+  return cfg, read_params()
+
+
+def open_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, Callable[[], params_lib.Params]]:
+  """A HF directory's config (from config.json and the safetensors headers) and a function that reads its
+  parameters: nothing of jax runs until it is called."""
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
   if not os.path.isdir(directory):
@@ -341,4 +348,4 @@ def load_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, params
   paths = _shard_files(directory)
   if not cfg.tie_embeddings and "lm_head.weight" not in _tensor_names(paths):
     cfg = dataclasses.replace(cfg, tie_embeddings=True)  # no lm_head stored: the output projection is the embedding
-  return cfg, assemble(cfg, _read_tensors(paths), directory)
+  return cfg, lambda: assemble(cfg, _read_tensors(paths), directory)

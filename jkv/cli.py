@@ -306,9 +306,10 @@ def _prompts(args) -> list:
 
 
 def cmd_generate(args):
+  from jkv import context_parallel
   from jkv import generate as gen
   from jkv.api import encode_text
-  from jkv.load import load_model
+  from jkv.load import open_model
   from jkv.sampling import make_sampler
 
   from jkv import sharding
@@ -320,14 +321,18 @@ def cmd_generate(args):
     raise ValueError("empty prompt: give PROMPT arguments or text on standard input")
   if args.mesh and args.stream:
     raise ValueError("--stream runs on one device; drop --stream to generate on a --mesh")
-  mesh = mesh_from_args(args)
   _progress(f"loading model {args.model} ...")
-  model = load_model(args.model, args.dtype)
-  sharding.check_mesh(mesh, model.config, len(prompts))
-  tok = model.tokenizer
+  source = open_model(args.model, args.dtype)  # config and tokenizer: no device yet
+  tok = source.tokenizer
   if tok is None:
     raise ValueError(f"model {args.model} has no tokenizer; jkv generate needs one")
   ids = [encode_text(tok, p, not args.raw, starts=args.cache is None, ends=args.save_cache is None) for p in prompts]
+  if args.cache is None:  # (a loaded cache's capacity comes from its manifest and the plan: the default pool stays)
+    size_pinned_host_pool(_host_copy_bytes(source.config, method, ids, args))
+  mesh = mesh_from_args(args)
+  context_parallel.check(method, mesh, saved_cache=args.cache is not None or args.save_cache is not None)
+  model = source.load()
+  sharding.check_mesh(mesh, model.config, len(prompts))
   saved = dict(cache=args.cache, save_cache=args.save_cache)
   if args.stream and not args.json and len(ids) == 1:
     gen.plan_capacity(model.config, method, [len(ids[0])], args.max_new_tokens, 1, args.capacity)
@@ -695,17 +700,51 @@ def quiet_xla_logs(argv) -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if "--verbose" in argv else "3")
 
 
-def size_pinned_host_pool() -> None:
-  """Let XLA pin up to 90% of the machine's memory for host-resident arrays (SpeCache's 16-bit copy) instead of its
-  default 64 GiB: set before the GPU client starts, the only time XLA reads it, and so before jkv knows the copy's
-  size. The pool grows by regions of powers of two, up to this cap (``jkv.memory.pinned_pool_take``): a copy of over
-  half of it pins all of it, and ``jkv.memory.guard`` refuses one that would leave the machine too little, naming the
-  value that holds the copy and little more. A value the user set is kept."""
-  try:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError):  # no such sysconf names: XLA's default stays
+PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # (jkv.memory's name: not imported before jax may start)
+_pool_sized_by_jkv = False
+
+
+def size_pinned_host_pool(host_bytes: Optional[int] = None) -> None:
+  """Size XLA's pool of pinned host memory for host-resident arrays (SpeCache's 16-bit copy; XLA's default is 64
+  GiB), which XLA reads once, when the GPU client starts. The pool grows by regions of powers of two up to its limit
+  (``jkv.memory.pinned_pool_take``), so a copy of over half of it pins all of it.
+
+  Without ``host_bytes`` (the program's start, before any command knows its cache): 90% of the machine's memory.
+  With them (``generate``, once it has the prompts' capacity, before any device): a pool that holds the copy and
+  little more (``jkv.memory.pinned_pool_limit_gib``); 0 keeps the start's. A value the user set is kept, and so is
+  any once the GPU client has started (``jkv.memory.guard`` then refuses a copy the pool would not hold well,
+  naming the value to set)."""
+  global _pool_sized_by_jkv
+  if PINNED_HOST_LIMIT_ENV in os.environ and not _pool_sized_by_jkv:
     return
-  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(1, int(0.9 * total) >> 30)))
+  if host_bytes is None:
+    try:
+      total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # no such sysconf names: XLA's default stays
+      return
+    limit = max(1, int(0.9 * total) >> 30)
+  else:
+    from jax._src import xla_bridge  # no public form tells whether a backend started
+    if not host_bytes or xla_bridge.backends_are_initialized():
+      return
+    from jkv.memory import pinned_pool_limit_gib
+    limit = pinned_pool_limit_gib(host_bytes)
+  os.environ[PINNED_HOST_LIMIT_ENV] = str(limit)
+  _pool_sized_by_jkv = True
+
+
+def _host_copy_bytes(cfg, method, ids, args) -> int:
+  """Host bytes of the cache ``generate`` will allocate for these prompts (every device's share), its capacity
+  planned as it plans it, with room for what a chunked prefill adds (``jkv.prefill``: up to one of the method's
+  chunk multiples per chunk, and one past the last; the plan's own chunks, sized by the free memory, are far fewer
+  than 63)."""
+  from jkv import generate as gen
+  from jkv import memory
+  longest = max(len(i) for i in ids)
+  capacity = gen.plan_capacity(cfg, method, [len(i) for i in ids], args.max_new_tokens,
+                               min(gen.DECODE_CHUNK, args.max_new_tokens), args.capacity)
+  calls = -(-longest // args.prefill_chunk) if args.prefill_chunk else 63
+  return memory.host_cache_bytes(method, cfg, len(ids), capacity + (calls + 1) * method.chunk_multiple())
 
 
 def main(argv=None) -> int:

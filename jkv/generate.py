@@ -33,6 +33,9 @@ from jkv.prefill import bucket, round_up
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
+DECODE_CHUNK = 32  # decode steps per compiled call (generate's default ``chunk``)
+
+
 class CompileCounter:
   """Counts XLA backend compilations (and their seconds) while active; used for stats and tests."""
 
@@ -253,7 +256,7 @@ class GenerationPlan:
 
 
 def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_tokens: int, capacity=None,
-                    chunk: int = 32, eos_ids=None, pad_id: int = 0, attention_impl: str = "auto",
+                    chunk: int = DECODE_CHUNK, eos_ids=None, pad_id: int = 0, attention_impl: str = "auto",
                     prefill_tokens: Optional[int] = None, prefill_chunk: Optional[int] = None,
                     mesh=None, cache: Optional[str] = None, save_cache: Optional[str] = None) -> GenerationPlan:
   """Check the arguments (one-line ValueErrors) and plan the call (``generate``'s arguments): a saved ``cache``
@@ -414,7 +417,7 @@ class _Generation:
 @sharding.under_mesh
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              method: CacheMethod = Dense(), max_new_tokens: int = 64, sampler=Greedy(), seed: int = 0,
-             capacity: Optional[int] = None, chunk: int = 32, eos_ids: Optional[Sequence[int]] = None,
+             capacity: Optional[int] = None, chunk: int = DECODE_CHUNK, eos_ids: Optional[Sequence[int]] = None,
              pad_id: int = 0, attention_impl: str = "auto", prefill_tokens: Optional[int] = None,
              prefill_chunk: Optional[int] = None, mesh=None, cache: Optional[str] = None,
              save_cache: Optional[str] = None) -> GenerateResult:

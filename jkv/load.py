@@ -35,18 +35,34 @@ class Model:
   tokenizer: Optional[Tokenizer]
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """A model's config and tokenizer, read without its parameters: nothing reaches a device, so a caller can plan
+  with them (say, size XLA's pinned host pool to a cache) before the GPU client starts. ``load`` reads the rest."""
+
+  config: ModelConfig
+  tokenizer: Optional[Tokenizer]
+  read_params: Callable[[], params_lib.Params]
+
+  def load(self) -> Model:
+    """The model, every parameter checked finite (``check_finite``)."""
+    params = self.read_params()
+    check_finite(params)
+    return Model(self.config, params, self.tokenizer)
+
+
 def load_model(name_or_path: str, dtype: str = "float32") -> Model:
   """Load ``"default"``, a jkv checkpoint, a Hugging Face directory or a ``.gguf`` file as ``dtype`` parameters.
 
   A jkv checkpoint is cast to ``dtype`` when it was saved in another one. Raises ValueError naming the tensor
   when a parameter is not finite.
   """
-  model = _read(name_or_path, dtype)
-  check_finite(model.params)
-  return model
+  return open_model(name_or_path, dtype).load()
 
 
-def _read(name_or_path: str, dtype: str) -> Model:
+def open_model(name_or_path: str, dtype: str = "float32") -> ModelSource:
+  """What ``load_model`` reads, less the parameters (``ModelSource``); the same errors for a missing, partial or
+  unknown source."""
   path = hub.default_model_path() if name_or_path == "default" else os.fspath(name_or_path)
   if os.path.isdir(path) or not os.path.exists(path):
     problem = checkpoint.leftover(path)  # before anything else: a partial directory may hold a marker already
@@ -56,18 +72,17 @@ def _read(name_or_path: str, dtype: str) -> Model:
     raise FileNotFoundError(f"no such model: {path} (give 'default', a Hugging Face directory, a .gguf file "
                             "or a directory written by `jkv convert`)")
   if os.path.isdir(path) and checkpoint.is_checkpoint(path):
-    cfg, params, tokenizer = checkpoint.restore(path)
-    if cfg.dtype != dtype:
-      cfg = dataclasses.replace(cfg, dtype=dtype)
-      params = params_lib.cast(params, cfg.jnp_dtype)
-    return Model(cfg, params, tokenizer)
+    saved, tokenizer = checkpoint.read_config(path)
+    cfg = dataclasses.replace(saved, dtype=dtype)
+    cast = lambda params: params if saved.dtype == dtype else params_lib.cast(params, cfg.jnp_dtype)
+    return ModelSource(cfg, tokenizer, lambda: cast(checkpoint.restore_params(path, saved)))
   if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-    cfg, params = hf_safetensors.load_hf(path, dtype)
-    return Model(cfg, params, Tokenizer.from_hf_dir(path))
+    cfg, read_params = hf_safetensors.open_hf(path, dtype)
+    return ModelSource(cfg, Tokenizer.from_hf_dir(path), read_params)
   if os.path.isfile(path) and path.endswith(".gguf"):
     reader = gguf_file.open_gguf(path)
     cfg = gguf_file.config_from_gguf(reader, dtype)
-    return Model(cfg, gguf_file.params_from_gguf(reader, cfg), gguf_file.tokenizer_from_gguf(reader))
+    return ModelSource(cfg, gguf_file.tokenizer_from_gguf(reader), lambda: gguf_file.params_from_gguf(reader, cfg))
   raise ValueError(f"cannot tell what model {path} is: expected a Hugging Face directory (with config.json), "
                    "a .gguf file, or a directory written by `jkv convert`")
 
@@ -98,7 +113,8 @@ def convert(src: str, out: str, dtype: str = "float32", progress: Callable[[str]
   """
   checkpoint.check_target(out)
   progress(f"loading {src} ...")
-  model = _read(src, dtype)
+  source = open_model(src, dtype)
+  model = Model(source.config, source.read_params(), source.tokenizer)
   progress("checking that every parameter is finite ...")
   check_finite(model.params)
   checkpoint.save(out, model.config, model.params, model.tokenizer, progress=progress)

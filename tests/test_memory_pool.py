@@ -12,6 +12,7 @@ the cache in place (no temporary the size of a cache array), which on the CPU th
 
 import dataclasses
 import math
+import os
 import re
 
 import jax
@@ -406,3 +407,50 @@ def test_a_host_copy_whose_pool_would_leave_the_machine_too_little_is_refused_na
   with pytest.raises(memory.DeviceMemoryError) as e:
     guard_with((tight << 30) + reserve - 1)
   assert "not even a pool of the copy alone fits" in str(e.value)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 96])
+def test_the_jkv_commands_pool_estimate_holds_the_host_copy_generate_allocates(tiny_llama, prefill_chunk):
+  """What ``jkv generate`` sizes the pinned pool by, before any device (``cli._host_copy_bytes``), against the host
+  copy of the capacity ``generate`` plans for the same prompts (whole, and in chunks that grow the capacity): at
+  least it, and at most the chunks' allowance more."""
+  from jkv import cli
+  _, m = tiny_llama
+  method = make_method("specache", bits=1, residual=32, fetch_rows=8)
+  ids = random_prompts(m.config.vocab_size, [700, 301], seed=3)
+  args = cli.build_parser().parse_args(["generate", "--method", "specache", "--max-new-tokens", "5", "x"]
+                                       + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []))
+  estimate = cli._host_copy_bytes(m.config, method, ids, args)
+  plan = gen.plan_generation(m.config, method, ids, max_new_tokens=5, prefill_chunk=prefill_chunk)
+  assert plan.prefill.chunked == (prefill_chunk is not None)
+  allocated = memory.host_cache_bytes(method, m.config, len(ids), plan.capacity)
+  per_token = memory.host_cache_bytes(method, m.config, len(ids), 1)
+  calls = -(-700 // prefill_chunk) if prefill_chunk else 63
+  assert allocated <= estimate <= allocated + (calls + 2) * method.chunk_multiple() * per_token
+
+
+def test_the_jkv_command_sizes_the_pinned_pool_before_the_gpu_client_starts_and_keeps_the_users(monkeypatch):
+  """At the program's start 90% of the machine's memory; with the cache's host copy known before any device, a
+  pool that holds it and little more; nothing once the GPU client has started, and never over the user's value."""
+  from jax._src import xla_bridge
+  from jkv import cli
+  assert cli.PINNED_HOST_LIMIT_ENV == memory.PINNED_HOST_LIMIT_ENV
+  env = memory.PINNED_HOST_LIMIT_ENV
+  monkeypatch.setattr(cli, "_pool_sized_by_jkv", False)
+  monkeypatch.delenv(env, raising=False)
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  cli.size_pinned_host_pool()
+  assert os.environ[env] == str(int(0.9 * total) >> 30)
+  copy = 33 * GIB + 5
+  cli.size_pinned_host_pool(copy)  # in this process the backend has started: too late
+  assert os.environ[env] == str(int(0.9 * total) >> 30)
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+  cli.size_pinned_host_pool(0)  # no host copy: the start's pool stays
+  assert os.environ[env] == str(int(0.9 * total) >> 30)
+  cli.size_pinned_host_pool(copy)
+  assert os.environ[env] == str(memory.pinned_pool_limit_gib(copy)) == "35"
+  monkeypatch.setattr(cli, "_pool_sized_by_jkv", False)
+  monkeypatch.setenv(env, "7")  # the user's
+  cli.size_pinned_host_pool()
+  cli.size_pinned_host_pool(copy)
+  assert os.environ[env] == "7"
