@@ -15,8 +15,15 @@ shard's own frame (lengths and positions less the range's first slot).
   rows its range holds. A prompt chunk (``extend``, chunked prefill) attends every device's held rows, merged the
   same way (``chunk_attention``'s ``merge_held``), and then itself, causally and exactly.
 
-Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``; dense does); a mesh with
-``seq`` > 1 and any other method is refused up front (``check``). Speculative rows (SpeCache) are not split.
+Every call gets ctx in the frame of the device's state (lengths and positions less its first slot, which
+``ctx.first_slot`` gives, so a method can count a position the whole sequence's way) and a chunk reads the
+device's held rows through ``held_span``.
+
+Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its
+tokens, and KIVI in its library layout, whose quantized store is split by ranges (a range is whole key blocks, so a
+flush writes one device's store) while its residual rings, a sequence's newest tokens wherever they fall, are held
+by every device alike and attended by the first range's (``Kivi.attend``). A mesh with ``seq`` > 1 and any other
+method is refused up front (``check``). Speculative rows (SpeCache) are not split.
 """
 
 import dataclasses

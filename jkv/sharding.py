@@ -428,6 +428,11 @@ class PerShard(CacheMethod):
                     in_specs=(self._specs(), P(), rows), out_specs=(heads, heads, rows))
     return HeldRows(*run(state, layer, lengths))
 
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    heads = self._heads(4)
+    return self._per_shard(self.inner.held_span, (state, layer), (self._specs(), P()),
+                           HeldRows(heads, heads, P(self.rules.batch)), ctx)
+
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.pre_decode, state, layer, q, k, v, ctx, returns_out=True)
 
