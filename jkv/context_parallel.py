@@ -22,8 +22,9 @@ device's held rows through ``held_span``.
 Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its
 tokens, and KIVI in its library layout, whose quantized store is split by ranges (a range is whole key blocks, so a
 flush writes one device's store) while its residual rings, a sequence's newest tokens wherever they fall, are held
-by every device alike and attended by the first range's (``Kivi.attend``). A mesh with ``seq`` > 1 and any other
-method is refused up front (``check``). Speculative rows (SpeCache) are not split.
+by every device alike and attended by the first range's (``Kivi.attend``), and fakequant, whose groups a range
+holds whole. A mesh with ``seq`` > 1 and any other method is refused up front (``check``). Speculative rows
+(SpeCache) are not split.
 """
 
 import dataclasses
@@ -52,8 +53,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense and kivi (without mma) run so far: use data "
-                     "and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi (without mma) and fakequant run so "
+                     "far: use data and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")

@@ -229,6 +229,14 @@ def test_kivi_logits_over_seq_equal_one_devices(params, prompts):
 
 
 @on_four_devices
+def test_fakequant_over_seq_equals_one_device(params, prompts):
+  """Groups of 16 tokens, two in each range of seq=4: each device quantizes its own, the sequence's last, partial
+  group zero-padded by the device that holds it; prompts in chunks (the first stored as a whole prompt is)."""
+  kw = dict(method="fakequant", settings=dict(group_size=16), prefill_chunk=KIVI_CHUNK)
+  assert _generate(params, prompts, mesh="seq=4", **kw).tokens == _generate(params, prompts, **kw).tokens
+
+
+@on_four_devices
 @pytest.mark.parametrize("kw, message", [
     (dict(method="zipcache"), "cache method 'zipcache' cannot split a sequence's tokens over devices (mesh "
                               "data=1,model=1,seq=4)"),

@@ -70,10 +70,23 @@ class FakeQuant(CacheMethod):
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     state = dense.dense_store(state, layer, k, v, ctx.lengths)
-    held = self.advance(ctx.lengths, q.shape[2])
+    return self._attention(state, layer, q, ctx.positions, self.advance(ctx.lengths, q.shape[2])), state
+
+  def _attention(self, state, layer, q, positions, held, *, return_lse: bool = False):
+    """q over the cache of ``held`` [B] tokens fake-quantized, row t seeing the slots <= positions [B, T]."""
     k_fake = self._fake(state.k[layer], self.key_axis, held)
     v_fake = self._fake(state.v[layer], self.value_axis, held)
-    return gqa_attention_reference(q, k_fake, v_fake, causal_mask(ctx.positions, k_fake.shape[2])), state
+    return gqa_attention_reference(q, k_fake, v_fake, causal_mask(positions, k_fake.shape[2]), return_lse=return_lse)
+
+  # One range of each sequence's slots (jkv.context_parallel): a range is whole groups of G tokens (the capacity's
+  # multiple), so each device quantizes the groups it holds as one device quantizes them, the last one zero-padded
+  # by the device that holds the sequence's end.
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    return self._attention(state, layer, q, ctx.positions, ctx.lengths, return_lse=True)
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    return dense.dense_store_span(state, layer, k, v, ctx.lengths)
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """The dense cache fake-quantized whole, as each decode step reads it."""
