@@ -224,7 +224,11 @@ class Kivi(CacheMethod):
     tokens; with ``first_slot``, the store holds the slots of positions from it on (``store_span``)."""
     R, W, T = self.residual, self.residual + self.lam, k.shape[2]
     start = self._flushed(n)  # n - start <= R
-    pos = start[:, None] + jnp.arange(R + T)[None]  # [B, R + T]
+    # A span's rows, a step's R + 1 too, are whole blocks of R: the quantize kernel then takes them in blocks of up to
+    # 128 tokens, not one by one (rows past the end hold padding, stored where nothing reads them before it is
+    # rewritten, and dropped past the range); a chunk's already are.
+    rows_n = R + T if first_slot is None else -(-(R + T) // R) * R
+    pos = start[:, None] + jnp.arange(rows_n)[None]  # [B, rows_n]
     idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
     rows = lambda ring, new: jnp.take_along_axis(jnp.concatenate([ring[layer], new.astype(ring.dtype)], axis=2),
                                                  idx, axis=2)
