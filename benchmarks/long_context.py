@@ -233,11 +233,11 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
   mesh, devices = mesh_devices(mesh_spec)
   if sharding.axis_size(mesh, "data") > 1:
     raise SystemExit("long_context.py --part decode runs one sequence: a data axis has nothing to split")
-  # On a mesh each device holds its share of the weights and of the cache (the KV heads split over "model"); the
-  # floor and the longest context are per device.
+  # On a mesh each device holds its share of the weights (split over "model") and of the cache (its KV heads split
+  # over "model", its tokens over "seq"); the floor and the longest context are per device.
   params = random_params(cfg, mesh)
   weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
-  shards = sharding.axis_size(mesh, "model")
+  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, "seq")
   rate, reads = (1e10, 1e10) if smoke else (copy_rate(), read_rate())
   # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
   device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]

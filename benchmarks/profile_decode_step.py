@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import generate_decode
 import specache_decode
 from generate_decode import LLAMA3_8B, SMOKE, copy_rate
+from jkv import context_parallel
 from jkv import generate as gen
 from jkv import memory
 from jkv import params as params_lib
@@ -114,7 +115,7 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
   Returns dict(wall_ms: median wall time per step, planes: ``device_events`` of the traced run, cache: the cache
   after it, kinds: ``check_memory_kinds``).
   """
-  capacity = gen.round_up(context + steps, method.capacity_multiple())
+  capacity = context_parallel.split_capacity(gen.round_up(context + steps, method.capacity_multiple()), method, mesh)
   with sharding.use_mesh(mesh):
     cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
     params, cache = gen.committed((params, cache))

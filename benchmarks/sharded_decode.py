@@ -34,6 +34,7 @@ of work.
 
 import argparse
 import dataclasses
+import math
 import json
 import pathlib
 import sys
@@ -54,7 +55,7 @@ def mesh_devices(spec: str):
   if spec == "none":
     return None, jax.devices()[:1]
   sizes = sharding.parse_mesh(spec)
-  n = sizes["data"] * sizes["model"]
+  n = math.prod(sizes.values())
   if n > jax.device_count():
     raise SystemExit(f"mesh {spec} needs {n} devices; {jax.device_count()} are visible")
   devices = jax.devices()[:n]

@@ -35,6 +35,8 @@ RUNS = {
     "long context": (["long_context.py", "--part", "prefill", "--smoke", "--methods", "kivi2_mma", "--prefill-chunk",
                       "512"], 1),
     "long context decode": (["long_context.py", "--part", "decode", "--smoke", "--methods", "dense"], 1),
+    "long context decode seq=2": (["long_context.py", "--part", "decode", "--smoke", "--methods", "dense", "--mesh",
+                                   "seq=2"], 2),
     "staged prefill": (["staged_prefill.py", "--smoke", "--stages", "3"], 1),
     "run and table": (["sharded_decode.py", "--smoke", "--mesh", "data=2", "--new-tokens", "8"], 2),
     "mesh model=2": (["sharded_decode.py", "--smoke", "--profile", "--mesh", "model=2", "--batch", "4", "--steps", "2"],
@@ -51,6 +53,7 @@ def _runs_of(item):
     return [f"mesh {item.callspec.params['mesh']}"]
   return {"test_generate_decode": ["generate_decode"], "test_profile_decode_step": ["profile"],
           "test_long_context": ["long context"], "test_long_context_decode": ["long context decode"],
+          "test_long_context_decode_over_seq": ["long context decode", "long context decode seq=2"],
           "test_staged_prefill": ["staged prefill"],
           "test_sharded_decode_run_and_table": ["run and table"],
           "test_sharded_decode_profile_of_one_shard": ["one shard"]}.get(item.originalname, [])
@@ -247,3 +250,15 @@ def test_long_context_decode(smoke):
   assert short["context"] == 64 and longest["context"] > 64 and longest["kv_bytes"] <= 8 << 20
   assert longest["kv_bytes"] > short["kv_bytes"] and longest["floor_ms_per_step"] > short["floor_ms_per_step"]
   assert "the longest" in out
+
+
+def test_long_context_decode_over_seq(smoke):
+  """One sequence's tokens split over two devices (``--mesh seq=2``): the longest context the smoke budget holds per
+  device is twice one device's (each holds half the tokens beside the same weights), and the step runs there."""
+  (_, alone), _ = smoke["long context decode"].result()
+  (short, longest), out = smoke["long context decode seq=2"].result()
+  assert short["mesh"] == longest["mesh"] == "seq=2" and short["devices"] == 2
+  assert longest["context_asked"] == "longest" and short["decode_ms_per_step"] > 0
+  assert 1.9 * alone["context"] <= longest["context"] <= 2 * alone["context"] + 64
+  assert "dense on seq=2" in out
+
