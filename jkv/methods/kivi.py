@@ -224,11 +224,7 @@ class Kivi(CacheMethod):
     tokens; with ``first_slot``, the store holds the slots of positions from it on (``store_span``)."""
     R, W, T = self.residual, self.residual + self.lam, k.shape[2]
     start = self._flushed(n)  # n - start <= R
-    # A span's rows, a step's R + 1 too, are whole blocks of R: the quantize kernel then takes them in blocks of up to
-    # 128 tokens, not one by one (rows past the end hold padding, stored where nothing reads them before it is
-    # rewritten, and dropped past the range); a chunk's already are.
-    rows_n = R + T if first_slot is None else -(-(R + T) // R) * R
-    pos = start[:, None] + jnp.arange(rows_n)[None]  # [B, rows_n]
+    pos = start[:, None] + jnp.arange(R + T)[None]  # [B, R + T]
     idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
     rows = lambda ring, new: jnp.take_along_axis(jnp.concatenate([ring[layer], new.astype(ring.dtype)], axis=2),
                                                  idx, axis=2)
@@ -312,9 +308,11 @@ class Kivi(CacheMethod):
                               pack_values=not self._packs_at_end_step(rows))
     return self._attend(state, layer, q, ctx.positions, self.advance(ctx.lengths, rows), ctx.impl), state
 
-  def append_one(self, state, layer, k, v, pos, impl, flush_before: bool = True, pack_values: bool = True):
+  def append_one(self, state, layer, k, v, pos, impl, flush_before: bool = True, pack_values: bool = True,
+                 first_slot=None):
     """Store one token per sequence: k, v [B, H, D] at positions pos [B]. ``flush_before`` (λ = 1): flush the key
-    block that ends at pos here; ``pack_values`` (MMA packing): pack the value tile that pos completes here."""
+    block that ends at pos here; ``pack_values`` (MMA packing): pack the value tile that pos completes here;
+    ``first_slot``: the store holds the range of positions from it on (``store_span``)."""
     R, W = self.residual, self.residual + self.lam
     state = state.replace(v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
     if self.mma and pack_values:
@@ -323,15 +321,27 @@ class Kivi(CacheMethod):
                            lambda s: s, state)
     elif not self.mma:
       vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
-      state = state.replace(v_codes=write_at(state.v_codes, layer, vc, pos, axis=2),
-                            v_scale=write_at(state.v_scale, layer, vs, pos, axis=2),
-                            v_zero=write_at(state.v_zero, layer, vz, pos, axis=2))
+      put = lambda buf, x: self._put(buf, layer, x, pos, 1, 2, first_slot=first_slot)
+      state = state.replace(v_codes=put(state.v_codes, vc), v_scale=put(state.v_scale, vs),
+                            v_zero=put(state.v_zero, vz))
     if self.lam == 1 and flush_before:  # the block before p leaves the ring before p takes slot 0
-      state = self._flush(state, layer, pos, (pos % R == 0) & (pos > 0), impl)
+      state = self._flush(state, layer, pos, (pos % R == 0) & (pos > 0), impl, first_slot)
     state = state.replace(k_ring=write_at(state.k_ring, layer, k[:, :, None], pos % W, axis=2))
     if self.lam == 0:  # the block ending at p is quantized before this step attends
-      state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl)
+      state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl, first_slot)
     return state
+
+  @staticmethod
+  def _put(buf, layer, x, start, unit: int, axis: int, due=None, first_slot=None):
+    """``write_at_where`` of store rows from position start [B] (a multiple of ``unit``, the positions one index of
+    ``axis`` spans); with ``first_slot``, into a store of the positions from it on, rows outside it and sequences
+    not ``due`` dropped."""
+    if first_slot is None:
+      return write_at_where(buf, layer, x, start // unit, axis, due)
+    offset = (start - first_slot) // unit
+    if due is not None:
+      offset = jnp.where(due, offset, buf.shape[axis + 1])
+    return write_span(buf, layer, x, offset, axis)
 
   def end_step(self, state, ctx: StepContext):
     """With the MMA packing, per-layer conditional work done once for every layer: the value tile a step of one
@@ -376,15 +386,17 @@ class Kivi(CacheMethod):
     return state.replace(v_tiles=write_at_where(state.v_tiles, layer, words, tile, 2, due),
                          v_meta=write_at_where(state.v_meta, layer, meta, tile, 2, due))
 
-  def _flush(self, state, layer, end, due, impl):
+  def _flush(self, state, layer, end, due, impl, first_slot=None):
     """Quantize the keys of positions [end - R, end) from the key ring into the key store, and put them back in
-    the ring as the store gives them back, for the sequences where ``due``.
+    the ring as the store gives them back, for the sequences where ``due`` (with ``first_slot``, into the store of
+    the range from it, where the block lies in it; into the rings always).
 
     Runs only on steps where some sequence is due (one step in R for a batch in lockstep).
     """
-    return jax.lax.cond(jnp.any(due), lambda s: self._flush_now(s, layer, end, due, impl), lambda s: s, state)
+    return jax.lax.cond(jnp.any(due), lambda s: self._flush_now(s, layer, end, due, impl, first_slot), lambda s: s,
+                        state)
 
-  def _flush_now(self, state, layer, end, due, impl):
+  def _flush_now(self, state, layer, end, due, impl, first_slot=None):
     R, G, W = self.residual, self.group_size, self.residual + self.lam
     start = jnp.maximum(end - R, 0)
     slot = lambda x, pos: jnp.take_along_axis(x, (pos % W)[:, None, :, None], axis=2)
@@ -401,9 +413,9 @@ class Kivi(CacheMethod):
       stored = dict(k_tiles=write_at_where(state.k_tiles, layer, words, start // TILE, 2, due),
                     k_meta=write_at_where(state.k_meta, layer, meta, start // G, 2, due))
     else:
-      stored = dict(k_codes=write_at_where(state.k_codes, layer, kc, start // Pk, 3, due),
-                    k_scale=write_at_where(state.k_scale, layer, ks, start // G, 3, due),
-                    k_zero=write_at_where(state.k_zero, layer, kz, start // G, 3, due))
+      put = lambda buf, x, unit: self._put(buf, layer, x, start, unit, 3, due, first_slot)
+      stored = dict(k_codes=put(state.k_codes, kc, Pk), k_scale=put(state.k_scale, ks, G),
+                    k_zero=put(state.k_zero, kz, G))
     return state.replace(**stored, k_ring=write_layer(state.k_ring, layer, k_ring))
 
   def _with_block(self, keys, held, block, start, replace):
@@ -447,11 +459,12 @@ class Kivi(CacheMethod):
   # positions as on one device, the same on every device (each stores every row into them).
 
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
-    """A step's rows or a prompt chunk's, stored as ``store_chunk`` stores a chunk (a step's rows are one: the
-    same boundaries and codes as ``step``'s), the store keeping those of its range. It quantizes the rings' rows
-    from the key boundary again, R rows a step, which beside a range of a sequence long enough to split is small."""
-    first = ctx.first_slot
-    return self._store_from_ring(state, layer, k, v, ctx.lengths + first, ctx.positions + first, ctx.impl, first)
+    """A step's row stored as ``step`` stores it, a prompt's or a chunk's rows as ``store_chunk`` stores a chunk,
+    the store keeping those of its range. (A row alone is a step's or a one-token prompt's: real, never padding.)"""
+    first, n = ctx.first_slot, ctx.lengths + ctx.first_slot
+    if k.shape[2] == 1:
+      return self.append_one(state, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl, first_slot=first)
+    return self._store_from_ring(state, layer, k, v, n, ctx.positions + first, ctx.impl, first)
 
   def splits_tokens(self) -> bool:
     return not self.mma  # the MMA packing's tiles are not split over devices yet
