@@ -327,8 +327,7 @@ def cmd_generate(args):
   if tok is None:
     raise ValueError(f"model {args.model} has no tokenizer; jkv generate needs one")
   ids = [encode_text(tok, p, not args.raw, starts=args.cache is None, ends=args.save_cache is None) for p in prompts]
-  if args.cache is None:  # (a loaded cache's capacity comes from its manifest and the plan: the default pool stays)
-    size_pinned_host_pool(_host_copy_bytes(source.config, method, ids, args))
+  size_pinned_host_pool(_host_copy_bytes(source.config, method, ids, args))
   mesh = mesh_from_args(args)
   context_parallel.check(method, mesh, saved_cache=args.cache is not None or args.save_cache is not None)
   model = source.load()
@@ -734,17 +733,32 @@ def size_pinned_host_pool(host_bytes: Optional[int] = None) -> None:
 
 
 def _host_copy_bytes(cfg, method, ids, args) -> int:
-  """Host bytes of the cache ``generate`` will allocate for these prompts (every device's share), its capacity
-  planned as it plans it, with room for what a chunked prefill adds (``jkv.prefill``: up to one of the method's
-  chunk multiples per chunk, and one past the last; the plan's own chunks, sized by the free memory, are far fewer
-  than 63)."""
+  """Host bytes of the cache ``generate`` will allocate for these prompts (every device's share): the most tokens
+  its plan gives the cache (``generate.plan_generation``), bounded without a device. The capacity planned for the
+  prompts (after a loaded cache's tokens), grown as a prefill grows it (``jkv.prefill``): past the width of the
+  chunks (``--prefill-chunk``'s exactly; a continuation's whole bucket; else chunks as even as the free memory
+  allows, at most a chunk multiple over each, and far fewer than 63) by one chunk multiple, and split over ``seq``."""
   from jkv import generate as gen
-  from jkv import memory
-  longest = max(len(i) for i in ids)
-  capacity = gen.plan_capacity(cfg, method, [len(i) for i in ids], args.max_new_tokens,
-                               min(gen.DECODE_CHUNK, args.max_new_tokens), args.capacity)
-  calls = -(-longest // args.prefill_chunk) if args.prefill_chunk else 63
-  return memory.host_cache_bytes(method, cfg, len(ids), capacity + (calls + 1) * method.chunk_multiple())
+  from jkv import memory, saved_cache, sharding
+  from jkv.prefill import bucket, round_up
+  multiple, batch = method.chunk_multiple(), len(ids)
+  held, lengths = [0] * batch, [len(i) for i in ids]
+  if args.cache is not None:
+    saved = saved_cache.open_saved(args.cache)
+    held = saved.check_batch(batch)
+    lengths = [len(tail) + n for tail, n in zip(saved.tails(batch), lengths)]
+  longest = max(lengths)
+  capacity = gen.plan_capacity(cfg, method, [h + n for h, n in zip(held, lengths)], args.max_new_tokens,
+                               min(gen.DECODE_CHUNK, args.max_new_tokens), args.capacity,
+                               continued=args.cache is not None)
+  if args.prefill_chunk:
+    size = round_up(args.prefill_chunk, multiple)
+    width = -(-longest // size) * size
+  else:
+    width = max(round_up(bucket(longest), multiple) if args.cache else 0, longest + 63 * multiple)
+  seq = sharding.parse_mesh(args.mesh).get(sharding.SEQ_AXIS, 1) if args.mesh else 1
+  tokens = max(capacity, max(held) + width + multiple) + seq * method.capacity_multiple()
+  return memory.host_cache_bytes(method, cfg, batch, tokens)
 
 
 def main(argv=None) -> int:

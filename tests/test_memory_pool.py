@@ -409,24 +409,31 @@ def test_a_host_copy_whose_pool_would_leave_the_machine_too_little_is_refused_na
   assert "not even a pool of the copy alone fits" in str(e.value)
 
 
-@pytest.mark.parametrize("prefill_chunk", [None, 96])
-def test_the_jkv_commands_pool_estimate_holds_the_host_copy_generate_allocates(tiny_llama, prefill_chunk):
+@pytest.mark.parametrize("lengths, prefill_chunk, saved", [
+    ([700, 301], None, False), ([1000, 301], 600, False), ([1000], 96, True), ([40, 7], None, True)])
+def test_the_jkv_commands_pool_estimate_holds_the_host_copy_generate_allocates(tiny_llama, tmp_path, lengths,
+                                                                               prefill_chunk, saved):
   """What ``jkv generate`` sizes the pinned pool by, before any device (``cli._host_copy_bytes``), against the host
-  copy of the capacity ``generate`` plans for the same prompts (whole, and in chunks that grow the capacity): at
-  least it, and at most the chunks' allowance more."""
+  copy of the capacity ``generate`` plans for the same prompts: whole, in chunks whose width passes the prompt's
+  bucket, and continuing a saved cache (of one sequence, whose tokens come first). At least that copy, and at
+  most about what a chunk-multiple allowance per chunk adds."""
   from jkv import cli
   _, m = tiny_llama
   method = make_method("specache", bits=1, residual=32, fetch_rows=8)
-  ids = random_prompts(m.config.vocab_size, [700, 301], seed=3)
-  args = cli.build_parser().parse_args(["generate", "--method", "specache", "--max-new-tokens", "5", "x"]
-                                       + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []))
-  estimate = cli._host_copy_bytes(m.config, method, ids, args)
-  plan = gen.plan_generation(m.config, method, ids, max_new_tokens=5, prefill_chunk=prefill_chunk)
-  assert plan.prefill.chunked == (prefill_chunk is not None)
+  cache = None
+  if saved:
+    cache = str(tmp_path / "doc.cache")
+    gen.generate(m.params, m.config, random_prompts(m.config.vocab_size, [500], seed=4), method=method,
+                 max_new_tokens=1, save_cache=cache)
+  ids = random_prompts(m.config.vocab_size, lengths, seed=3)
+  argv = ["generate", "--method", "specache", "--max-new-tokens", "5", "x"]
+  argv += ["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []
+  argv += ["--cache", cache] if cache else []
+  estimate = cli._host_copy_bytes(m.config, method, ids, cli.build_parser().parse_args(argv))
+  plan = gen.plan_generation(m.config, method, ids, max_new_tokens=5, prefill_chunk=prefill_chunk, cache=cache)
   allocated = memory.host_cache_bytes(method, m.config, len(ids), plan.capacity)
   per_token = memory.host_cache_bytes(method, m.config, len(ids), 1)
-  calls = -(-700 // prefill_chunk) if prefill_chunk else 63
-  assert allocated <= estimate <= allocated + (calls + 2) * method.chunk_multiple() * per_token
+  assert allocated <= estimate <= allocated + (2 * max(lengths) + 66 * method.chunk_multiple()) * per_token
 
 
 def test_the_jkv_command_sizes_the_pinned_pool_before_the_gpu_client_starts_and_keeps_the_users(monkeypatch):
