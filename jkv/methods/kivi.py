@@ -270,10 +270,9 @@ class Kivi(CacheMethod):
     vc, vs, vz = self._quantize_pack(v, self.vb, -1, impl, fused=True)
     if start is None:  # one in-place update of the whole layer, where a per-sequence offset would be a scatter
       write, offset = (lambda buf, x, unit, axis: write_layer(buf, layer, x)), jnp.zeros((B,), jnp.int32)
-    elif first_slot is None:
-      write, offset = (lambda buf, x, unit, axis: write_at(buf, layer, x, start // unit, axis=axis)), start
     else:
-      write, offset = (lambda buf, x, unit, axis: write_span(buf, layer, x, (start - first_slot) // unit, axis)), start
+      write, offset = (lambda buf, x, unit, axis: self._put(buf, layer, x, start, unit, axis,
+                                                            first_slot=first_slot)), start
     if self.mma:
       k_words, k_meta = pack_key_tiles(kc, ks, kz, bits=self.kb)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
