@@ -168,9 +168,9 @@ class StepContext:
   lengths: jax.Array  # [B] int32: prompt lengths at prefill; tokens held before the call at a step
   positions: jax.Array  # [B, T] int32 position of each row (-1 for prompt padding)
   impl: str = struct.field(pytree_node=False, default="xla")  # one of IMPLS
-  # The sequence position of the state's slot 0: 0 but where the state holds a range of the sequence (a seq device's,
-  # jkv.context_parallel), whose lengths and positions count from it (and may then lie outside its slots).
-  first_slot: Any = 0
+  # Where the state holds one range of the sequence (a seq device's, jkv.context_parallel): the position of its slot
+  # 0, from which lengths and positions count (and may then lie outside its slots); None: the whole sequence.
+  first_slot: Any = None
 
 
 class CacheMethod(abc.ABC):

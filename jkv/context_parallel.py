@@ -53,8 +53,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi (without mma) and fakequant run so "
-                     "far: use data and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi and fakequant run so far: use data "
+                     "and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")
@@ -98,14 +98,6 @@ class SeqShard(PerShard):
     if spec.capacity % (n * self.inner.capacity_multiple()):
       raise ValueError(f"a cache of {spec.capacity} tokens does not split over seq={n} into whole blocks of "
                        f"{self.inner.capacity_multiple()} (method {self.inner.name!r})")
-
-  def for_impl(self, spec: CacheSpec, impl: str) -> "SeqShard":
-    """The inner method's settings for ``impl``, but where a setting left to the device (KIVI's ``mma`` packing)
-    would be one a seq axis does not split, decided as for the XLA path (which no kernel packing serves)."""
-    inner = self.inner.for_impl(spec, impl)
-    if not inner.splits_tokens():
-      inner = self.inner.for_impl(spec, "xla")
-    return dataclasses.replace(self, inner=inner)
 
   @property
   def _range(self) -> int:
@@ -159,6 +151,10 @@ class SeqShard(PerShard):
 
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self._store, state, layer, q, k, v, ctx, returns_out=False)
+
+  def end_step(self, state, ctx: StepContext):
+    end_step = lambda state, ctx: self.inner.end_step(state, self._local(ctx))
+    return self._per_shard(end_step, (state,), (self._specs(),), self._specs(), ctx)
 
   def _per_device_only(self, call: str):
     raise NotImplementedError(f"{call} of a cache split over {SEQ_AXIS} runs per device, inside SeqShard's calls")

@@ -189,6 +189,7 @@ class ShardingRules:
   vocab: Optional[str] = "model"
   tokens: Optional[str] = SEQ_AXIS  # a cache's token slots: contiguous ranges of every sequence, one per device
   token_groups: Optional[str] = SEQ_AXIS  # groups of a cache's token slots (KIVI's key groups), split as the slots
+  tiles: Optional[str] = SEQ_AXIS  # tiles of a cache's token slots (the MMA packing), split as the slots
 
   def mesh_axis(self, name: str) -> Optional[str]:
     return getattr(self, name, None) if name in _RULE_NAMES else None

@@ -165,16 +165,17 @@ def test_generate_over_seq_equals_one_device(params, prompts, one_device_tokens,
   assert chunked.stats["prefill_chunk"] == CHUNK and chunked.tokens == one_device_tokens
 
 
-def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK):
-  """Each prompt's last-token logits after a chunked prefill, then those of 6 decode steps fed fixed tokens:
-  [7, B, vocab]."""
+def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK, capacity=CAPACITY):
+  """Each prompt's last-token logits after a prefill (in chunks of ``chunk``; None: whole), then those of 6 decode
+  steps fed fixed tokens: [7, B, vocab]."""
   mesh = sharding.make_mesh(mesh)
   with sharding.use_mesh(mesh):
-    plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=8, capacity=CAPACITY, prefill_chunk=chunk,
+    plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=8, capacity=capacity, prefill_chunk=chunk,
                                attention_impl="xla", mesh=mesh)
     cache = sharding.create_cache(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla", mesh)
     placed = sharding.shard_params(params, CFG, mesh)
-    run = prefill_lib.Prefill(plan.prefill, CFG, prefill_lib.pad_prompts(prompts, plan.prefill.width, 0), LENGTHS)
+    run = prefill_lib.Prefill(plan.prefill, CFG, prefill_lib.pad_prompts(prompts, plan.prefill.width, 0),
+                              [len(p) for p in prompts])
     logits, cache = run(placed, cache)
     out = [np.asarray(logits)]
     step = jax.jit(lambda p, tokens, cache: forward(p, tokens[:, None], cache.lengths[:, None], cache, cfg=CFG))
@@ -218,6 +219,18 @@ def test_kivi_at_its_defaults_over_seq_equals_one_device(params, prompts):
   other three attend nothing."""
   split = _generate(params, prompts, mesh="seq=4", method="kivi")
   assert split.stats["capacity"] == 4 * 128 and split.tokens == _generate(params, prompts, method="kivi").tokens
+
+
+@on_four_devices
+def test_kivi_in_the_mma_packing_over_seq_equals_one_device(params):
+  """The Hopper kernel's packing (read by XLA here) over seq=4's ranges of 64 tokens: the first prompt is stored in
+  three devices' stores, and its decode reaches position 192, where the end of a step flushes a key block and packs
+  a value tile into the third device's store, which the next steps read."""
+  rng = np.random.default_rng(8)
+  prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (190, 130)]
+  method = make_method("kivi", residual=64, group_size=32, mma=True)
+  one, split = (_logits(params, prompts, mesh, method, chunk=None, capacity=2 * CAPACITY) for mesh in (None, "seq=4"))
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
 
 
 @on_four_devices

@@ -316,8 +316,8 @@ class Kivi(CacheMethod):
     state = state.replace(v_ring=write_at(state.v_ring, layer, v[:, :, None], pos % W, axis=2))
     if self.mma and pack_values:
       due = pos % TILE == TILE - 1
-      state = jax.lax.cond(jnp.any(due), lambda s: self._pack_value_tile(s, layer, pos // TILE, due, impl),
-                           lambda s: s, state)
+      state = jax.lax.cond(jnp.any(due), lambda s: self._pack_value_tile(s, layer, pos // TILE, due, impl,
+                                                                         first_slot), lambda s: s, state)
     elif not self.mma:
       vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
       put = lambda buf, x: self._put(buf, layer, x, pos, 1, 2, first_slot=first_slot)
@@ -349,22 +349,24 @@ class Kivi(CacheMethod):
     (nothing reads the ring in between). Two conditionals a step instead of two per layer (64 for Llama-3-8B,
     each a ``set_case_condition`` launch in the profile: benchmarks/results/profile_decode_step_kivi2_mma_b307_*):
     KIVI-2 at its largest batch on an H100 went from 29.63 to 29.43 ms/step (one run each, same call)."""
-    rows = ctx.positions.shape[1]
-    return self.settle(state, ctx.lengths + rows, self._packs_at_end_step(rows), ctx.impl)
+    rows, first = ctx.positions.shape[1], ctx.first_slot
+    n = ctx.lengths if first is None else ctx.lengths + first
+    return self.settle(state, n + rows, self._packs_at_end_step(rows), ctx.impl, first)
 
-  def settle(self, state, end, pack_values: bool, impl):
+  def settle(self, state, end, pack_values: bool, impl, first_slot=None):
     """``end_step``'s work for a step that leaves end [B] tokens stored (SpeCache's low-bit copy calls it with its
-    one stored row): ``pack_values``, whether the step's rows left the value tile they completed to it."""
+    one stored row): ``pack_values``, whether the step's rows left the value tile they completed to it;
+    ``first_slot``, as in ``append_one``."""
     if not self.mma:
       return state
     every_layer = lambda work, due: lambda s: jax.lax.fori_loop(0, s.k_ring.shape[0], lambda i, s: work(s, i, due), s)
     if pack_values:
       pack_due = end % TILE == 0  # the row completed its tile
-      pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, impl)
+      pack = lambda s, layer, due: self._pack_value_tile(s, layer, end // TILE - 1, due, impl, first_slot)
       state = jax.lax.cond(jnp.any(pack_due), every_layer(pack, pack_due), lambda s: s, state)
     if self.lam == 1:
       flush_due = end % self.residual == 0
-      flush = lambda s, layer, due: self._flush_now(s, layer, end, due, impl)
+      flush = lambda s, layer, due: self._flush_now(s, layer, end, due, impl, first_slot)
       state = jax.lax.cond(jnp.any(flush_due), every_layer(flush, flush_due), lambda s: s, state)
     return state
 
@@ -374,16 +376,16 @@ class Kivi(CacheMethod):
     longer step a tile completed by an early row can be read by the same step's attention (R = 64)."""
     return rows == 1
 
-  def _pack_value_tile(self, state, layer, tile, due, impl):
+  def _pack_value_tile(self, state, layer, tile, due, impl, first_slot=None):
     """Quantize the values of tile ``tile`` [B] (positions 64 tile + [0, 64), all in the value ring) per token
-    and pack them, for the sequences where ``due``."""
+    and pack them, for the sequences where ``due`` (``first_slot``: as in ``append_one``)."""
     W = self.residual + self.lam
     positions = TILE * tile[:, None] + jnp.arange(TILE)[None]  # [B, 64]
     values = jnp.take_along_axis(state.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
     codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
     words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
-    return state.replace(v_tiles=write_at_where(state.v_tiles, layer, words, tile, 2, due),
-                         v_meta=write_at_where(state.v_meta, layer, meta, tile, 2, due))
+    put = lambda buf, x: self._put(buf, layer, x, TILE * tile, TILE, 2, due, first_slot)
+    return state.replace(v_tiles=put(state.v_tiles, words), v_meta=put(state.v_meta, meta))
 
   def _flush(self, state, layer, end, due, impl, first_slot=None):
     """Quantize the keys of positions [end - R, end) from the key ring into the key store, and put them back in
@@ -409,8 +411,8 @@ class Kivi(CacheMethod):
                               due[:, None] & (held >= start[:, None]))
     if self.mma:
       words, meta = pack_key_tiles(kc, ks, kz, bits=self.kb)  # [B, H, R/64, ...], [B, H, R/G, D]
-      stored = dict(k_tiles=write_at_where(state.k_tiles, layer, words, start // TILE, 2, due),
-                    k_meta=write_at_where(state.k_meta, layer, meta, start // G, 2, due))
+      put = lambda buf, x, unit: self._put(buf, layer, x, start, unit, 2, due, first_slot)
+      stored = dict(k_tiles=put(state.k_tiles, words, TILE), k_meta=put(state.k_meta, meta, G))
     else:
       put = lambda buf, x, unit: self._put(buf, layer, x, start, unit, 3, due, first_slot)
       stored = dict(k_codes=put(state.k_codes, kc, Pk), k_scale=put(state.k_scale, ks, G),
@@ -461,12 +463,10 @@ class Kivi(CacheMethod):
     """A step's row stored as ``step`` stores it, a prompt's or a chunk's rows as ``store_chunk`` stores a chunk,
     the store keeping those of its range. (A row alone is a step's or a one-token prompt's: real, never padding.)"""
     first, n = ctx.first_slot, ctx.lengths + ctx.first_slot
-    if k.shape[2] == 1:
-      return self.append_one(state, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl, first_slot=first)
+    if k.shape[2] == 1:  # (the flags as ``step`` sets them for a step of one row)
+      return self.append_one(state, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl, flush_before=not self.mma,
+                             pack_values=not self._packs_at_end_step(1), first_slot=first)
     return self._store_from_ring(state, layer, k, v, n, ctx.positions + first, ctx.impl, first)
-
-  def splits_tokens(self) -> bool:
-    return not self.mma  # the MMA packing's tiles are not split over devices yet
 
   def attend(self, state, layer, q, ctx: StepContext):
     first = ctx.first_slot
