@@ -20,7 +20,7 @@ Every call gets ctx in the frame of the device's state (lengths and positions le
 device's held rows through ``held_span``.
 
 Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its
-tokens, and KIVI in its library layout, whose quantized store is split by ranges (a range is whole key blocks, so a
+tokens, KIVI, whose quantized store (either layout) is split by ranges (a range is whole key blocks and tiles, so a
 flush writes one device's store) while its residual rings, a sequence's newest tokens wherever they fall, are held
 by every device alike and attended by the first range's (``Kivi.attend``), and fakequant, whose groups a range
 holds whole. A mesh with ``seq`` > 1 and any other method is refused up front (``check``). Speculative rows
