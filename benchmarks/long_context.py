@@ -51,7 +51,9 @@ METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True
            "kivi4_mma": ("kivi", {"bits": 4, "mma": True}), "kivi2": ("kivi", {"bits": 2, "mma": False}),
            "ott2": ("ott", {}), "ott2_triton": ("ott", {"mma": False}), "zipcache": ("zipcache", {}),
            "specache1": ("specache", {"bits": 1, "exact_chunks": False}),
-           "specache1_exact": ("specache", {"bits": 1, "exact_chunks": True})}
+           "specache1_exact": ("specache", {"bits": 1, "exact_chunks": True}),
+           # Without the hit-rate statistic: one token-mass row a step instead of two.
+           "specache1_no_hit_rate": ("specache", {"bits": 1, "exact_chunks": False, "hit_rate": False})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
                         r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"],
                         r.get("mesh"))
