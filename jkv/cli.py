@@ -251,8 +251,8 @@ def add_mesh_args(parser):
   g = parser.add_argument_group("devices", "several devices, and several processes (multi-host): README, 'Sharding'")
   g.add_argument("--mesh", default=None, type=mesh_spec, metavar="data=N,model=M[,seq=S]",
                  help="run on a device mesh: the batch split over data, attention heads, the MLP and the cache's KV "
-                      "heads over model, one sequence's tokens over seq (dense only so far); their product must "
-                      "equal the devices jax sees, model must divide the KV heads (default: one device)")
+                      "heads over model, one sequence's tokens over seq (dense, KIVI, fakequant so far); their "
+                      "product must equal the devices jax sees, model must divide the KV heads (default: one device)")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="multi-process run: address of process 0 (jax.distributed); every process runs the same "
                       "command with its own --process-id")
@@ -321,7 +321,6 @@ def cmd_generate(args):
     raise ValueError("empty prompt: give PROMPT arguments or text on standard input")
   if args.mesh and args.stream:
     raise ValueError("--stream runs on one device; drop --stream to generate on a --mesh")
-  _progress(f"loading model {args.model} ...")
   source = open_model(args.model, args.dtype)  # config and tokenizer: no device yet
   tok = source.tokenizer
   if tok is None:
@@ -330,6 +329,7 @@ def cmd_generate(args):
   size_pinned_host_pool(_host_copy_bytes(source.config, method, ids, args))
   mesh = mesh_from_args(args)
   context_parallel.check(method, mesh, saved_cache=args.cache is not None or args.save_cache is not None)
+  _progress(f"loading model {args.model} ...")
   model = source.load()
   sharding.check_mesh(mesh, model.config, len(prompts))
   saved = dict(cache=args.cache, save_cache=args.save_cache)

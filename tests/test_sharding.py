@@ -136,7 +136,9 @@ def run_cli(capsys, argv):
     (["generate", "--coordinator", "localhost:1", "hi"], "needs --coordinator, --num-processes and --process-id"),
 ])
 def test_cli_mesh_errors_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, message):
-  monkeypatch.setattr("jkv.load.load_model", lambda *a: pytest.fail("the model loaded before the mesh was checked"))
+  loaded = lambda *a: pytest.fail("the model loaded before the mesh was checked")
+  monkeypatch.setattr("jkv.load.load_model", loaded)
+  monkeypatch.setattr("jkv.load.ModelSource.load", loaded)  # (generate reads the config and tokenizer first)
   rc, err = run_cli(capsys, argv)
   assert rc == 2 and err.count("\n") == 0 and message in err, err
 
