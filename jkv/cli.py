@@ -700,7 +700,7 @@ def quiet_xla_logs(argv) -> None:
 
 
 PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # (jkv.memory's name: not imported before jax may start)
-_pool_sized_by_jkv = False
+_pool_limit_set = None  # the value size_pinned_host_pool last set (any other in the environment is the user's)
 
 
 def size_pinned_host_pool(host_bytes: Optional[int] = None) -> None:
@@ -713,8 +713,8 @@ def size_pinned_host_pool(host_bytes: Optional[int] = None) -> None:
   little more (``jkv.memory.pinned_pool_limit_gib``); 0 keeps the start's. A value the user set is kept, and so is
   any once the GPU client has started (``jkv.memory.guard`` then refuses a copy the pool would not hold well,
   naming the value to set)."""
-  global _pool_sized_by_jkv
-  if PINNED_HOST_LIMIT_ENV in os.environ and not _pool_sized_by_jkv:
+  global _pool_limit_set
+  if os.environ.get(PINNED_HOST_LIMIT_ENV, _pool_limit_set) != _pool_limit_set:
     return
   if host_bytes is None:
     try:
@@ -728,8 +728,7 @@ def size_pinned_host_pool(host_bytes: Optional[int] = None) -> None:
       return
     from jkv.memory import pinned_pool_limit_gib
     limit = pinned_pool_limit_gib(host_bytes)
-  os.environ[PINNED_HOST_LIMIT_ENV] = str(limit)
-  _pool_sized_by_jkv = True
+  _pool_limit_set = os.environ[PINNED_HOST_LIMIT_ENV] = str(limit)
 
 
 def _host_copy_bytes(cfg, method, ids, args) -> int:

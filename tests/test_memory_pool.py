@@ -443,7 +443,7 @@ def test_the_jkv_command_sizes_the_pinned_pool_before_the_gpu_client_starts_and_
   from jkv import cli
   assert cli.PINNED_HOST_LIMIT_ENV == memory.PINNED_HOST_LIMIT_ENV
   env = memory.PINNED_HOST_LIMIT_ENV
-  monkeypatch.setattr(cli, "_pool_sized_by_jkv", False)
+  monkeypatch.setattr(cli, "_pool_limit_set", None)
   monkeypatch.delenv(env, raising=False)
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   cli.size_pinned_host_pool()
@@ -456,8 +456,7 @@ def test_the_jkv_command_sizes_the_pinned_pool_before_the_gpu_client_starts_and_
   assert os.environ[env] == str(int(0.9 * total) >> 30)
   cli.size_pinned_host_pool(copy)
   assert os.environ[env] == str(memory.pinned_pool_limit_gib(copy)) == "35"
-  monkeypatch.setattr(cli, "_pool_sized_by_jkv", False)
-  monkeypatch.setenv(env, "7")  # the user's
+  monkeypatch.setenv(env, "7")  # the user's, after jkv's
   cli.size_pinned_host_pool()
   cli.size_pinned_host_pool(copy)
   assert os.environ[env] == "7"

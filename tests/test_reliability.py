@@ -60,7 +60,7 @@ def no_model(monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError("the model was loaded before the input was checked")
   monkeypatch.setattr(load_lib, "load_model", refuse)
-  monkeypatch.setattr(load_lib, "_read", refuse)
+  monkeypatch.setattr(load_lib, "open_model", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_non_finite_weights_are_refused_at_load(capsys, tiny_hf_dir, tmp_path):
                                        r"at index \(1, 5, ") as e:
     load_lib.load_model(str(hf))
   assert "\n" not in str(e.value)
-  one_line_error(run(capsys, "generate", "hi", "--model", str(hf)), "params.layers.qkv", "non-finite")
+  one_line_error(run(capsys, "info", "--model", str(hf)), "params.layers.qkv", "non-finite")  # (no tokenizer)
   _edit_safetensors(hf, lambda t: t["model.embed_tokens.weight"].__setitem__((7, 0), np.inf))
   with pytest.raises(ValueError, match=r"params\.embedding holds 1 non-finite float32 value\(s\), the first inf "
                                        r"at index \(7, 0\)"):
@@ -427,7 +427,7 @@ def test_errors_start_their_own_line_after_a_progress_bar(capsys, monkeypatch):
     bar = tqdm(total=10, desc="passkey kivi", file=sys.stderr)
     bar.update(3)
     raise ValueError("the disk is full")
-  monkeypatch.setattr(load_lib, "load_model", fail)
+  monkeypatch.setattr(load_lib.ModelSource, "load", fail)
   rc, _, err = run(capsys, "generate", FRANCE)
   assert rc == 2
   line = next(l for l in err.split("\n") if "jkv: error" in l)
@@ -437,12 +437,12 @@ def test_errors_start_their_own_line_after_a_progress_bar(capsys, monkeypatch):
 def test_memory_error_and_interrupt_are_one_line(capsys, monkeypatch):
   def oom(*args, **kwargs):
     raise MemoryError
-  monkeypatch.setattr(load_lib, "load_model", oom)
+  monkeypatch.setattr(load_lib.ModelSource, "load", oom)
   one_line_error(run(capsys, "generate", FRANCE), "out of host memory", rc=1)
 
   def interrupt(*args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr(load_lib, "load_model", interrupt)
+  monkeypatch.setattr(load_lib.ModelSource, "load", interrupt)
   rc, _, err = run(capsys, "generate", FRANCE)
   assert rc == 130 and err.strip().splitlines()[-1] == "jkv: interrupted" and "Traceback" not in err
 
@@ -451,7 +451,7 @@ def test_memory_error_and_interrupt_are_one_line(capsys, monkeypatch):
       raise KeyboardInterrupt
     except KeyboardInterrupt as e:
       raise ImportError("Encountered an error while initializing the extension.") from e
-  monkeypatch.setattr(load_lib, "load_model", interrupted_import)
+  monkeypatch.setattr(load_lib.ModelSource, "load", interrupted_import)
   rc, _, err = run(capsys, "generate", FRANCE)
   assert rc == 130 and err.strip().splitlines() == ["loading model default ...", "jkv: interrupted"]
 
