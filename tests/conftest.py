@@ -109,20 +109,22 @@ def random_prompts(vocab, lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def default_model_once(request):
-  """Make ``jkv.load.load_model("default")`` load once: CLI tests call ``cli.main`` many times, and each call would
-  otherwise load the model again (~5 s). In float32 (the CLI's default) it returns the session's ``default_model``,
-  so the six modules that run the CLI on it do not each load their own copy; other dtypes load once per module."""
-  real, loaded = load_lib.load_model, {}
+  """Make ``jkv.load.open_model("default")`` (and so ``load_model``) load once: CLI tests call ``cli.main`` many
+  times, and each call would otherwise load the model again (~5 s). In float32 (the CLI's default) it returns the
+  session's ``default_model``, so the six modules that run the CLI on it do not each load their own copy; other
+  dtypes load once per module."""
+  real, loaded = load_lib.open_model, {"float32": request.getfixturevalue("default_model")}  # before the patch
 
-  def load(name, dtype="float32"):
+  def open_once(name, dtype="float32"):
     if name != "default":
       return real(name, dtype)
     if dtype not in loaded:
-      loaded[dtype] = request.getfixturevalue("default_model") if dtype == "float32" else real(name, dtype)
-    return loaded[dtype]
+      loaded[dtype] = real(name, dtype).load()
+    model = loaded[dtype]
+    return load_lib.ModelSource(model.config, model.tokenizer, lambda: model.params)
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(load_lib, "load_model", load)
+    mp.setattr(load_lib, "open_model", open_once)
     yield
 
 
