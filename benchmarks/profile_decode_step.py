@@ -113,7 +113,7 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
   pass first). Compiled once, run once, timed three times, then traced.
 
   Returns dict(wall_ms: median wall time per step, planes: ``device_events`` of the traced run, cache: the cache
-  after it, kinds: ``check_memory_kinds``).
+  after it, kinds: ``check_memory_kinds``, hlo: the compiled chunk's optimized HLO text, when called).
   """
   capacity = context_parallel.split_capacity(gen.round_up(context + steps, method.capacity_multiple()), method, mesh)
   with sharding.use_mesh(mesh):
@@ -148,7 +148,7 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
       with jax.profiler.trace(trace_dir):
         cache, last, spec = run(cache.replace(lengths=held()), last, spec)
       planes = device_events(trace_dir)
-  return dict(wall_ms=1e3 * statistics.median(walls), planes=planes, cache=cache, kinds=kinds)
+  return dict(wall_ms=1e3 * statistics.median(walls), planes=planes, cache=cache, kinds=kinds, hlo=step.as_text)
 
 
 def summarize(events, steps, top):
@@ -175,6 +175,8 @@ def main():
   parser.add_argument("--xla-defaults", action="store_true",
                       help="compile without jkv.xla_options.MODEL_COMPILER_OPTIONS (XLA's own defaults)")
   parser.add_argument("--out", type=pathlib.Path)
+  parser.add_argument("--hlo", type=pathlib.Path, help="also write the compiled chunk's optimized HLO here (the "
+                      "fusions the trace names)")
   args = parser.parse_args()
 
   cfg = ModelConfig(**(SMOKE if args.smoke else LLAMA3_8B))
@@ -193,6 +195,9 @@ def main():
   traced = trace_decode(params, cfg, method, batch=batch, context=context, steps=steps, compiler_options=extra,
                         xla_defaults=args.xla_defaults)
   kinds = traced["kinds"]
+  if args.hlo:
+    args.hlo.parent.mkdir(parents=True, exist_ok=True)
+    args.hlo.write_text(traced["hlo"]())
   print("cache memory kinds (declared, passed, taken and returned by the step):",
         {kind: names if kind != "device" else f"{len(names)} arrays" for kind, names in kinds.items()})
   kv = traced["cache"].held_bytes(jnp.full((batch,), context + steps // 2))

@@ -59,6 +59,7 @@ METHODS = {
     "specache1": ("specache", dict(SPECACHE, bits=1)),
     "specache1_sync": ("specache", dict(SPECACHE, bits=1, prefetch=False)),
     "specache1_nospec": ("specache", dict(SPECACHE, bits=1, speculate=False)),
+    "specache1_k0": ("specache", dict(SPECACHE, bits=1, fetch_rows=0)),  # no rows fetched: the low-bit copy alone
     "specache2": ("specache", dict(SPECACHE, bits=2)),
     "specache1_repair": ("specache", dict(SPECACHE, bits=1, repair=True)),
     "specache1_repair_k128": ("specache", dict(SPECACHE, bits=1, repair=True, fetch_rows=128)),
