@@ -17,6 +17,7 @@ from jkv_kernels.dequant_attention import QuantizedStore  # re-exported for the 
 from jkv_kernels.mma_layout import TILE, MmaStore, read_mma_tiles
 from jkv_kernels.attention_reference import MASK_VALUE, gqa_attention_reference
 from jkv_kernels.quantization import dequantize, unpack
+from jkv.token_mass import TokenMass
 
 IMPL_CHOICES = ("auto", "pallas", "interpret", "xla")
 
@@ -329,6 +330,11 @@ def _joined_segments(layer, segments):
   return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
 
 
+def _summed_mass(layer, stores, masses):
+  """``TokenMass`` of stores whose mass [B, H, R, C] is summed over the query heads already."""
+  return tuple(TokenMass(mass[:, :, :, None], mask=store.slot_mask(layer)) for store, mass in zip(stores, masses))
+
+
 def _kernel_segment_mass(mask, rows, probabilities):
   """[B, H, R, S]: a segment's token mass from the probabilities [B, H, R, g, S] of its slot weights, which are
   unspecified where its mask [B, T, S] or [B, H, T, S] hides a token from a row."""
@@ -365,10 +371,8 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
     lse_rows = lse[:, :, rows]  # [B, H, R, g]
-    of_stores = tuple(
-        jnp.sum(jnp.where(store.slot_mask(layer)[:, :, None, None, :],
-                          mgpu_decode_attention.slot_probabilities(slot_weights, lse_rows), 0.0), axis=3)
-        for store, slot_weights in zip(mma_stores, weights))
+    of_stores = tuple(TokenMass(p, jnp.exp(m - lse_rows[..., None]), store.slot_mask(layer))
+                      for store, (p, m) in zip(mma_stores, weights))
     of_segments = tuple(
         _kernel_segment_mass(mask, rows, mgpu_decode_attention.slot_probabilities(segment_weights, lse_rows))
         if i == fused and segment_weights is not None
@@ -405,8 +409,8 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
 
   Returns:
     o [B, H, T, g, D] in q.dtype (0 for a row with no valid key), then lse with ``return_lse``, then with
-    ``token_mass_rows`` mass = ((per store [B, H, R, C]), (per segment [B, H, R, S])), R = len(token_mass_rows),
-    the first () without ``store_mass``.
+    ``token_mass_rows`` mass = ((per store a ``jkv.token_mass.TokenMass``: [B, H, R, C] by its ``dense()``), (per
+    segment [B, H, R, S])), R = len(token_mass_rows), the first () without ``store_mass``.
   """
   stores, segments, rows = tuple(stores), tuple(segments), tuple(token_mass_rows)
   mma_stores = tuple(store for store in stores if isinstance(store, MmaStore))
@@ -416,9 +420,13 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   if mma_stores and impl == "pallas" and hopper_kernel_takes(q.shape[2] * q.shape[3]):
     return _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass)
   if impl != "xla" and not mma_stores:
-    return dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
-                                              token_mass_rows=rows, store_mass=store_mass,
-                                              interpret=impl == "interpret")
+    out = dequant_attention.decode_attention(q, layer, stores, segments, return_lse=return_lse,
+                                             token_mass_rows=rows, store_mass=store_mass,
+                                             interpret=impl == "interpret")
+    if not rows:
+      return out
+    of_stores, of_segments = out[-1]
+    return out[:-1] + ((_summed_mass(layer, stores, of_stores), of_segments),)
   store_sources = [_mma_store_source(layer, store) for store in mma_stores]
   store_sources += [_store_source(layer, store) for store in stores]
   segment_sources = [_segment_source(layer, k, v, mask, num_keys if i == 0 else None)
@@ -426,6 +434,7 @@ def decode_attention(q, layer, *, stores=(), segments=(), impl: str, num_keys=No
   o, lse = merge_partials([_partials(q, source) for source in store_sources + segment_sources])
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
-    out += ((tuple(_token_mass(q, s, lse, rows) for s in store_sources if store_mass),
+    of_stores = tuple(_token_mass(q, s, lse, rows) for s in store_sources) if store_mass else ()
+    out += ((_summed_mass(layer, mma_stores + stores, of_stores),
              tuple(_token_mass(q, s, lse, rows) for s in segment_sources)),)
   return out if len(out) > 1 else out[0]

@@ -30,10 +30,19 @@ V2_METHODS = [("zipcache", dict(interval=8, key_group=16, random_probes=0.3)),
               ("ott", dict(group_size=32, residual=8, aux_size=8, no_pool_layers=0)),
               ("specache", dict(residual=32, fetch_rows=8))]
 
+def _dense_store_mass(q, layer, **kwargs):
+  """``attention.decode_attention`` with each store's token mass as the [B, H, R, C] array its ``TokenMass``
+  stands for (``dense()``), as the references give it."""
+  out = attention.decode_attention(q, layer, **kwargs)
+  if not kwargs.get("token_mass_rows"):
+    return out
+  of_stores, of_segments = out[-1]
+  return out[:-1] + ((tuple(mass.dense() for mass in of_stores), of_segments),)
+
+
 # ``decode_attention`` compiled whole, as the methods run it (inside their jitted steps): op by op, each call's
 # shapes compiled every one of its small ops anew.
-decode_attention = jax.jit(attention.decode_attention, static_argnames=("impl", "return_lse", "token_mass_rows",
-                                                                        "store_mass"))
+decode_attention = jax.jit(_dense_store_mass, static_argnames=("impl", "return_lse", "token_mass_rows", "store_mass"))
 
 
 # ------------------------------------------------------------------------------------------------- a new method

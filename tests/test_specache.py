@@ -287,6 +287,102 @@ def test_partial_fetch_equals_attention_over_the_mixed_cache():
   assert 0 < ok.sum() < H * 2 * (FEW.residual * (pos.max() // FEW.residual))  # some candidates fetched, not all
 
 
+@pytest.mark.parametrize("scaled", [True, False])
+def test_select_is_a_top_k_of_every_held_position(scaled):
+  """``SpeCache._select`` against a brute-force top k over each position's one mass: the store's (its heads' weights
+  times their tiles' scales, summed; holes and slots past its length are not keys), the window's (where held and
+  not fetched) or the fetched rows' (where real), among positions below each row's bound; 1024 slots in 64 runs
+  of 16, so the runs' round prunes. With too few candidates the rest are not real and point past the capacity,
+  each at its own slot. ``scaled``: the Hopper kernel's factored weights; else one already summed (XLA, Triton)."""
+  from jkv.token_mass import TokenMass
+  rng = np.random.default_rng(31)
+  B, Hh, R, G, C, W, k = 2, 2, 2, 3, 1024, 32, 8
+  store_end = np.array([900, 500])
+  fetched = np.stack([np.concatenate([rng.choice(store_end[b], 6, replace=False), store_end[b] + [3, 17]])
+                      for b in range(B)])[:, None].repeat(Hh, 1)  # [B, H, k]: 6 holes, 2 in the window
+  fetched_ok = np.ones((B, Hh, k), bool)
+  fetched_ok[1, 1, -3:] = False
+  fetched = np.where(fetched_ok, fetched, C + np.arange(k))
+  window = store_end[:, None] + np.arange(W)  # [B, W]
+  in_window = np.ones((B, W), bool)
+  in_window[0, -4:] = False  # ring slots not in use
+  mask = np.broadcast_to(np.arange(C)[None, None] < store_end[:, None, None], (B, Hh, C)).copy()
+  for b in range(B):
+    for h in range(Hh):
+      mask[b, h, fetched[b, h][fetched_ok[b, h] & (fetched[b, h] < store_end[b])]] = False
+  weights = rng.random((B, Hh, R, G if scaled else 1, C)).astype(np.float32)
+  scale = rng.random((B, Hh, R, G, C // 16)).astype(np.float32) if scaled else None
+  window_mass, fetched_mass = rng.random((B, Hh, R, W)), rng.random((B, Hh, R, k))
+  win_held = in_window[:, None, None] & ~np.any(window[:, None, :, None] == np.where(
+      fetched_ok, fetched, -1)[:, :, None, :], axis=-1)[:, :, None]
+  mass = (TokenMass(jnp.asarray(weights, jnp.float16 if scaled else jnp.float32),
+                    None if scale is None else jnp.asarray(scale), jnp.asarray(mask)),
+          ((jnp.asarray(window[:, None, None]), jnp.asarray(window_mass, jnp.float32), jnp.asarray(win_held)),
+           (jnp.asarray(fetched[:, :, None]), jnp.asarray(fetched_mass, jnp.float32),
+            jnp.asarray(fetched_ok[:, :, None]))))
+  bound = np.array([[920, 700], [505, 5]])  # [B, R]: row 1 of sequence 1 has fewer than k candidates
+  idx, ok = map(np.asarray, jax.jit(SpeCache._select, static_argnums=2)(mass, jnp.asarray(bound), k))
+
+  per_slot = np.asarray(weights, np.float16 if scaled else np.float32).astype(np.float64)
+  if scaled:
+    per_slot = per_slot * np.repeat(scale, 16, axis=-1)
+  total = np.full((B, Hh, R, C), -np.inf)
+  total[np.broadcast_to(mask[:, :, None], total.shape)] = per_slot.sum(3)[np.broadcast_to(mask[:, :, None],
+                                                                                          total.shape)]
+  for b in range(B):
+    for h in range(Hh):
+      for r in range(R):
+        held = win_held[b, h, 0]
+        total[b, h, r, window[b][held]] = window_mass[b, h, r][held]
+        total[b, h, r, fetched[b, h][fetched_ok[b, h]]] = fetched_mass[b, h, r][fetched_ok[b, h]]
+        candidate = np.isfinite(total[b, h, r]) & (np.arange(C) < bound[b, r])
+        assert ok[b, h, r].sum() == min(k, candidate.sum())
+        chosen = np.zeros(C, bool)
+        chosen[idx[b, h, r][ok[b, h, r]]] = True
+        assert chosen.sum() == ok[b, h, r].sum() and np.all(candidate[chosen])
+        if (candidate & ~chosen).any():
+          assert total[b, h, r][chosen].min() >= total[b, h, r][candidate & ~chosen].max() - 1e-5
+        rest = idx[b, h, r][~ok[b, h, r]]
+        assert np.all(rest >= C) and len(set(rest)) == len(rest)
+  assert not ok[1, :, 1].all()  # the short row did run out of candidates
+
+
+def test_the_speculative_rows_top_k_is_chosen_over_the_mixed_cache():
+  """The rows each step picks for the next (``fetched_idx`` after it) are a top k, by brute force, of the
+  speculative row's probabilities over the cache as this step attended it (its fetched rows and window exact, the
+  rest 1-bit, its own K/V), summed over the g query heads, among the next step's quantized keys [0, bK(n + 2)):
+  a fetched row's mass counted once, from its exact row, and a hole's never from the store. The hit counter's
+  real-row selection (over [0, bK(n + 1))) counts a fraction in [0, 1] a step."""
+  rng = np.random.default_rng(9)
+  (q, k, v), (sq, sk, sv) = _data(rng, 2, 256)
+  lengths, steps = np.array([61, 140]), 12
+  outs, states = _run(FEW, (q, k, v), (sq, sk, sv), lengths, steps)
+  mixed = _MixedCache(k, v, FEW.residual)
+  refetched = 0
+  for t in range(steps):
+    pos = lengths + t
+    idx, ok = np.asarray(states[t].fetched_idx[1]), np.asarray(states[t].fetched_ok[1])
+    new_idx, new_ok = np.asarray(states[t + 1].fetched_idx[1]), np.asarray(states[t + 1].fetched_ok[1])
+    bound = np.asarray(FEW.low_bit.key_boundary(jnp.asarray(pos + 2)))
+    for b in range(2):
+      kb, vb = mixed(b, pos[b], idx[b], ok[b])
+      keys = np.concatenate([kb, sk[b, :, pos[b] + 1][:, None]], axis=1)  # [H, 257]: held, then its own
+      seen = np.concatenate([np.arange(256) <= pos[b], [True]])
+      logits = np.einsum("hgd,hsd->hgs", sq[b, :, pos[b] + 1], keys) / np.sqrt(D)
+      p = np.where(seen, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+      scores = (p / p.sum(-1, keepdims=True)).sum(1)[:, :256]  # [H, 256]
+      assert np.all(new_ok[b] == (new_idx[b] < bound[b])) and new_ok[b].sum() == H * min(FEW.fetch_rows, bound[b])
+      for h in range(H):
+        chosen = np.zeros(256, bool)
+        chosen[new_idx[b, h][new_ok[b, h]]] = True
+        others = ~chosen & (np.arange(256) < bound[b])
+        assert scores[h][chosen].min() >= scores[h][others].max() - 1e-6
+        refetched += np.isin(new_idx[b, h][new_ok[b, h]], idx[b, h][ok[b, h]]).sum()
+  assert refetched > 0  # positions fetched at a step were candidates again, from their exact rows
+  hits = np.asarray(states[-1].hit_sum) / np.maximum(np.asarray(states[-1].hit_steps), 1)
+  assert np.all((hits >= 0) & (hits <= 1)) and np.asarray(states[-1].hit_steps)[1].min() == steps
+
+
 def test_fetch_then_recompute_attends_the_real_rows_own_top_k():
   """The non-speculative baseline (``speculate=False``, an upper bound on the guess's selection): one row per step, no
   pre-decode; the rows it attends in 16 bits are a top k, by brute force, of the real row's own probabilities

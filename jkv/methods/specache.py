@@ -81,10 +81,13 @@ from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.kivi import Kivi, KiviState
 from jkv.methods.registry import register
+from jkv.token_mass import NOT_A_CANDIDATE
 from jkv_kernels.dequant_attention import triton_compiler_params
 from jkv_kernels.host_layer_copy import copy_layer
 
 SPECACHE_BITS = (1, 2)
+SELECT_RUN = 16  # slots per run of the top-k's first round over the store (the Hopper kernel's weights share a
+                 # scale per 16-slot tile)
 
 
 # ------------------------------------------------------------------------------------------------- host boundary
@@ -400,9 +403,9 @@ class SpeCache(CacheMethod):
     if self.repairs:  # the first step's real row is this token: its guess is right
       state = state.replace(spec_key=write_layer(state.spec_key, layer, k[:, :, 0]))
     own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
-    out, scores = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
+    out, mass = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
     if k_rows:
-      idx, ok = self._select(scores, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
       idx, ok = idx[:, :, 0], ok[:, :, 0]
       state = self._keep(state, layer, idx, ok)
       if self.prefetch:  # once per generation: this layer's rows now, not all layers at the end
@@ -437,16 +440,16 @@ class SpeCache(CacheMethod):
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
     mass_rows = ((0, 1) if self.counts_hits else (1,)) if k_rows else ()
-    out, scores = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
+    out, mass = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
     state = state.replace(low=low, staged_kv=staged)
     if self.repairs and k_rows:
       state, right = self._verify(state, layer, k)
       repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
           low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, k_rows, ctx.impl)[0])
       out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
-    if k_rows:  # scores' rows are mass_rows: the real row's (to count hits) and the speculative row's, one selection
+    if k_rows:  # mass's rows are mass_rows: the real row's (to count hits) and the speculative row's, one selection
       bounds = ((self.low_bit.key_boundary(n + 1),) if self.counts_hits else ()) + (self.low_bit.key_boundary(n + 2),)
-      top, top_ok = self._select(scores, jnp.stack(bounds, axis=1), k_rows)
+      top, top_ok = self._select(mass, jnp.stack(bounds, axis=1), k_rows)
       if self.counts_hits:
         state = self._count_hits(state, layer, idx, ok, top[:, :, 0], top_ok[:, :, 0])
       state = self._keep(state, layer, top[:, :, -1], top_ok[:, :, -1])
@@ -459,8 +462,8 @@ class SpeCache(CacheMethod):
     again with them. Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
     fetched = None
     if k_rows:
-      _, scores = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
-      idx, ok = self._select(scores, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      _, mass = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
+      idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
       idx, ok = idx[:, :, 0], ok[:, :, 0]
       fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
     out, _ = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)
@@ -496,24 +499,31 @@ class SpeCache(CacheMethod):
     (k, v [B, H, r, D], mask [B, T, r]; None when they are all held already); fetched = (idx [B, H, k],
     ok [B, H, k], rows [B, H, k, 2D]) or None.
 
-    Returns out [B, H, T, g, D] and scores [B, H, len(mass_rows), C] float32: each position's probability from
-    each chosen row, summed over the g query heads, at whichever precision it was read (None with no rows).
+    Returns out [B, H, T, g, D] and the held positions' mass from the chosen rows (None with no rows): each
+    position's probability from each row, summed over the g query heads, at whichever precision it was read, as
+    ``_select`` takes it: (the store's ``TokenMass``, ((positions [B, H or 1, 1, N], mass [B, H, R, N], held
+    [B, H or 1, 1, N]) of the window and of the fetched rows)). A held position is in exactly one of the three:
+    the store's slots below its value boundary that are not holes, the window's slots from there that are not
+    fetched, the fetched rows.
     """
     kivi = self.low_bit
     win, in_window = kivi.window(lengths)
     B, H, T = q.shape[:3]
     C, D = kivi.capacity(low), low.k_ring.shape[-1]
     win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])  # [B, T, W]
+    win_held = in_window[:, None, None, :]  # [B, 1, 1, W]
     valid = None
     segments = []
     if fetched is not None:
       idx, ok, rows = fetched
       b_i, h_i = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
       # A fetched position is read from its 16-bit row alone: a hole in the store, or out of the window (a key
-      # quantized while its value is still exact). Indices are unique (top_k), so the scatter has no conflicts.
+      # quantized while its value is still exact). Indices are unique (``_select``), so the scatter has no
+      # conflicts.
       valid = ~jnp.zeros((B, H, C), bool).at[b_i, h_i, idx].set(ok)
       in_fetched = jnp.any((win[:, None, :, None] == idx[:, :, None, :]) & ok[:, :, None, :], axis=-1)  # [B, H, W]
       win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
+      win_held = win_held & ~in_fetched[:, :, None, :]
       # Rows not fetched point past the length, at host rows that may never have been written (``cache.allocate``):
       # zeroed, as a kernel that multiplies a masked value by p = 0 needs it finite.
       rows = jnp.where(ok[..., None], rows, 0).astype(q.dtype)
@@ -524,21 +534,32 @@ class SpeCache(CacheMethod):
       return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl), None
     out, ((store_mass,), segment_mass) = decode_attention(q, layer, stores=(store,), segments=tuple(segments),
                                                          impl=impl, token_mass_rows=mass_rows)
-    b_i, h_i = jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None]
-    r_i = jnp.arange(len(mass_rows))[None, None, :, None]
-    scores = store_mass.at[b_i, h_i, r_i, win[:, None, None, :]].add(segment_mass[0])
+    held = ((win[:, None, None, :], segment_mass[0], win_held),)
     if fetched is not None:
-      scores = scores.at[b_i, h_i, r_i, idx[:, :, None, :]].add(segment_mass[1])
-    return out, scores
+      held += ((idx[:, :, None, :], segment_mass[1], ok[:, :, None, :]),)
+    return out, (store_mass, held)
 
   @staticmethod
-  def _select(scores, bound, k: int):
-    """Top k positions [B, H, R, k] of each of R rows of scores [B, H, R, C] among [0, bound) (bound [B, R]), and
-    which are real. Rows that need a selection go in one call: it costs what one row's does (``top_k_positions``)."""
-    bound = bound[:, None, :, None]
-    candidate = jnp.arange(scores.shape[-1]) < bound
-    idx = top_k_positions(jnp.where(candidate, scores, -1.0), k)  # probabilities are >= 0 > -1
-    return idx.astype(jnp.int32), idx < bound
+  def _select(mass, bound, k: int):
+    """Top k positions [B, H, R, k] of each of R rows among the held positions below bound [B, R] (``_attend``'s
+    mass), and which are real (fewer than k held: the rest point past the capacity, each at its own slot, so the
+    holes' scatter stays exact). The store's k candidate runs of ``SELECT_RUN`` slots are the top k of the runs'
+    largest masses (they hold a top k of the store's slots: ``top_k_positions``), chosen from one pass over its
+    weights (``TokenMass.block_max``); the top k of all comes from their slots, the window's and the fetched
+    rows'. Every selection goes in one call: it costs what one row's does."""
+    store, held = mass
+    runs = store.block_max(SELECT_RUN, bound)  # [B, H, R, runs]
+    chosen = top_k_positions(runs, min(k, runs.shape[-1]))
+    positions = (chosen[..., None] * SELECT_RUN + jnp.arange(SELECT_RUN)).reshape(chosen.shape[:3] + (-1,))
+    values, everywhere = [store.at(positions, bound)], [positions]
+    for at, of, is_held in held:
+      at = jnp.broadcast_to(at, of.shape)
+      values.append(jnp.where(is_held & (at < bound[:, None, :, None]), of, NOT_A_CANDIDATE))
+      everywhere.append(at)
+    best, j = jax.lax.top_k(jnp.concatenate(values, axis=-1), k)
+    ok = best > NOT_A_CANDIDATE
+    idx = jnp.take_along_axis(jnp.concatenate(everywhere, axis=-1), j, axis=-1)
+    return jnp.where(ok, idx, store.length + jnp.arange(k)).astype(jnp.int32), ok
 
   @staticmethod
   def _keep(state, layer, idx, ok):
