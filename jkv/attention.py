@@ -332,7 +332,7 @@ def _joined_segments(layer, segments):
 
 def _summed_mass(layer, stores, masses):
   """``TokenMass`` of stores whose mass [B, H, R, C] is summed over the query heads already."""
-  return tuple(TokenMass(mass[:, :, :, None], mask=store.slot_mask(layer)) for store, mass in zip(stores, masses))
+  return tuple(TokenMass.summed(mass, store.slot_mask(layer)) for store, mass in zip(stores, masses))
 
 
 def _kernel_segment_mass(mask, rows, probabilities):
@@ -371,7 +371,7 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
     lse_rows = lse[:, :, rows]  # [B, H, R, g]
-    of_stores = tuple(TokenMass(p, jnp.exp(m - lse_rows[..., None]), store.slot_mask(layer))
+    of_stores = tuple(TokenMass(p, jnp.exp(m - lse_rows[:, :, None]), store.slot_mask(layer))
                       for store, (p, m) in zip(mma_stores, weights))
     of_segments = tuple(
         _kernel_segment_mass(mask, rows, mgpu_decode_attention.slot_probabilities(segment_weights, lse_rows))

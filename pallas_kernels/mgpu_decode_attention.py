@@ -1006,11 +1006,11 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
   Returns:
     (o [B, Hkv, T, g, D], m, l [B, Hkv, T, g]) float32, natural-log units: o / l is the attention and m + log l
     the log-sum-exp; l = 0 (and o = 0) for a row with no valid key. With ``logit_rows`` then the slot weights
-    of those R rows, (p [B, Hkv, R, g, C] fp16, m [B, Hkv, R, g, C / 16] float32, natural-log units): the logit
+    of those R rows, (p [B, Hkv, C, R, g] fp16, m [B, Hkv, C / 16, R, g] float32, natural-log units): the logit
     sm_scale * q . k of slot c is m[c // 16] + log p[c] (p is the softmax's weight of the slot against the
     running max m of its 16 slots, rounded as the value product takes it); unspecified at the slots that are
-    not keys (at and past the length, and holes). With a segment too, its tokens' likewise: (p [B, Hkv, R, g, W]
-    fp16, m [B, Hkv, R, g, W] float32), m the running max of token w's tile, p rounded to fp16 (the segment's
+    not keys (at and past the length, and holes). With a segment too, its tokens' likewise: (p [B, Hkv, W, R, g]
+    fp16, m [B, Hkv, W, R, g] float32), m the running max of token w's tile, p rounded to fp16 (the segment's
     own value product takes it in the segment's type); unspecified at the tokens the mask hides.
   """
   if not available():
@@ -1090,7 +1090,8 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
       heads = slice(int(heads[0]), int(heads[-1]) + 1)
     p, maxima = weights[:2]  # [B, Hkv, tiles * 64 count / 128, 128], [B, Hkv, steps, 4, count]
     per_16 = jnp.broadcast_to(maxima[:, :, :, None], (batch, kv_heads, maxima.shape[2], steps[0], 4, columns[1]))
-    by_slot = lambda x: jnp.moveaxis(x[..., heads], 2, 3).reshape(*x.shape[:2], len(logit_rows), q_per_kv, -1)
+    # As written: slot by slot, the heads innermost (a gather of a few slots then reads a few rows of bytes).
+    by_slot = lambda x: x[..., heads].reshape(*x.shape[:3], len(logit_rows), q_per_kv)
     slots = lambda x, n: x.reshape(batch, kv_heads, -1, columns[1])[:, :, :n]
     out += ((by_slot(slots(p, stores[0].capacity)), by_slot(slots(per_16, stores[0].capacity // 16)) / LOG2E),)
     if segment is not None:  # token w of the segment is row w + shift of its tiles (``_partials``)
@@ -1106,12 +1107,13 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
 
 
 def slot_probabilities(weights, lse):
-  """exp(logit - lse) of every slot of ``mgpu_decode_partial``'s slot weights (p [B, Hkv, R, g, C], m [B, Hkv, R,
-  g, C / 16]; or a segment's, p and m [B, Hkv, R, g, W]) against the log-sum-exp lse [B, Hkv, R, g] of their
+  """exp(logit - lse) of every slot of ``mgpu_decode_partial``'s slot weights (p [B, Hkv, C, R, g], m [B, Hkv,
+  C / 16, R, g]; or a segment's, p and m [B, Hkv, W, R, g]) against the log-sum-exp lse [B, Hkv, R, g] of their
   rows: [B, Hkv, R, g, C or W] float32, unspecified at the slots that are not keys. p exp(m - lse): m is at most
   a max of the row's logits, so nothing overflows."""
   p, m = weights
-  return p.astype(jnp.float32) * jnp.repeat(jnp.exp(m - lse[..., None]), p.shape[-1] // m.shape[-1], axis=-1)
+  scale = jnp.repeat(jnp.exp(m - lse[:, :, None]), p.shape[2] // m.shape[2], axis=2)
+  return jnp.moveaxis(p.astype(jnp.float32) * scale, 2, 4)
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "return_lse", "splits", "step_tiles",

@@ -705,7 +705,8 @@ class TestMgpuDecodeAttentionGpu:
     probability = np.asarray(slot_probabilities(weights, lse), np.float64)
     want = np.exp(want - np.asarray(lse, np.float64)[..., None])
     with np.errstate(over="ignore", invalid="ignore"):  # the maxima of runs no step wrote are anything
-      of_16 = np.repeat(np.exp(np.asarray(weights[1], np.float64) - np.asarray(lse, np.float64)[..., None]), 16, -1)
+      maxima = np.moveaxis(np.asarray(weights[1], np.float64), 2, 4)  # [B, Hkv, R, g, C / 16]
+      of_16 = np.repeat(np.exp(maxima - np.asarray(lse, np.float64)[..., None]), 16, -1)
       tolerance = want * np.expm1(bound) + probability * (2.0**-11 + 1e-6) + 2.0**-25 * of_16
     assert probability.shape == want.shape and weights[0].dtype == jnp.float16
     assert np.all(np.abs(probability - want)[keys] <= tolerance[keys])

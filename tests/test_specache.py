@@ -315,8 +315,9 @@ def test_select_is_a_top_k_of_every_held_position(scaled):
   window_mass, fetched_mass = rng.random((B, Hh, R, W)), rng.random((B, Hh, R, k))
   win_held = in_window[:, None, None] & ~np.any(window[:, None, :, None] == np.where(
       fetched_ok, fetched, -1)[:, :, None, :], axis=-1)[:, :, None]
-  mass = (TokenMass(jnp.asarray(weights, jnp.float16 if scaled else jnp.float32),
-                    None if scale is None else jnp.asarray(scale), jnp.asarray(mask)),
+  by_slot = lambda x: jnp.moveaxis(jnp.asarray(x), 4, 2)  # TokenMass's layout: [B, H, C, R, G]
+  mass = (TokenMass(by_slot(weights).astype(jnp.float16 if scaled else jnp.float32),
+                    None if scale is None else by_slot(scale), jnp.asarray(mask)),
           ((jnp.asarray(window[:, None, None]), jnp.asarray(window_mass, jnp.float32), jnp.asarray(win_held)),
            (jnp.asarray(fetched[:, :, None]), jnp.asarray(fetched_mass, jnp.float32),
             jnp.asarray(fetched_ok[:, :, None]))))

@@ -543,22 +543,29 @@ class SpeCache(CacheMethod):
   def _select(mass, bound, k: int):
     """Top k positions [B, H, R, k] of each of R rows among the held positions below bound [B, R] (``_attend``'s
     mass), and which are real (fewer than k held: the rest point past the capacity, each at its own slot, so the
-    holes' scatter stays exact). The store's k candidate runs of ``SELECT_RUN`` slots are the top k of the runs'
-    largest masses (they hold a top k of the store's slots: ``top_k_positions``), chosen from one pass over its
-    weights (``TokenMass.block_max``); the top k of all comes from their slots, the window's and the fetched
-    rows'. Every selection goes in one call: it costs what one row's does."""
+    holes' scatter stays exact). The window's and the fetched rows' masses join the store's slots as runs of
+    ``SELECT_RUN`` after its own; the k runs with the largest masses hold a top k (``top_k_positions``), and the
+    top k of their k * SELECT_RUN slots is one. The store's runs come from one pass over its weights
+    (``TokenMass.block_max``). Every selection goes in one call: it costs what one row's does."""
     store, held = mass
-    runs = store.block_max(SELECT_RUN, bound)  # [B, H, R, runs]
+    below = bound[:, None, :, None]
+    at = jnp.concatenate([jnp.broadcast_to(pos, of.shape) for pos, of, _ in held], axis=-1)  # [B, H, R, E]
+    of = jnp.concatenate([jnp.where(is_held & (jnp.broadcast_to(pos, m.shape) < below), m, NOT_A_CANDIDATE)
+                          for pos, m, is_held in held], axis=-1)
+    pad = -of.shape[-1] % SELECT_RUN
+    at = jnp.pad(at, ((0, 0),) * 3 + ((0, pad),))
+    of = jnp.pad(of, ((0, 0),) * 3 + ((0, pad),), constant_values=NOT_A_CANDIDATE)
+    store_runs = store.block_max(SELECT_RUN, bound)  # [B, H, R, n]
+    runs = jnp.concatenate([store_runs, jnp.max(of.reshape(of.shape[:3] + (-1, SELECT_RUN)), axis=-1)], axis=-1)
     chosen = top_k_positions(runs, min(k, runs.shape[-1]))
-    positions = (chosen[..., None] * SELECT_RUN + jnp.arange(SELECT_RUN)).reshape(chosen.shape[:3] + (-1,))
-    values, everywhere = [store.at(positions, bound)], [positions]
-    for at, of, is_held in held:
-      at = jnp.broadcast_to(at, of.shape)
-      values.append(jnp.where(is_held & (at < bound[:, None, :, None]), of, NOT_A_CANDIDATE))
-      everywhere.append(at)
-    best, j = jax.lax.top_k(jnp.concatenate(values, axis=-1), k)
+    slots = (chosen[..., None] * SELECT_RUN + jnp.arange(SELECT_RUN)).reshape(chosen.shape[:3] + (-1,))
+    extra = slots - store_runs.shape[-1] * SELECT_RUN  # >= 0: a slot of the window's and fetched rows' runs
+    e = jnp.clip(extra, 0, of.shape[-1] - 1)
+    values = jnp.where(extra >= 0, jnp.take_along_axis(of, e, axis=-1), store.at(slots, bound))
+    positions = jnp.where(extra >= 0, jnp.take_along_axis(at, e, axis=-1), slots)
+    best, j = jax.lax.top_k(values, k)
     ok = best > NOT_A_CANDIDATE
-    idx = jnp.take_along_axis(jnp.concatenate(everywhere, axis=-1), j, axis=-1)
+    idx = jnp.take_along_axis(positions, j, axis=-1)
     return jnp.where(ok, idx, store.length + jnp.arange(k)).astype(jnp.int32), ok
 
   @staticmethod
