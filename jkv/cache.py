@@ -75,6 +75,9 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     counters); ``state=None`` gives the bound at those lengths (every pool full), which ``jkv info`` reports.
 ``capacity_multiple()``
     Capacities are rounded up to a multiple of this.
+``range_multiple()``
+    Each device's range of a ``seq`` split (``jkv.context_parallel``) is a whole number of these slots (default
+    ``capacity_multiple``; OTT's whole tiles, to which its store rounds its slots).
 ``for_impl(spec, impl) -> method``
     The settings as they run with attention implementation ``impl``: a setting left open (KIVI's ``mma``, the
     store's packing) is decided here, by what ``jkv.attention`` says its kernels take. ``KVCache.create`` calls
@@ -184,6 +187,10 @@ class CacheMethod(abc.ABC):
 
   def capacity_multiple(self) -> int:
     return 1
+
+  def range_multiple(self) -> int:
+    """Slots of which each device's range of a ``seq`` split is a whole number (module docstring)."""
+    return self.capacity_multiple()
 
   def settings(self) -> dict:
     """The settings as a dict (the dataclass's fields): what results record of the method."""

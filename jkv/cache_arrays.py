@@ -43,6 +43,18 @@ def write_span(buf, layer, x, start, axis):
   return buf.at[at].set(jnp.moveaxis(x, axis, 1).astype(buf.dtype), mode="drop")
 
 
+def write_positions(buf, layer, x, start, unit: int, axis: int, due=None, first_slot=None):
+  """``write_at_where`` of store rows from position start [B] (a multiple of ``unit``, the positions one index of
+  ``axis`` spans); with ``first_slot``, into a store of the positions from it on (a device's range of ``seq``:
+  ``jkv.context_parallel``), rows outside it and sequences not ``due`` dropped."""
+  if first_slot is None:
+    return write_at_where(buf, layer, x, start // unit, axis, due)
+  offset = (start - first_slot) // unit
+  if due is not None:
+    offset = jnp.where(due, offset, buf.shape[axis + 1])
+  return write_span(buf, layer, x, offset, axis)
+
+
 def write_at_where(buf, layer, x, start, axis, where=None):
   """``write_at`` for the sequences where ``where`` [B] (all of them when None); the others keep what they had."""
   if where is not None:

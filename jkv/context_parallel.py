@@ -19,12 +19,16 @@ Every call gets ctx in the frame of the device's state (lengths and positions le
 ``ctx.first_slot`` gives, so a method can count a position the whole sequence's way) and a chunk reads the
 device's held rows through ``held_span``.
 
-Methods opt in by providing ``attend`` and ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its
-tokens, KIVI, whose quantized store (either layout) is split by ranges (a range is whole key blocks and tiles, so a
-flush writes one device's store) while its residual rings, a sequence's newest tokens wherever they fall, are held
-by every device alike and attended by the first range's (``Kivi.attend``), and fakequant, whose groups a range
-holds whole. A mesh with ``seq`` > 1 and any other method is refused up front (``check``). Speculative rows
-(SpeCache) are not split.
+A range is a whole number of the method's ``range_multiple`` slots. Methods opt in by providing ``attend`` and
+``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its tokens; KIVI, whose quantized store
+(either layout) is split by ranges (a range is whole key blocks and tiles, so a flush writes one device's store)
+while its residual rings, a sequence's newest tokens wherever they fall, are held by every device alike and
+attended by the first range's (``Kivi.attend``); fakequant, whose groups a range holds whole; and OTT in its
+library layout, whose store and hole mask are split as KIVI's (a range is whole tiles of 64 slots, to which its
+store rounds) while its buffer and outlier pools are held by every device alike: each device runs every block's
+competition on the rows it holds of the buffer or the prompt, so the pools are one device's, and the first range's
+device attends them (``Ott.attend``). A mesh with ``seq`` > 1 and any other method (or OTT's MMA packing) is refused
+up front (``check``). Speculative rows (SpeCache) are not split.
 """
 
 import dataclasses
@@ -53,15 +57,15 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi and fakequant run so far: use data "
-                     "and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi, fakequant and ott (without mma) run so "
+                     "far: use data and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")
 
 
 def split_capacity(capacity: int, method: CacheMethod, mesh, requested=None) -> int:
-  """``capacity`` rounded up so that it splits into ``seq`` equal ranges of whole ``capacity_multiple``s (and stays
+  """``capacity`` rounded up so that it splits into ``seq`` equal ranges of whole ``range_multiple``s (and stays
   a whole number of ``chunk_multiple``s); a ``requested`` capacity that ``seq`` does not divide is a one-line
   ValueError."""
   n = seq_devices(mesh)
@@ -69,7 +73,7 @@ def split_capacity(capacity: int, method: CacheMethod, mesh, requested=None) -> 
     return capacity
   if requested is not None and requested % n:
     raise ValueError(f"capacity {requested} does not split over seq={n} (give a multiple of {n})")
-  multiple = math.lcm(n * method.capacity_multiple(), method.chunk_multiple())
+  multiple = math.lcm(n * method.range_multiple(), method.chunk_multiple())
   return -(-capacity // multiple) * multiple
 
 
@@ -95,9 +99,9 @@ class SeqShard(PerShard):
     check(self.inner, self.mesh)
     super().check(spec)
     n = seq_devices(self.mesh)
-    if spec.capacity % (n * self.inner.capacity_multiple()):
+    if spec.capacity % (n * self.inner.range_multiple()):
       raise ValueError(f"a cache of {spec.capacity} tokens does not split over seq={n} into whole blocks of "
-                       f"{self.inner.capacity_multiple()} (method {self.inner.name!r})")
+                       f"{self.inner.range_multiple()} (method {self.inner.name!r})")
 
   @property
   def _range(self) -> int:

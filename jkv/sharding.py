@@ -360,6 +360,9 @@ class PerShard(CacheMethod):
   def chunk_multiple(self) -> int:
     return self.inner.chunk_multiple()
 
+  def range_multiple(self) -> int:
+    return self.inner.range_multiple()
+
   def abstract(self, spec: CacheSpec):
     return self.inner.abstract(spec)
 

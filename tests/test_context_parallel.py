@@ -46,6 +46,12 @@ CHUNK = 24  # prompt chunks that straddle the ranges' boundaries (32, 64, 96)
 # interpret mode): quantization, and decode attention's partial o and log-sum-exp.
 SMALL_KIVI = dict(method="kivi", settings=dict(residual=16, group_size=16), impl="interpret")
 KIVI_CHUNK = 48
+# OTT at its defaults (G = 16, R = 32) with a pool in both layers, small enough that tokens are evicted to the
+# auxiliary pool. A range of seq is whole tiles of 64 slots (seq=4 rounds the capacity to 256) and a chunk whole
+# pairs of groups: chunks of 96 straddle the ranges' ends at 64 and 128, and each chunk's store rewrites the buffer's
+# rows before it, from the first not yet quantized.
+SMALL_OTT = dict(method="ott", settings=dict(no_pool_layers=0, pool_size=4, aux_size=8))
+OTT_CHUNK = 96
 
 
 def test_on_four_cpu_devices():
@@ -168,6 +174,11 @@ def test_generate_over_seq_equals_one_device(params, prompts, one_device_tokens,
 def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK, capacity=CAPACITY):
   """Each prompt's last-token logits after a prefill (in chunks of ``chunk``; None: whole), then those of 6 decode
   steps fed fixed tokens: [7, B, vocab]."""
+  return _logits_and_cache(params, prompts, mesh, method, chunk, capacity)[0]
+
+
+def _logits_and_cache(params, prompts, mesh, method, chunk, capacity):
+  """``_logits``, and the cache after the decode steps."""
   mesh = sharding.make_mesh(mesh)
   with sharding.use_mesh(mesh):
     plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=8, capacity=capacity, prefill_chunk=chunk,
@@ -182,7 +193,7 @@ def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK, cap
     for i in range(6):
       logits, cache = step(placed, jnp.full((len(prompts),), 3 + 11 * i, jnp.int32), cache)
       out.append(np.asarray(logits[:, 0]))
-  return np.stack(out)
+  return np.stack(out), cache
 
 
 @on_four_devices
@@ -247,6 +258,49 @@ def test_fakequant_over_seq_equals_one_device(params, prompts):
   group zero-padded by the device that holds it; prompts in chunks (the first stored as a whole prompt is)."""
   kw = dict(method="fakequant", settings=dict(group_size=16), prefill_chunk=KIVI_CHUNK)
   assert _generate(params, prompts, mesh="seq=4", **kw).tokens == _generate(params, prompts, **kw).tokens
+
+
+@pytest.fixture(scope="module")
+def one_device_ott(params, prompts):
+  """One device's tokens with OTT's pools in every layer: whole prompts, and prompts in chunks (which attend the
+  held tokens quantized)."""
+  whole = _generate(params, prompts, **SMALL_OTT).tokens
+  chunked = _generate(params, prompts, prefill_chunk=OTT_CHUNK, **SMALL_OTT).tokens
+  assert whole != chunked
+  return whole, chunked
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
+def test_ott_over_seq_equals_one_device(params, prompts, one_device_ott, mesh):
+  """OTT's store split by ranges, its buffer and pools on every device: block events in prefill and decode, whole
+  prompts and chunks stored across a range's end, the competitions run alike on every device."""
+  whole, chunked = one_device_ott
+  assert _generate(params, prompts, mesh=mesh, **SMALL_OTT).tokens == whole
+  split = _generate(params, prompts, mesh=mesh, prefill_chunk=OTT_CHUNK, **SMALL_OTT)
+  assert split.stats["prefill_chunk"] == OTT_CHUNK and split.tokens == chunked
+
+
+@on_four_devices
+def test_ott_logits_and_pools_over_seq_equal_one_devices(params):
+  """A prompt in three chunks: the chunks' planned capacity, 320, splits over seq=4 as 512, in ranges of 128 slots;
+  the second chunk straddles the first range's end, and the third reads holes of the second range (their tokens in
+  the pools). The logits are one device's, and so is every layer's outlier selection (the pools' positions,
+  evictions included). Scales and zero-points in fp32: in fp16 the merge's rounding (keys of the second layer 3e-6
+  apart after the prefill) moved 7 zero-points by one step of fp16 (0.002), and logits by up to 4e-4."""
+  rng = np.random.default_rng(8)
+  prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (200, 130)]
+  method = make_method("ott", meta_dtype="float32", **SMALL_OTT["settings"])
+  (one, one_cache), (split, split_cache) = (_logits_and_cache(params, prompts, mesh, method, OTT_CHUNK, None)
+                                            for mesh in (None, "seq=4"))
+  assert split_cache.spec.capacity == 512
+  assert np.std(one) > 1
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+  pools = np.asarray(one_cache.state.pool_pos)  # [L, B, H, N + A]
+  assert np.all(pools[..., :4] >= 0) and np.any(pools[..., 4:] >= 0)  # full pools, tokens evicted
+  # Tokens of the second range, quantized by the second chunk's store (q(192) = 144), pooled (and never dropped).
+  assert np.any((pools >= 128) & (pools < 144))
+  np.testing.assert_array_equal(np.asarray(split_cache.state.pool_pos), pools)
 
 
 @on_four_devices

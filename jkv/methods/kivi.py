@@ -38,7 +38,7 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import read_at, write_at, write_at_where, write_layer, write_span
+from jkv.cache_arrays import read_at, write_at, write_layer, write_positions
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.registry import register
@@ -271,8 +271,8 @@ class Kivi(CacheMethod):
     if start is None:  # one in-place update of the whole layer, where a per-sequence offset would be a scatter
       write, offset = (lambda buf, x, unit, axis: write_layer(buf, layer, x)), jnp.zeros((B,), jnp.int32)
     else:
-      write, offset = (lambda buf, x, unit, axis: self._put(buf, layer, x, start, unit, axis,
-                                                            first_slot=first_slot)), start
+      write, offset = (lambda buf, x, unit, axis: write_positions(buf, layer, x, start, unit, axis,
+                                                                  first_slot=first_slot)), start
     if self.mma:
       k_words, k_meta = pack_key_tiles(kc, ks, kz, bits=self.kb)
       pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -T % TILE), (0, 0)))
@@ -320,7 +320,7 @@ class Kivi(CacheMethod):
                                                                          first_slot), lambda s: s, state)
     elif not self.mma:
       vc, vs, vz = self._quantize_pack(v[:, :, None], self.vb, -1, impl, fused=False)  # [B, H, 1, ...]
-      put = lambda buf, x: self._put(buf, layer, x, pos, 1, 2, first_slot=first_slot)
+      put = lambda buf, x: write_positions(buf, layer, x, pos, 1, 2, first_slot=first_slot)
       state = state.replace(v_codes=put(state.v_codes, vc), v_scale=put(state.v_scale, vs),
                             v_zero=put(state.v_zero, vz))
     if self.lam == 1 and flush_before:  # the block before p leaves the ring before p takes slot 0
@@ -329,18 +329,6 @@ class Kivi(CacheMethod):
     if self.lam == 0:  # the block ending at p is quantized before this step attends
       state = self._flush(state, layer, pos + 1, (pos + 1) % R == 0, impl, first_slot)
     return state
-
-  @staticmethod
-  def _put(buf, layer, x, start, unit: int, axis: int, due=None, first_slot=None):
-    """``write_at_where`` of store rows from position start [B] (a multiple of ``unit``, the positions one index of
-    ``axis`` spans); with ``first_slot``, into a store of the positions from it on, rows outside it and sequences
-    not ``due`` dropped."""
-    if first_slot is None:
-      return write_at_where(buf, layer, x, start // unit, axis, due)
-    offset = (start - first_slot) // unit
-    if due is not None:
-      offset = jnp.where(due, offset, buf.shape[axis + 1])
-    return write_span(buf, layer, x, offset, axis)
 
   def end_step(self, state, ctx: StepContext):
     """With the MMA packing, per-layer conditional work done once for every layer: the value tile a step of one
@@ -384,7 +372,7 @@ class Kivi(CacheMethod):
     values = jnp.take_along_axis(state.v_ring[layer], (positions % W)[:, None, :, None], axis=2)
     codes = self._quantize_pack(values, self.vb, -1, impl, fused=True)
     words, meta = pack_value_tiles(*codes, bits=self.vb)  # [B, H, 1, ...]
-    put = lambda buf, x: self._put(buf, layer, x, TILE * tile, TILE, 2, due, first_slot)
+    put = lambda buf, x: write_positions(buf, layer, x, TILE * tile, TILE, 2, due, first_slot)
     return state.replace(v_tiles=put(state.v_tiles, words), v_meta=put(state.v_meta, meta))
 
   def _flush(self, state, layer, end, due, impl, first_slot=None):
@@ -411,10 +399,10 @@ class Kivi(CacheMethod):
                               due[:, None] & (held >= start[:, None]))
     if self.mma:
       words, meta = pack_key_tiles(kc, ks, kz, bits=self.kb)  # [B, H, R/64, ...], [B, H, R/G, D]
-      put = lambda buf, x, unit: self._put(buf, layer, x, start, unit, 2, due, first_slot)
+      put = lambda buf, x, unit: write_positions(buf, layer, x, start, unit, 2, due, first_slot)
       stored = dict(k_tiles=put(state.k_tiles, words, TILE), k_meta=put(state.k_meta, meta, G))
     else:
-      put = lambda buf, x, unit: self._put(buf, layer, x, start, unit, 3, due, first_slot)
+      put = lambda buf, x, unit: write_positions(buf, layer, x, start, unit, 3, due, first_slot)
       stored = dict(k_codes=put(state.k_codes, kc, Pk), k_scale=put(state.k_scale, ks, G),
                     k_zero=put(state.k_zero, kz, G))
     return state.replace(**stored, k_ring=write_layer(state.k_ring, layer, k_ring))

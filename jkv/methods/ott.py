@@ -38,7 +38,7 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import write_at, write_layer, write_mma_tokens
+from jkv.cache_arrays import write_at, write_layer, write_mma_tokens, write_positions
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
 from jkv.methods.kivi import KIVI_BITS
@@ -249,6 +249,11 @@ class Ott(CacheMethod):
   def capacity_multiple(self) -> int:
     return self.group_size
 
+  def range_multiple(self) -> int:
+    """Whole tiles: the store's slots are whole tiles (``_store_capacity``), so a ``seq`` split of the sequence's
+    slots into ranges of whole tiles splits the store into the same ranges."""
+    return math.lcm(self.group_size, TILE)
+
   def chunk_multiple(self) -> int:
     """Two groups: a chunk stored with the buffer's rows before it (``store_chunk``) writes whole groups up to
     2G - 2 tokens past its own end."""
@@ -314,50 +319,71 @@ class Ott(CacheMethod):
     """Quantize the prompt's first q(n) tokens with outliers selected, the rest into the buffer (the paper gives no
     prefill: docs/methods/ott.md, 'Schedule and state')."""
     del q
-    B, H = k.shape[:2]
-    state = state.replace(
-        valid=write_layer(state.valid, layer, jnp.ones(state.valid.shape[1:], bool)),
-        pool_pos=write_layer(state.pool_pos, layer, jnp.full(state.pool_pos.shape[1:], -1, jnp.int32)),
-        pool_score=write_layer(state.pool_score, layer, jnp.full(state.pool_score.shape[1:], jnp.inf)),
-        aux_count=write_layer(state.aux_count, layer, jnp.zeros((B, H), jnp.int32)),
-        frozen=write_layer(state.frozen, layer, jnp.zeros((B, H), bool)))
-    return self._store_prompt(state, layer, k, v, jnp.zeros((B,), jnp.int32), ctx.lengths, ctx.impl)
+    state = self._emptied(state, layer)
+    return self._store_prompt(state, layer, k, v, jnp.zeros((k.shape[0],), jnp.int32), ctx.lengths, ctx.impl)
+
+  @staticmethod
+  def _emptied(state, layer, fresh=None):
+    """The state with the layer's pools empty and its store without holes, for the sequences where ``fresh`` [B]
+    (every one when None: a prompt's start); the others keep theirs."""
+    def empty(buf, value):
+      new = jnp.full(buf.shape[1:], value, buf.dtype)
+      if fresh is not None:
+        new = jnp.where(fresh.reshape((-1,) + (1,) * (new.ndim - 1)), new, buf[layer])
+      return write_layer(buf, layer, new)
+    return state.replace(valid=empty(state.valid, True), pool_pos=empty(state.pool_pos, -1),
+                         pool_score=empty(state.pool_score, jnp.inf), aux_count=empty(state.aux_count, 0),
+                         frozen=empty(state.frozen, False))
 
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     """A prompt chunk stored as a prompt that starts at the first token not yet quantized: the buffer's rows from
     there to the length, then the chunk's; the pools carry on (one competition per chunk with ``oneshot``, one per
     block with ``sequential``, as prefill runs them)."""
-    n = ctx.lengths
+    return self._store_from_buffer(state, layer, k, v, ctx.lengths, ctx.positions, ctx.impl)
+
+  def _store_from_buffer(self, state, layer, k, v, n, positions, impl, first_slot=None):
+    """``store_chunk`` of rows k, v [B, H, T, D] at positions [B, T] (-1 past a prompt's end) after n [B] held
+    tokens; with ``first_slot``, the store holds the slots of positions from it on (``store_span``)."""
     W, T = self.window, k.shape[2]
     start = self.quantized(n)  # the buffer holds [start, n), at most G + R tokens
     pos = start[:, None] + jnp.arange(W + T)[None]
     idx = jnp.clip(jnp.where(pos < n[:, None], pos % W, W + pos - n[:, None]), 0, W + T - 1)[:, None, :, None]
     rows = lambda buf, new: jnp.take_along_axis(jnp.concatenate([buf[layer], new.astype(buf.dtype)], axis=2), idx,
                                                 axis=2)
-    end = n + jnp.sum(ctx.positions >= 0, axis=1).astype(n.dtype)
-    return self._store_prompt(state, layer, rows(state.k_fp, k), rows(state.v_fp, v), start, end, ctx.impl)
+    end = n + jnp.sum(positions >= 0, axis=1).astype(n.dtype)
+    return self._store_prompt(state, layer, rows(state.k_fp, k), rows(state.v_fp, v), start, end, impl, first_slot)
 
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """The n = ``lengths`` held tokens as the state holds them: the store before q(n) dequantized, each hole
     filled by the pooled token taken from it (every hole's token is in the outlier or auxiliary pool), the buffer
     after. (The next step's block event may quantize one more block of the buffer first.)"""
-    n_q = self.quantized(lengths)
-    k, v = read_store(self._store(state, n_q), layer, state.k_fp.dtype)
+    return self._held(state, layer, lengths, 0)
+
+  def _held(self, state, layer, n, first_slot):
+    """``held_rows`` of n [B] held tokens, row i the position ``first_slot`` + i (store slot i): the store's range
+    of them, its holes filled by the pooled tokens of the range, and the buffer's positions that lie in it
+    (``held_span``)."""
+    n_q = self.quantized(n)
+    k, v = read_store(self._store(state, jnp.clip(n_q - first_slot, 0, self._slots(state))), layer,
+                      state.k_fp.dtype)
     B, H, C, _ = k.shape
     if self.pool_slots:
-      pos = state.pool_pos[layer]  # [B, H, N + A]
-      at = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], jnp.where(pos >= 0, pos, C))
+      slot = state.pool_pos[layer] - first_slot  # [B, H, N + A]; negative for an empty pool slot (position -1)
+      at = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], jnp.where(slot >= 0, slot, C))  # C+: dropped
       k = k.at[at].set(state.pool_k[layer], mode="drop")
       v = v.at[at].set(state.pool_v[layer], mode="drop")
-    p = jnp.arange(C)
+    p = first_slot + jnp.arange(C)
     buffered = (p[None] >= n_q[:, None])[:, None, :, None]
     buf = lambda x: x[layer][:, :, p % self.window]
-    return HeldRows(jnp.where(buffered, buf(state.k_fp), k), jnp.where(buffered, buf(state.v_fp), v), lengths)
+    return HeldRows(jnp.where(buffered, buf(state.k_fp), k), jnp.where(buffered, buf(state.v_fp), v),
+                    jnp.clip(n - first_slot, 0, C))
 
-  def _store_prompt(self, state, layer, k, v, start, end, impl):
+  def _store_prompt(self, state, layer, k, v, start, end, impl, first_slot=None):
     """Rows k, v [B, H, T, D] of positions start [B] + [0, T) (start: the first token not yet quantized, a
     multiple of G), which leave ``end`` [B] tokens held: tokens [start, q(end)) quantized with outliers selected,
-    the buffer's slots of positions at or past ``start`` from the rows."""
+    the buffer's slots of positions at or past ``start`` from the rows. With ``first_slot`` the store holds the
+    positions from it on and keeps the quantized rows of those; the competitions, the pools and the buffer are
+    the same whatever it is."""
     B, H, T, _ = k.shape
     G, N = self.group_size, self.pool_size
     count = self.quantized(end) - start
@@ -365,12 +391,12 @@ class Ott(CacheMethod):
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, T_pad - T), (0, 0)))
     k_pad, v_pad = pad(k), pad(v)
     if self.prefill_selection == "oneshot" or N == 0:
-      state = self._compress(state, layer, k_pad, v_pad, start, count, impl)
+      state = self._compress(state, layer, k_pad, v_pad, start, count, impl, first_slot)
     else:
       def block(j, state):
         rows = lambda x: jax.lax.dynamic_slice_in_dim(x, j * G, G, axis=2)
         due = jnp.where((j + 1) * G <= count, G, 0)
-        return self._compress_if_any(state, layer, rows(k_pad), rows(v_pad), start + j * G, due, impl)
+        return self._compress_if_any(state, layer, rows(k_pad), rows(v_pad), start + j * G, due, impl, first_slot)
       state = jax.lax.fori_loop(0, T_pad // G, block, state)
     rel = self._fp_positions(end) - start[:, None]
     fresh = (rel >= 0)[:, None, :, None]  # slots of earlier positions keep what the buffer holds
@@ -389,13 +415,18 @@ class Ott(CacheMethod):
                        "quantized tokens of later rows")
     n = ctx.lengths
     for t in range(T):  # T is 1..4 at decode: a short static loop
-      state = self._event_if_due(state, layer, n + t, ctx.impl)
-      slot = (n + t) % self.window
-      state = state.replace(k_fp=write_at(state.k_fp, layer, k[:, :, t:t + 1], slot, axis=2),
-                            v_fp=write_at(state.v_fp, layer, v[:, :, t:t + 1], slot, axis=2))
+      state = self._append(state, layer, k[:, :, t:t + 1], v[:, :, t:t + 1], n + t, ctx.impl)
     return self._attend(state, layer, q, ctx.positions, n + T, ctx.impl), state
 
-  def _event_if_due(self, state, layer, position, impl):
+  def _append(self, state, layer, k, v, position, impl, first_slot=None):
+    """One row per sequence, k, v [B, H, 1, D] at ``position`` [B], stored after the block event its arrival
+    completes (``first_slot``: as in ``_store_prompt``)."""
+    state = self._event_if_due(state, layer, position, impl, first_slot)
+    slot = position % self.window
+    return state.replace(k_fp=write_at(state.k_fp, layer, k, slot, axis=2),
+                         v_fp=write_at(state.v_fp, layer, v, slot, axis=2))
+
+  def _event_if_due(self, state, layer, position, impl, first_slot=None):
     """The block event of the sequences whose buffer is full (G + R tokens) when the token at ``position`` [B]
     arrives: positions [position - R - G, position - R) leave the buffer before that token takes a slot."""
     G, R = self.group_size, self.residual
@@ -405,14 +436,15 @@ class Ott(CacheMethod):
     rows = lambda x: jnp.take_along_axis(x[layer], slots, axis=2)
     return jax.lax.cond(
         jnp.any(due),
-        lambda s: self._compress(s, layer, rows(s.k_fp), rows(s.v_fp), start, jnp.where(due, G, 0), impl),
+        lambda s: self._compress(s, layer, rows(s.k_fp), rows(s.v_fp), start, jnp.where(due, G, 0), impl,
+                                 first_slot),
         lambda s: s, state)
 
-  def _compress_if_any(self, state, layer, k, v, start, count, impl):
-    return jax.lax.cond(jnp.any(count > 0), lambda s: self._compress(s, layer, k, v, start, count, impl),
+  def _compress_if_any(self, state, layer, k, v, start, count, impl, first_slot=None):
+    return jax.lax.cond(jnp.any(count > 0), lambda s: self._compress(s, layer, k, v, start, count, impl, first_slot),
                         lambda s: s, state)
 
-  def _compress(self, state, layer, k, v, start, count, impl):
+  def _compress(self, state, layer, k, v, start, count, impl, first_slot=None):
     """Quantize rows k, v [B, H, M, D] (M a multiple of G; positions start [B] + [0, M)) into the store, where
     their first count[b] tokens (a multiple of G) compete for the outlier pool first.
 
@@ -421,6 +453,8 @@ class Ott(CacheMethod):
     prompt's tail) land in slots that nothing reads before the event that quantizes them rewrites them. The
     store's capacity is a multiple of G above every held position, so such a write always fits unclamped. Not
     reading the old slots keeps the stacked arrays in place (a per-sequence read of them is a transpose on CPU).
+    With ``first_slot`` the store holds the positions from it on, and the rows outside it are dropped (the
+    competition, on rows every device holds, runs on each alike).
     """
     B, H, M, D = k.shape
     G, N, Gv = self.group_size, self.pool_size, self.value_group_for(D)
@@ -439,7 +473,7 @@ class Ott(CacheMethod):
     kc, ks, kz = quant(kq, G, -2)  # [B, H, D, M/Pk], [B, H, D, M/G]
     vc, vs, vz = quant(vq, Gv, -1)  # [B, H, M, D/Pv], [B, H, M, D/Gv]
 
-    put = lambda buf, new, offset, axis: write_at(buf, layer, new, offset, axis=axis)
+    put = lambda buf, new, unit, axis: write_positions(buf, layer, new, start, unit, axis, first_slot=first_slot)
     if self.mma:
       k_tiles, k_meta, v_tiles, v_meta = write_mma_tokens(
           (state.k_tiles, state.k_meta, state.v_tiles, state.v_meta), layer, (kc, ks, kz), (vc, vs, vz), start,
@@ -448,10 +482,10 @@ class Ott(CacheMethod):
     else:
       per_word = 32 // self.bits
       state = state.replace(
-          k_codes=put(state.k_codes, kc, start // per_word, 3), k_scale=put(state.k_scale, ks, start // G, 3),
-          k_zero=put(state.k_zero, kz, start // G, 3), v_codes=put(state.v_codes, vc, start, 2),
-          v_scale=put(state.v_scale, vs, start, 2), v_zero=put(state.v_zero, vz, start, 2))
-    return state.replace(valid=put(state.valid, ~admitted, start, 2)) if N else state
+          k_codes=put(state.k_codes, kc, per_word, 3), k_scale=put(state.k_scale, ks, G, 3),
+          k_zero=put(state.k_zero, kz, G, 3), v_codes=put(state.v_codes, vc, 1, 2),
+          v_scale=put(state.v_scale, vs, 1, 2), v_zero=put(state.v_zero, vz, 1, 2))
+    return state.replace(valid=put(state.valid, ~admitted, 1, 2)) if N else state
 
   def _select(self, state, layer, k, v, pos, competing):
     """Competition and pool updates for rows k, v [B, H, M, D] at positions pos [B, M], of which ``competing``
@@ -517,19 +551,54 @@ class Ott(CacheMethod):
                           k_bits=self.bits, v_bits=self.bits, k_group=self.group_size,
                           v_group=self.value_group_for(D), valid=valid)
 
-  def _attend(self, state, layer, q, q_positions, held, impl):
+  def _attend(self, state, layer, q, q_positions, held, impl, first_slot=0, return_lse: bool = False):
     """One softmax over the store (holes masked), the pools and the buffer, for held [B] tokens
-    (the step's rows included)."""
+    (the step's rows included). A store of the positions from ``first_slot`` on (``attend``) is read for those of
+    them before q(held), and the pools and the buffer only where it is 0: every device holds the same pools and
+    buffer, and the range that starts the sequence counts them once."""
     n_q = self.quantized(held)
     fp_pos = self._fp_positions(held)  # [B, W]
     fp_mask = ((fp_pos >= n_q[:, None]) & (fp_pos >= 0))[:, None, :] & (fp_pos[:, None, :] <= q_positions[:, :, None])
-    store = self._store(state, n_q)
-    segments = [(state.k_fp, state.v_fp, fp_mask)]
+    store = self._store(state, jnp.clip(n_q - first_slot, 0, self._slots(state)))
+    segments = [(state.k_fp, state.v_fp, fp_mask & (first_slot == 0))]
     if self.pool_slots:
       pool_pos = state.pool_pos[layer][:, :, None, :]  # [B, H, 1, N + A]
       pool_mask = (pool_pos >= 0) & (pool_pos <= q_positions[:, None, :, None])  # [B, H, T, N + A]
-      segments.append((state.pool_k, state.pool_v, pool_mask))
-    return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl)
+      segments.append((state.pool_k, state.pool_v, pool_mask & (first_slot == 0)))
+    return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl, return_lse=return_lse)
+
+  def _slots(self, state) -> int:
+    """Slots of the store of ``state`` (either layout; a device's range of them on a ``seq`` axis)."""
+    return state.k_tiles.shape[3] * TILE if self.mma else state.v_codes.shape[3]
+
+  # ------------------------------------------------------------------------------- one range of each sequence
+  # Context parallelism (jkv.context_parallel): the store and its hole mask hold slots [0, C) of positions
+  # first_slot + [0, C), first_slot whole tiles (``range_multiple``), so a block lies in one device's store. The
+  # buffer and the pools are the same on every device: each stores every row into the buffer and runs every
+  # competition on rows it holds (the buffer's or the prompt's), so the pools are one device's, and the first
+  # range's device attends them.
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    """A step's row stored as ``step`` stores it, a prompt's or a chunk's rows as ``store_chunk`` stores a chunk,
+    the store keeping those of its range; a sequence at position 0 (a prompt's start) first empties its pools, as
+    ``prefill`` does. (A row alone is a step's or a one-token prompt's: real, never padding.)"""
+    first, n = ctx.first_slot, ctx.lengths + ctx.first_slot
+    fresh = n == 0
+    state = jax.lax.cond(jnp.any(fresh), lambda s: self._emptied(s, layer, fresh), lambda s: s, state)
+    if k.shape[2] == 1:
+      return self._append(state, layer, k, v, n, ctx.impl, first)
+    return self._store_from_buffer(state, layer, k, v, n, ctx.positions + first, ctx.impl, first)
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    first = ctx.first_slot
+    return self._attend(state, layer, q, ctx.positions + first, ctx.lengths + first, ctx.impl, first,
+                        return_lse=True)
+
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
+
+  def splits_tokens(self) -> bool:
+    return not self.mma  # a block event merges its tokens into tiles read whole, not yet split over devices
 
   # ---------------------------------------------------------------------------------------------- memory
 
