@@ -78,6 +78,9 @@ class TokenMass:
     float32, NOT_A_CANDIDATE where the slot is not a key or not below bound [B, R]. Gathers from the flat arrays,
     whose order is their layout."""
     B, H, C, R, G = self.weights.shape
+    if self.weights.size >= 2**31:  # the flat indices are int32
+      raise ValueError(f"token mass of {self.weights.size} weights (shape {self.weights.shape}) is past what int32 "
+                       "indices reach: split the batch")
     inside = (positions >= 0) & (positions < C)
     at = jnp.clip(positions, 0, C - 1)[..., None]  # [B, H, R, N, 1]
     sequence_head = (jnp.arange(B)[:, None] * H + jnp.arange(H))[:, :, None, None, None]  # [B, H, 1, 1, 1]
