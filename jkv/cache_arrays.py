@@ -84,10 +84,12 @@ def write_layer(buf, layer, x):
   return jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype), (layer,) + (0,) * x.ndim)
 
 
-def write_mma_tokens(tiles, layer, keys, values, start, *, k_bits: int, v_bits: int, k_group: int, due=None):
+def write_mma_tokens(tiles, layer, keys, values, start, *, k_bits: int, v_bits: int, k_group: int, due=None,
+                     first_slot=None):
   """Quantized tokens into a store in the MMA packing at one layer: M tokens per sequence from start [B] (a
   multiple of ``k_group``, which with M is a multiple of 16), merged into the tiles that hold them
-  (``mma_layout.merge_into_tiles``); with ``due`` [B], only those sequences change.
+  (``mma_layout.merge_into_tiles``); with ``due`` [B], only those sequences change; with ``first_slot`` (a
+  multiple of 64), into a store of the positions from it on (``write_positions``), tiles outside it dropped.
 
   Args:
     tiles: (k_tiles, k_meta, v_tiles, v_meta) stacked [L, B, H, ...] (``MmaStore``'s arrays).
@@ -95,15 +97,24 @@ def write_mma_tokens(tiles, layer, keys, values, start, *, k_bits: int, v_bits: 
       zero [B, H, D, M / k_group]), values (codes [B, H, M, D / Pv], scale, zero [B, H, M, D / Gv]).
   Returns:
     the four arrays written. The tokens lie in ``span`` tiles read and written whole, from the tile of start
-    (or earlier, where that would run past the store: start + M never does), whatever start's place in its tile.
+    (or earlier, where that would run past the store: start + M never does; with ``first_slot`` the tiles past
+    the store are dropped instead), whatever start's place in its tile.
   """
   k_tiles, k_meta, v_tiles, v_meta = tiles
   tokens, n_tiles = values[0].shape[2], k_tiles.shape[3]
-  span = min(n_tiles, -(-(tokens + TILE - math.gcd(k_group, TILE)) // TILE))
-  first = jnp.minimum(start // TILE, n_tiles - span)
-  read = lambda buf: read_at(buf, layer, first, span, axis=2)
+  span = -(-(tokens + TILE - math.gcd(k_group, TILE)) // TILE)
+  if first_slot is None:
+    span = min(n_tiles, span)
+    first = jnp.minimum(start // TILE, n_tiles - span)
+    read = lambda buf: read_at(buf, layer, first, span, axis=2)
+    first_tile = TILE * first  # the position of the first tile read
+  else:  # a tile outside the range is read clamped (whatever it merges is dropped)
+    first = (start - first_slot) // TILE
+    index = jnp.clip(first[:, None] + jnp.arange(span), 0, n_tiles - 1)[:, None, :, None]  # [B, 1, span, 1]
+    read = lambda buf: jnp.take_along_axis(buf[layer], index, axis=2)
+    first_tile = first_slot + TILE * first
   k_words, k_new_meta, v_words, v_new_meta = merge_into_tiles(
-      read(k_tiles), read(v_tiles), read(v_meta), keys, values, start - TILE * first, k_bits=k_bits, v_bits=v_bits)
-  put = lambda buf, new, offset: write_at_where(buf, layer, new, offset, 2, due)
-  return (put(k_tiles, k_words, first), put(k_meta, k_new_meta, start // k_group), put(v_tiles, v_words, first),
-          put(v_meta, v_new_meta, first))
+      read(k_tiles), read(v_tiles), read(v_meta), keys, values, start - first_tile, k_bits=k_bits, v_bits=v_bits)
+  put = lambda buf, new, at, unit: write_positions(buf, layer, new, at, unit, 2, due, first_slot)
+  return (put(k_tiles, k_words, first_tile, TILE), put(k_meta, k_new_meta, start, k_group),
+          put(v_tiles, v_words, first_tile, TILE), put(v_meta, v_new_meta, first_tile, TILE))

@@ -23,12 +23,12 @@ A range is a whole number of the method's ``range_multiple`` slots. Methods opt 
 ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its tokens; KIVI, whose quantized store
 (either layout) is split by ranges (a range is whole key blocks and tiles, so a flush writes one device's store)
 while its residual rings, a sequence's newest tokens wherever they fall, are held by every device alike and
-attended by the first range's (``Kivi.attend``); fakequant, whose groups a range holds whole; and OTT in its
-library layout, whose store and hole mask are split as KIVI's (a range is whole tiles of 64 slots, to which its
-store rounds) while its buffer and outlier pools are held by every device alike: each device runs every block's
-competition on the rows it holds of the buffer or the prompt, so the pools are one device's, and the first range's
-device attends them (``Ott.attend``). A mesh with ``seq`` > 1 and any other method (or OTT's MMA packing) is refused
-up front (``check``). Speculative rows (SpeCache) are not split.
+attended by the first range's (``Kivi.attend``); fakequant, whose groups a range holds whole; and OTT, whose store
+(either layout) and hole mask are split as KIVI's store (a range is whole tiles of 64 slots, to which its store
+rounds, so a block event writes one device's store) while its buffer and outlier pools are held by every device
+alike: each device runs every block's competition on the rows it holds of the buffer or the prompt, so the pools
+are one device's, and the first range's device attends them (``Ott.attend``). A mesh with ``seq`` > 1 and any
+other method is refused up front (``check``). Speculative rows (SpeCache) are not split.
 """
 
 import dataclasses
@@ -57,8 +57,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi, fakequant and ott (without mma) run so "
-                     "far: use data and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi, fakequant and ott run so far: use data "
+                     "and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")

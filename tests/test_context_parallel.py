@@ -282,15 +282,18 @@ def test_ott_over_seq_equals_one_device(params, prompts, one_device_ott, mesh):
 
 
 @on_four_devices
-def test_ott_logits_and_pools_over_seq_equal_one_devices(params):
+@pytest.mark.parametrize("layout", [dict(meta_dtype="float32"), dict(mma=True)], ids=["library", "mma"])
+def test_ott_logits_and_pools_over_seq_equal_one_devices(params, layout):
   """A prompt in three chunks: the chunks' planned capacity, 320, splits over seq=4 as 512, in ranges of 128 slots;
   the second chunk straddles the first range's end, and the third reads holes of the second range (their tokens in
   the pools). The logits are one device's, and so is every layer's outlier selection (the pools' positions,
-  evictions included). Scales and zero-points in fp32: in fp16 the merge's rounding (keys of the second layer 3e-6
-  apart after the prefill) moved 7 zero-points by one step of fp16 (0.002), and logits by up to 4e-4."""
+  evictions included). In the library layout, scales and zero-points in fp32: in fp16 the merge's rounding (keys of
+  the second layer 3e-6 apart after the prefill) moved 7 zero-points by one step of fp16 (0.002), and logits by up
+  to 4e-4. The MMA packing (read by XLA here: block events merged into tiles of the device's range) takes 16-bit
+  ones only; there these prompts' rounding moves none."""
   rng = np.random.default_rng(8)
   prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (200, 130)]
-  method = make_method("ott", meta_dtype="float32", **SMALL_OTT["settings"])
+  method = make_method("ott", **layout, **SMALL_OTT["settings"])
   (one, one_cache), (split, split_cache) = (_logits_and_cache(params, prompts, mesh, method, OTT_CHUNK, None)
                                             for mesh in (None, "seq=4"))
   assert split_cache.spec.capacity == 512

@@ -25,6 +25,10 @@ With ``mma=True`` the store is kept in the MMA-ready packing (``jkv_kernels.mma_
 tensor-core kernel reads, holes and all: a block event merges its G tokens into the tile that holds them
 (``cache_arrays.write_mma_tokens``; G divides 64, or is a multiple of it), with the same codes, scales and
 placeholders.
+
+On a mesh's ``seq`` axis (``jkv.context_parallel``) each device holds the store and hole mask of a range of whole
+tiles; the buffer and the pools are held, and every competition run, by every device alike, so the pools are the
+ones one device selects (section 'one range of each sequence').
 """
 
 import dataclasses
@@ -477,7 +481,7 @@ class Ott(CacheMethod):
     if self.mma:
       k_tiles, k_meta, v_tiles, v_meta = write_mma_tokens(
           (state.k_tiles, state.k_meta, state.v_tiles, state.v_meta), layer, (kc, ks, kz), (vc, vs, vz), start,
-          k_bits=self.bits, v_bits=self.bits, k_group=G)
+          k_bits=self.bits, v_bits=self.bits, k_group=G, first_slot=first_slot)
       state = state.replace(k_tiles=k_tiles, k_meta=k_meta, v_tiles=v_tiles, v_meta=v_meta)
     else:
       per_word = 32 // self.bits
@@ -596,9 +600,6 @@ class Ott(CacheMethod):
 
   def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
     return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
-
-  def splits_tokens(self) -> bool:
-    return not self.mma  # a block event merges its tokens into tiles read whole, not yet split over devices
 
   # ---------------------------------------------------------------------------------------------- memory
 
