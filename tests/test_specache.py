@@ -348,6 +348,14 @@ def test_select_is_a_top_k_of_every_held_position(scaled):
   assert not ok[1, :, 1].all()  # the short row did run out of candidates
 
 
+def test_a_token_mass_past_int32_indices_is_refused_in_one_line():
+  from jkv.token_mass import TokenMass
+  huge = lambda: TokenMass(jnp.zeros((2, 8, 2**25, 2, 4), jnp.float16)).at(jnp.zeros((2, 8, 2, 16), jnp.int32),
+                                                                          jnp.ones((2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="past what int32 indices reach"):
+    jax.eval_shape(huge)  # abstract: nothing allocated
+
+
 def test_the_speculative_rows_top_k_is_chosen_over_the_mixed_cache():
   """The rows each step picks for the next (``fetched_idx`` after it) are a top k, by brute force, of the
   speculative row's probabilities over the cache as this step attended it (its fetched rows and window exact, the
