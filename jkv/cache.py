@@ -58,7 +58,9 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     rows dropped. Methods without them refuse a ``seq`` axis up front. There ``ctx`` counts lengths and positions
     from the state's first slot, which holds position ``ctx.first_slot`` of the sequence, and
     ``held_span(state, layer, ctx)`` gives ``held_rows`` of the state's range for a chunk (default: ``held_rows``
-    of the count it holds, for a method whose held rows are its slots).
+    of the count it holds, for a method whose held rows are its slots), and ``attended(state, layer, q, lse, ctx)
+    -> state`` what a decode step's attention leaves in the state, from the log-sum-exp merged over every device
+    (default nothing; ZipCache's probes weigh its window by the step's probabilities).
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
@@ -118,6 +120,9 @@ class CacheSpec:
   head_dim: int
   q_per_kv: int  # query heads sharing one KV head (g)
   dtype: Any  # activation dtype of K/V entering the cache
+  # Devices of a mesh's seq axis, each holding one contiguous range of the slots (jkv.context_parallel): a method
+  # whose state's token axes are not the slots themselves sizes them to split as evenly (ZipCache's pools).
+  ranges: int = 1
 
   @classmethod
   def for_model(cls, cfg: ModelConfig, batch: int, capacity: int) -> "CacheSpec":
@@ -260,6 +265,13 @@ class CacheMethod(abc.ABC):
     [0, capacity) are dropped, and a sequence with none inside keeps its state (another device holds those
     tokens: ``jkv.context_parallel``). Returns the state."""
     raise NotImplementedError(f"cache method {self.name!r} cannot split a sequence over devices (store_span)")
+
+  def attended(self, state, layer, q, lse, ctx: StepContext):
+    """After a decode step's rows q [B, H, T, g, D] attended (``store_span``, then ``attend`` on every device of
+    ``seq``): the state updated from their log-sum-exp lse [B, H, T, g] float32 over every device's held rows, the
+    same on each (``jkv.context_parallel``); ctx as in ``attend``. Default: the state unchanged."""
+    del layer, q, lse, ctx
+    return state
 
   def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
     """``held_rows`` of a state that holds one range of each sequence's slots (``jkv.context_parallel``): rows of

@@ -17,7 +17,8 @@ shard's own frame (lengths and positions less the range's first slot).
 
 Every call gets ctx in the frame of the device's state (lengths and positions less its first slot, which
 ``ctx.first_slot`` gives, so a method can count a position the whole sequence's way) and a chunk reads the
-device's held rows through ``held_span``.
+device's held rows through ``held_span``; a method whose other token axes are split too finds its range's start
+with ``range_start``. A step's state is updated from the merged log-sum-exp by ``attended`` (default: unchanged).
 
 A range is a whole number of the method's ``range_multiple`` slots. Methods opt in by providing ``attend`` and
 ``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its tokens; KIVI, whose quantized store
@@ -27,8 +28,14 @@ attended by the first range's (``Kivi.attend``); fakequant, whose groups a range
 (either layout) and hole mask are split as KIVI's store (a range is whole tiles of 64 slots, to which its store
 rounds, so a block event writes one device's store) while its buffer and outlier pools are held by every device
 alike: each device runs every block's competition on the rows it holds of the buffer or the prompt, so the pools
-are one device's, and the first range's device attends them (``Ott.attend``). A mesh with ``seq`` > 1 and any
-other method is refused up front (``check``). Speculative rows (SpeCache) are not split.
+are one device's, and the first range's device attends them (``Ott.attend``); and ZipCache (library layout), whose
+two pools are not laid out by position (each prompt, chunk and window appends its rows in saliency's split), so
+their rows are split into ranges as the slots are (``CacheSpec.ranges`` sizes them to n ranges of whole key groups)
+while its window, scores and channel scale are held by every device alike: every device scores and splits every
+prompt, chunk and window alike and writes the pool rows of its range, so the pools are one device's; the first
+range's device attends the window, and after a step's merge each device weighs the window by the step's
+probabilities from the merged log-sum-exp (``CacheMethod.attended``). A mesh with ``seq`` > 1 and any other method
+(SpeCache: its speculative rows and host copy are not split) is refused up front (``check``).
 """
 
 import dataclasses
@@ -57,8 +64,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis only dense, kivi, fakequant and ott run so far: use data "
-                     "and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott and zipcache "
+                     "(library layout: mma=false) run, not specache: use data and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")
@@ -75,6 +82,12 @@ def split_capacity(capacity: int, method: CacheMethod, mesh, requested=None) -> 
     raise ValueError(f"capacity {requested} does not split over seq={n} (give a multiple of {n})")
   multiple = math.lcm(n * method.range_multiple(), method.chunk_multiple())
   return -(-capacity // multiple) * multiple
+
+
+def range_start(size: int):
+  """Inside ``SeqShard``'s calls: the first index of this device's range of an axis split over ``seq`` into ranges of
+  ``size`` entries (int32 scalar)."""
+  return jax.lax.axis_index(SEQ_AXIS) * size
 
 
 def merge_across_seq(o, lse, seen=None):
@@ -103,6 +116,9 @@ class SeqShard(PerShard):
       raise ValueError(f"a cache of {spec.capacity} tokens does not split over seq={n} into whole blocks of "
                        f"{self.inner.range_multiple()} (method {self.inner.name!r})")
 
+  def abstract(self, spec: CacheSpec):
+    return self.inner.abstract(dataclasses.replace(spec, ranges=seq_devices(self.mesh)))
+
   @property
   def _range(self) -> int:
     """Token slots of each device."""
@@ -111,7 +127,7 @@ class SeqShard(PerShard):
   # The bodies below run per shard (inside shard_map), on the device's own slots.
 
   def _first_slot(self):
-    return jax.lax.axis_index(SEQ_AXIS) * self._range
+    return range_start(self._range)
 
   def _local(self, ctx: StepContext) -> StepContext:
     """ctx in the frame of this device's state: lengths and positions counted from its range's first slot."""
@@ -125,18 +141,17 @@ class SeqShard(PerShard):
   def _step(self, state, layer, q, k, v, ctx: StepContext):
     state = self._store(state, layer, q, k, v, ctx)
     local = self._local(ctx)
-    o, lse = self.inner.attend(state, layer, q, local.replace(lengths=local.lengths + q.shape[2]))
-    o, _ = merge_across_seq(o, lse)
-    return o.astype(q.dtype), state
+    held = local.replace(lengths=local.lengths + q.shape[2])
+    o, lse = merge_across_seq(*self.inner.attend(state, layer, q, held))
+    return o.astype(q.dtype), self.inner.attended(state, layer, q, lse, held)
 
   def _extend(self, state, layer, q, k, v, ctx: StepContext):
-    held_count = jnp.clip(ctx.lengths - self._first_slot(), 0, self._range)
     store_first = self.inner.store_spares_held_rows()  # (CacheMethod.extend's order)
     if store_first:
       state = self._store(state, layer, q, k, v, ctx)
     held = self.inner.held_span(state, layer, self._local(ctx))
     out = chunk_attention(q, k, v, ctx.positions, held, impl=ctx.impl,
-                          merge_held=functools.partial(merge_across_seq, seen=held_count > 0))
+                          merge_held=functools.partial(merge_across_seq, seen=held.count > 0))
     if not store_first:
       state = self._store(state, layer, q, k, v, ctx)
     return out, state

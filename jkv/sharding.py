@@ -377,7 +377,7 @@ class PerShard(CacheMethod):
   # lengths and positions over batch; the layer index whole.
 
   def _specs(self):
-    return state_specs(self.inner.abstract(self.spec), self.mesh, self.rules)
+    return state_specs(self.abstract(self.spec), self.mesh, self.rules)
 
   def _heads(self, ndim: int) -> P:
     return P(*(self.rules.batch, self.rules.kv_heads) + (None,) * (ndim - 2))

@@ -52,6 +52,14 @@ KIVI_CHUNK = 48
 # rows before it, from the first not yet quantized.
 SMALL_OTT = dict(method="ott", settings=dict(no_pool_layers=0, pool_size=4, aux_size=8))
 OTT_CHUNK = 96
+# ZipCache whose prompts and windows fill whole key groups of 16 rows (r = 1/2 of N = 32 and of every chunk of 96),
+# so each pool, 160 rows at a capacity of 320 tokens, rounds to 256 rows on seq=4 and seq=2 (ranges of 64 and 128
+# rows): the 270-token prompt's rows reach the third and the second range of both pools, a chunk's rows straddle a
+# range's end, and the window, full after 32 decode steps, is compressed into rows of a later range.
+SMALL_ZIPCACHE = dict(method="zipcache", settings=dict(salient_ratio=0.5, interval=32, key_group=16), capacity=320)
+ZIP_LENGTHS = (270, 150, 45)
+ZIP_NEW_TOKENS = 40
+ZIP_CHUNK = 96
 
 
 def test_on_four_cpu_devices():
@@ -114,9 +122,10 @@ def prompts():
   return [rng.integers(2, CFG.vocab_size, n).tolist() for n in LENGTHS]
 
 
-def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, impl="xla", **kw):
+def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, impl="xla",
+              new_tokens=NEW_TOKENS, **kw):
   return gen.generate(params, CFG, prompts, method=make_method(method, **(settings or {})),
-                      max_new_tokens=NEW_TOKENS, chunk=4, eos_ids=(), attention_impl=impl, capacity=capacity,
+                      max_new_tokens=new_tokens, chunk=4, eos_ids=(), attention_impl=impl, capacity=capacity,
                       mesh=mesh, **kw)
 
 
@@ -177,11 +186,11 @@ def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK, cap
   return _logits_and_cache(params, prompts, mesh, method, chunk, capacity)[0]
 
 
-def _logits_and_cache(params, prompts, mesh, method, chunk, capacity):
-  """``_logits``, and the cache after the decode steps."""
+def _logits_and_cache(params, prompts, mesh, method, chunk, capacity, steps=6):
+  """``_logits`` (after ``steps`` decode steps: [steps + 1, B, vocab]), and the cache after the decode steps."""
   mesh = sharding.make_mesh(mesh)
   with sharding.use_mesh(mesh):
-    plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=8, capacity=capacity, prefill_chunk=chunk,
+    plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=steps + 2, capacity=capacity, prefill_chunk=chunk,
                                attention_impl="xla", mesh=mesh)
     cache = sharding.create_cache(method, CacheSpec.for_model(CFG, len(prompts), plan.capacity), "xla", mesh)
     placed = sharding.shard_params(params, CFG, mesh)
@@ -190,7 +199,7 @@ def _logits_and_cache(params, prompts, mesh, method, chunk, capacity):
     logits, cache = run(placed, cache)
     out = [np.asarray(logits)]
     step = jax.jit(lambda p, tokens, cache: forward(p, tokens[:, None], cache.lengths[:, None], cache, cfg=CFG))
-    for i in range(6):
+    for i in range(steps):
       logits, cache = step(placed, jnp.full((len(prompts),), 3 + 11 * i, jnp.int32), cache)
       out.append(np.asarray(logits[:, 0]))
   return np.stack(out), cache
@@ -306,9 +315,67 @@ def test_ott_logits_and_pools_over_seq_equal_one_devices(params, layout):
   np.testing.assert_array_equal(np.asarray(split_cache.state.pool_pos), pools)
 
 
+@pytest.fixture(scope="module")
+def zip_prompts():
+  rng = np.random.default_rng(9)
+  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in ZIP_LENGTHS]
+
+
+def _zip_generate(params, prompts, mesh=None, **kw):
+  return _generate(params, prompts, mesh=mesh, new_tokens=ZIP_NEW_TOKENS, **SMALL_ZIPCACHE, **kw)
+
+
+@pytest.fixture(scope="module")
+def one_device_zipcache(params, zip_prompts):
+  """One device's tokens with ZipCache's small groups: whole prompts, and prompts in chunks (each scored by its own
+  probes, so they differ from whole prompts' tokens)."""
+  whole = _zip_generate(params, zip_prompts).tokens
+  chunked = _zip_generate(params, zip_prompts, prefill_chunk=ZIP_CHUNK).tokens
+  assert whole != chunked
+  return whole, chunked
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
+def test_zipcache_over_seq_equals_one_device(params, zip_prompts, one_device_zipcache, mesh):
+  """ZipCache's pools split by ranges of rows, its window on every device: every prompt, chunk and window scored and
+  split alike on each device, which writes the pool rows of its range; the window attended once, its probes
+  weighed by the probabilities merged over every device."""
+  whole, chunked = one_device_zipcache
+  assert _zip_generate(params, zip_prompts, mesh).tokens == whole
+  split = _zip_generate(params, zip_prompts, mesh, prefill_chunk=ZIP_CHUNK)
+  assert split.stats["prefill_chunk"] == ZIP_CHUNK and split.tokens == chunked
+
+
+@on_four_devices
+def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params, zip_prompts):
+  """Prompts in chunks of 96 and 34 decode steps (a window compressed at step 32) on seq=4: the logits are one
+  device's, and so are both pools' rows below their fill in every layer (which tokens are salient, in which row:
+  each row's value scale and zero-point are its token's), their codes and counters. Scales in fp32 (as OTT's test,
+  so the merge's rounding moves none)."""
+  method = make_method("zipcache", meta_dtype="float32", **SMALL_ZIPCACHE["settings"])
+  (one, one_cache), (split, split_cache) = (
+      _logits_and_cache(params, zip_prompts[:2], mesh, method, ZIP_CHUNK, SMALL_ZIPCACHE["capacity"], steps=34)
+      for mesh in (None, "seq=4"))
+  assert np.std(one) > 1
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+  for name in ("high", "low"):
+    one_pool, split_pool = getattr(one_cache.state, name), getattr(split_cache.state, name)
+    fill = np.asarray(one_pool.fill)  # [L, B]
+    np.testing.assert_array_equal(np.asarray(split_pool.fill), fill)
+    np.testing.assert_array_equal(np.asarray(split_pool.prompt_rows), np.asarray(one_pool.prompt_rows))
+    rows = int(fill.max())
+    assert rows > split_pool.v_codes.shape[3] // 2  # rows in the third of seq=4's four ranges
+    for field, axis in (("v_codes", 3), ("v_scale", 3), ("v_zero", 3), ("k_scale", 4), ("k_zero", 4)):
+      per_row = 1 if axis == 3 else SMALL_ZIPCACHE["settings"]["key_group"]
+      cut = lambda x: np.take(np.asarray(x), np.arange(rows // per_row), axis=axis)
+      np.testing.assert_allclose(cut(getattr(split_pool, field)), cut(getattr(one_pool, field)), rtol=1e-5,
+                                 atol=1e-5, err_msg=f"{name}.{field}")
+
+
 @on_four_devices
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="zipcache"), "cache method 'zipcache' cannot split a sequence's tokens over devices (mesh "
+    (dict(method="specache"), "cache method 'specache' cannot split a sequence's tokens over devices (mesh "
                               "data=1,model=1,seq=4)"),
     (dict(capacity=130), "capacity 130 does not split over seq=4"),
     (dict(save_cache=os.path.join(tempfile.gettempdir(), "jkv-never-saved")),

@@ -33,6 +33,11 @@ Layout, and why:
 - With ``mma=True`` both pools are kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
   tensor-core kernel reads, holes and channel scale included; each event's rows are merged into the tiles that
   hold them (``cache_arrays.write_mma_tokens``).
+- On a mesh's ``seq`` axis (``jkv.context_parallel``; library layout) each pool's rows are split into ranges of
+  whole key groups and tiles, one per device, while the window, its probe scores and the channel scale are on every
+  device: every device scores and splits every prompt, chunk and window alike (it has their rows) and writes the
+  pool rows of its range, so the pools are one device's; the first range's device attends the window, and a probe
+  weighs it by probabilities over the log-sum-exp merged across devices (``attended``).
 """
 
 import dataclasses
@@ -47,9 +52,10 @@ from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
 from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
-from jkv.cache_arrays import write_at, write_at_where, write_layer, write_mma_tokens
+from jkv.cache_arrays import write_at, write_layer, write_mma_tokens, write_positions
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
+from jkv.context_parallel import range_start
 from jkv.methods.registry import register
 from jkv.methods.saliency import (NORMALIZE_BY, SALIENCY, ceil_fraction, exact_fraction, position_priority,
                                   prefill_probes, probe_counts, probe_mass, saliency_scores, split_by_score)
@@ -212,15 +218,16 @@ class ZipCache(CacheMethod):
     return ceil_fraction(exact_fraction(self.salient_ratio), n)
 
   @functools.lru_cache(maxsize=64)
-  def pool_capacities(self, capacity: int) -> tuple[int, int]:
+  def pool_capacities(self, capacity: int, ranges: int = 1) -> tuple[int, int]:
     """Rows of the high and low pools that no sequence of ``capacity`` tokens outgrows: the most over every
-    prompt length p (its rows, then one window's rows per N tokens after it)."""
+    prompt length p (its rows, then one window's rows per N tokens after it); each pool splits into ``ranges``
+    equal ranges of whole blocks (a ``seq`` axis: ``CacheSpec.ranges``)."""
     p = np.arange(capacity + 1)
     windows = (capacity - p) // self.interval
     n_high = self._salient(p)
     high = self._rows(n_high) + windows * self._rows(self.window_high)
     low = self._rows(p - n_high) + windows * self._rows(self.interval - self.window_high)
-    multiple = math.lcm(self.key_group, POOL_MULTIPLE)
+    multiple = ranges * math.lcm(self.key_group, POOL_MULTIPLE)
     return tuple(round_up(max(int(x.max()), 1), multiple) for x in (high, low))
 
   # ---------------------------------------------------------------------------------------------- state
@@ -243,7 +250,7 @@ class ZipCache(CacheMethod):
 
   def abstract(self, spec: CacheSpec) -> ZipCacheState:
     L, B, H, D, N = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim, self.interval
-    high, low = self.pool_capacities(spec.capacity)
+    high, low = self.pool_capacities(spec.capacity, spec.ranges)
     window = ArrayInfo((L, B, H, N, D), spec.dtype, LEAD + ("window", "head_dim"))
     return ZipCacheState(
         high=self._pool_abstract(spec, high, self.high_bits), low=self._pool_abstract(spec, low, self.low_bits),
@@ -265,9 +272,11 @@ class ZipCache(CacheMethod):
                            interpret=impl == "interpret")
     return quantize_pack_reference(x, bits=bits, group_size=group, axis=axis, meta_dtype=self.meta)
 
-  def _append(self, pool: Pool, layer, k, v, src, channel_scale, start, bits, impl, due=None) -> Pool:
+  def _append(self, pool: Pool, layer, k, v, src, channel_scale, start, bits, impl, due=None,
+              first_row=None) -> Pool:
     """Quantize tokens ``src`` [B, H, R] of k, v [B, H, S, D] into pool rows [start, start + R) (start [B], a
-    multiple of key_group); with ``due`` [B], only those sequences' rows change."""
+    multiple of key_group); with ``due`` [B], only those sequences' rows change; with ``first_row``, the pool holds
+    the rows from it on (``_first_row``) and the others are dropped."""
     take = lambda x: jnp.take_along_axis(x, src[..., None], axis=2).astype(jnp.float32)
     kc, ks, kz = self._quantize_pack(take(k), bits, self.key_group, -2, impl)  # [B, H, D, R/Pk], [B, H, D, R/G]
     values = take(v) / channel_scale.astype(jnp.float32)[:, :, None, :]
@@ -276,42 +285,53 @@ class ZipCache(CacheMethod):
     if self.mma:
       k_tiles, k_meta, v_tiles, v_meta = write_mma_tokens(
           (pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta), layer, (kc, ks, kz), (vc, vs, vz), start,
-          k_bits=bits, v_bits=bits, k_group=self.key_group, due=due)
+          k_bits=bits, v_bits=bits, k_group=self.key_group, due=due, first_slot=first_row)
       return pool.replace(k_tiles=k_tiles, k_meta=k_meta, v_tiles=v_tiles, v_meta=v_meta)
-    put = lambda buf, new, offset, axis: write_at_where(buf, layer, new, offset, axis, due)
-
-    group = start // self.key_group
+    put = lambda buf, new, unit, axis: write_positions(buf, layer, new, start, unit, axis, due, first_row)
+    G = self.key_group
     return pool.replace(
-        k_codes=put(pool.k_codes, kc, start // (32 // bits), 3), k_scale=put(pool.k_scale, ks, group, 3),
-        k_zero=put(pool.k_zero, kz, group, 3), v_codes=put(pool.v_codes, vc, start, 2),
-        v_scale=put(pool.v_scale, vs, start, 2), v_zero=put(pool.v_zero, vz, start, 2))
+        k_codes=put(pool.k_codes, kc, 32 // bits, 3), k_scale=put(pool.k_scale, ks, G, 3),
+        k_zero=put(pool.k_zero, kz, G, 3), v_codes=put(pool.v_codes, vc, 1, 2), v_scale=put(pool.v_scale, vs, 1, 2),
+        v_zero=put(pool.v_zero, vz, 1, 2))
 
-  def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale):
+  def _pool_rows(self, pool: Pool) -> int:
+    """Rows of ``pool`` (either layout; a device's range of them on a ``seq`` axis)."""
+    return pool.k_tiles.shape[3] * TILE if self.mma else pool.v_codes.shape[3]
+
+  def _first_row(self, pool: Pool, first_slot):
+    """The pool row a device's row 0 holds where the state holds one range of the sequence (``first_slot`` not
+    None: a ``seq`` device's, whose pools hold their range of rows, as its slots are split); else None."""
+    return None if first_slot is None else range_start(self._pool_rows(pool))
+
+  def _store(self, pool: Pool, layer, bits, window_real: int, channel_scale, first_row=None):
     """The pool as the attention reads it (a ``QuantizedStore``, or an ``MmaStore`` with the MMA packing): rows
     below ``fill``, holes masked. Real rows: the prefill's first ``prompt_rows``, then ``window_real`` at the
-    start of every window's block of rows."""
+    start of every window's block of rows. With ``first_row``, the rows of the pool's range from it on."""
     B, H = pool.fill.shape[1], pool.k_meta.shape[2] if self.mma else pool.v_codes.shape[2]
-    C = pool.k_tiles.shape[3] * TILE if self.mma else pool.v_codes.shape[3]
-    row = jnp.arange(C)[None]
+    C = self._pool_rows(pool)
+    first = 0 if first_row is None else first_row
+    row = first + jnp.arange(C)[None]
     n0 = pool.prompt_rows[layer][:, None]
     f0 = self._rows(n0)
     block = self._rows(window_real)
     valid = row < n0
     if block:
       valid = jnp.where(row < f0, valid, (row - f0) % block < window_real)
+    length = jnp.clip(pool.fill[layer] - first, 0, C)
     if self.mma:  # the heads share their holes: the kernel reads one row of them for all (a head axis of 1)
-      return MmaStore(pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta, pool.fill[layer], bits, bits,
+      return MmaStore(pool.k_tiles, pool.k_meta, pool.v_tiles, pool.v_meta, length, bits, bits,
                       self.key_group, pool.k_meta.shape[4], valid=valid[:, None], v_channel_scale=channel_scale)
     valid = jnp.broadcast_to(valid[:, None], (B, H, C))
     return QuantizedStore(
         k_codes=pool.k_codes, k_scale=pool.k_scale, k_zero=pool.k_zero, v_codes=pool.v_codes,
-        v_scale=pool.v_scale, v_zero=pool.v_zero, length=pool.fill[layer], k_bits=bits, v_bits=bits,
+        v_scale=pool.v_scale, v_zero=pool.v_zero, length=length, k_bits=bits, v_bits=bits,
         k_group=self.key_group, v_group=pool.v_codes.shape[4] * (32 // bits),
         valid=valid, v_channel_scale=channel_scale)
 
-  def _stores(self, state: ZipCacheState, layer):
-    return (self._store(state.high, layer, self.high_bits, self.window_high, state.v_channel_scale),
-            self._store(state.low, layer, self.low_bits, self.interval - self.window_high, state.v_channel_scale))
+  def _stores(self, state: ZipCacheState, layer, first_slot=None):
+    return tuple(self._store(pool, layer, bits, real, state.v_channel_scale, self._first_row(pool, first_slot))
+                 for pool, bits, real in ((state.high, self.high_bits, self.window_high),
+                                          (state.low, self.low_bits, self.interval - self.window_high)))
 
   # ---------------------------------------------------------------------------------------------- prefill
 
@@ -320,21 +340,29 @@ class ZipCache(CacheMethod):
     quantize both sets into fresh pool rows; the window starts empty."""
     if q is None:
       raise ValueError("zipcache prefill needs the prompt's queries (its probes score the tokens)")
-    B, H, T, D = k.shape
-    n = ctx.lengths
-    real = (jnp.arange(T)[None, :] < n[:, None])[:, None, :, None]
+    zeros = jnp.zeros_like(ctx.lengths)
+    return self._store_prompt(self._started(state, layer, v, ctx.lengths), layer, q, k, v, ctx.lengths, zeros,
+                              ctx.impl)
+
+  def _started(self, state: ZipCacheState, layer, v, n, fresh=None) -> ZipCacheState:
+    """The state of a prompt's start for the sequences where ``fresh`` [B] (all when None): pools and window
+    empty, CST's channel scale c from the prompt's first n [B] tokens of v [B, H, T, D]."""
+    real = (jnp.arange(v.shape[2])[None, :] < n[:, None])[:, None, :, None]
     v_max = jnp.max(jnp.where(real, jnp.abs(v.astype(jnp.float32)), 0.0), axis=2)
     # Divide by c as stored, as decode does (else a batch and a sequence alone could quantize differently on a GPU).
     channel_scale = as_stored(jnp.sqrt(jnp.maximum(v_max, CHANNEL_SCALE_FLOOR)), self.meta)  # [B, H, D]
-    zeros = jnp.zeros_like(n)
-    state = state.replace(
-        high=state.high.replace(prompt_rows=write_layer(state.high.prompt_rows, layer, zeros)),
-        low=state.low.replace(prompt_rows=write_layer(state.low.prompt_rows, layer, zeros)),
-        v_channel_scale=write_layer(state.v_channel_scale, layer, channel_scale),
-        window_len=write_layer(state.window_len, layer, zeros),
-        window_mass=write_layer(state.window_mass, layer, jnp.zeros((B, H, self.interval), jnp.float32)),
-        window_seen=write_layer(state.window_seen, layer, jnp.zeros((B, self.interval), jnp.int32)))
-    return self._store_prompt(state, layer, q, k, v, n, zeros, ctx.impl)
+
+    def start(buf, new):
+      new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), buf.shape[1:])
+      if fresh is not None:
+        new = jnp.where(fresh.reshape((-1,) + (1,) * (new.ndim - 1)), new, buf[layer])
+      return write_layer(buf, layer, new)
+
+    return state.replace(
+        high=state.high.replace(prompt_rows=start(state.high.prompt_rows, 0)),
+        low=state.low.replace(prompt_rows=start(state.low.prompt_rows, 0)),
+        v_channel_scale=start(state.v_channel_scale, channel_scale), window_len=start(state.window_len, 0),
+        window_mass=start(state.window_mass, 0.0), window_seen=start(state.window_seen, 0))
 
   def store_chunk(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext) -> ZipCacheState:
     """A prompt chunk scored by its own probes (over the chunk, as a prompt's over the prompt) and split into
@@ -357,19 +385,28 @@ class ZipCache(CacheMethod):
 
   def held_rows(self, state: ZipCacheState, layer, lengths) -> HeldRows:
     """Both pools' real rows dequantized, then the window's tokens, gathered to the front (their order is free)."""
-    stores = self._stores(state, layer)
+    del lengths
+    return self._held(state, layer, None)
+
+  def _held(self, state: ZipCacheState, layer, first_slot) -> HeldRows:
+    """``held_rows`` of the pools' rows the state holds (``first_slot``: as in ``_stores``), and the window's
+    tokens where the state holds the sequence's first range (or all of it)."""
+    stores = self._stores(state, layer, first_slot)
     dtype = state.k_window.dtype
     parts = [read_store(store, layer, dtype) for store in stores] + [(state.k_window[layer], state.v_window[layer])]
-    window = state.k_window.shape[3]
-    real = jnp.concatenate([store.slot_mask(layer)[:, 0] for store in stores]
-                           + [jnp.arange(window)[None] < state.window_len[layer][:, None]], axis=1)  # [B, S]
+    window = jnp.arange(state.k_window.shape[3])[None] < state.window_len[layer][:, None]
+    if first_slot is not None:
+      window = window & (first_slot == 0)
+    real = jnp.concatenate([store.slot_mask(layer)[:, 0] for store in stores] + [window], axis=1)  # [B, S]
     order = jnp.argsort(~real, axis=1, stable=True)[:, None, :, None]  # real rows first
     gather = lambda i: jnp.take_along_axis(jnp.concatenate([part[i] for part in parts], axis=2), order, axis=2)
     return HeldRows(gather(0), gather(1), jnp.sum(real, axis=1).astype(jnp.int32))
 
-  def _store_prompt(self, state: ZipCacheState, layer, q, k, v, n, offset, impl) -> ZipCacheState:
+  def _store_prompt(self, state: ZipCacheState, layer, q, k, v, n, offset, impl, first_slot=None) -> ZipCacheState:
     """Tokens [0, n) (n [B]) of rows q, k, v of positions offset [B] + [0, T), scored by their probes, split and
-    appended to both pools after their real rows (``prompt_rows``, a group's end: prefill starts them at 0)."""
+    appended to both pools after their real rows (``prompt_rows``, a group's end: prefill starts them at 0). With
+    ``first_slot`` (a ``seq`` device's), the pools keep the rows of their range; the scores, and so the split,
+    are the same on every device (every device of ``seq`` has the rows)."""
     T = k.shape[2]
     rows, ok = prefill_probes(self._layer_key(layer), n, T, self.recent_probes, self.random_probes, offset)
     mass, seen = probe_mass(q, k, rows, ok, impl=impl)
@@ -383,7 +420,8 @@ class ZipCache(CacheMethod):
     def fill(pool, src, bits, real, width):
       start = pool.prompt_rows[layer]
       if width:
-        pool = self._append(pool, layer, k, v, src, channel_scale, start, bits, impl, due=n > 0)
+        pool = self._append(pool, layer, k, v, src, channel_scale, start, bits, impl, due=n > 0,
+                            first_row=self._first_row(pool, first_slot))
       return pool.replace(prompt_rows=write_layer(pool.prompt_rows, layer, start + real),
                           fill=write_layer(pool.fill, layer, self._rows(start + real)))
 
@@ -404,36 +442,58 @@ class ZipCache(CacheMethod):
 
   def _step_row(self, state: ZipCacheState, layer, q, k, v, position, impl):
     """q [B, H, 1, g, D], k and v [B, H, D], position [B]."""
-    N = self.interval
     B, H = k.shape[:2]
-    i = state.window_len[layer]  # [B] the slot this token takes
-    state = state.replace(k_window=write_at(state.k_window, layer, k[:, :, None], i, axis=2),
-                          v_window=write_at(state.v_window, layer, v[:, :, None], i, axis=2))
-    slot = jnp.arange(N)
-    seen_now = slot[None] <= i[:, None]  # [B, N] window tokens this row sees
-    recent = int(probe_counts(N, self.recent_probes, self.random_probes)[0])
-    probe = (i >= N - recent) | (position_priority(self._layer_key(layer), position) < self.random_probes)
+    state = self._to_window(state, layer, k, v)
+    probe = self._probes(state, layer, position)
     attend = functools.partial(decode_attention, q, layer, stores=self._stores(state, layer),
-                               segments=((state.k_window, state.v_window, seen_now[:, None, :]),), impl=impl)
+                               segments=(self._window(state, layer),), impl=impl)
 
     def with_mass():
       out, (_, (mass,)) = attend(token_mass_rows=(0,), store_mass=False)
       return out, mass[:, :, 0]
 
     # Only probe steps pay for the token mass, and only the window's (a probe scores the window's tokens).
-    out, mass = jax.lax.cond(jnp.any(probe), with_mass, lambda: (attend(), jnp.zeros((B, H, N), jnp.float32)))
-    counted = probe[:, None] & seen_now
+    out, mass = jax.lax.cond(jnp.any(probe), with_mass, lambda: (attend(), jnp.zeros((B, H, self.interval),
+                                                                                      jnp.float32)))
+    return out, self._scored(state, layer, probe, mass, impl)
+
+  def _to_window(self, state: ZipCacheState, layer, k, v) -> ZipCacheState:
+    """k, v [B, H, D] written to the window's next slot, which it then holds."""
+    i = state.window_len[layer]  # [B] the slot this token takes
+    return state.replace(k_window=write_at(state.k_window, layer, k[:, :, None], i, axis=2),
+                         v_window=write_at(state.v_window, layer, v[:, :, None], i, axis=2),
+                         window_len=write_layer(state.window_len, layer, i + 1))
+
+  def _window(self, state: ZipCacheState, layer, first_slot=None):
+    """The window as an attention segment: its tokens so far (the newest row's included), attended where the state
+    holds the sequence's first range (or all of it)."""
+    held = jnp.arange(self.interval)[None] < state.window_len[layer][:, None]  # [B, N]
+    if first_slot is not None:
+      held = held & (first_slot == 0)
+    return state.k_window, state.v_window, held[:, None, :]
+
+  def _probes(self, state: ZipCacheState, layer, position):
+    """[B] whether the newest row, at ``position`` [B] in the window, is a probe: one of its last n_rec slots or a
+    random step."""
+    i = state.window_len[layer] - 1
+    recent = int(probe_counts(self.interval, self.recent_probes, self.random_probes)[0])
+    return (i >= self.interval - recent) | (position_priority(self._layer_key(layer), position) < self.random_probes)
+
+  def _scored(self, state: ZipCacheState, layer, probe, mass, impl, first_slot=None) -> ZipCacheState:
+    """The newest row's attention mass [B, H, N] on the window added to its scores where it is a ``probe`` [B], and
+    the window compressed where that row filled it."""
+    i = state.window_len[layer] - 1
+    counted = probe[:, None] & (jnp.arange(self.interval)[None] <= i[:, None])  # [B, N] window tokens it sees
     state = state.replace(
-        window_len=write_layer(state.window_len, layer, i + 1),
         window_mass=write_layer(state.window_mass, layer,
                                 state.window_mass[layer] + jnp.where(counted[:, None], mass, 0.0)),
         window_seen=write_layer(state.window_seen, layer, state.window_seen[layer] + counted))
-    due = i == N - 1
-    state = jax.lax.cond(jnp.any(due), lambda s: self._compress(s, layer, due, impl), lambda s: s, state)
-    return out, state
+    due = i == self.interval - 1
+    return jax.lax.cond(jnp.any(due), lambda s: self._compress(s, layer, due, impl, first_slot), lambda s: s, state)
 
-  def _compress(self, state: ZipCacheState, layer, due, impl) -> ZipCacheState:
-    """Score the full window, split it, append its rows to both pools and empty it, for sequences ``due``."""
+  def _compress(self, state: ZipCacheState, layer, due, impl, first_slot=None) -> ZipCacheState:
+    """Score the full window, split it, append its rows to both pools and empty it, for sequences ``due``
+    (``first_slot``: as in ``_store_prompt``)."""
     N, n_high = self.interval, self.window_high
     B = due.shape[0]
     full = jnp.full((B,), N, jnp.int32)
@@ -447,7 +507,7 @@ class ZipCache(CacheMethod):
       if not width:
         return pool
       start = pool.fill[layer]
-      pool = self._append(pool, layer, k, v, src, c, start, bits, impl, due)
+      pool = self._append(pool, layer, k, v, src, c, start, bits, impl, due, self._first_row(pool, first_slot))
       return pool.replace(fill=write_layer(pool.fill, layer, start + jnp.where(due, width, 0)))
 
     keep = lambda x: jnp.where(due.reshape((-1,) + (1,) * (x.ndim - 1)), 0, x)
@@ -457,6 +517,51 @@ class ZipCache(CacheMethod):
         window_len=write_layer(state.window_len, layer, keep(state.window_len[layer])),
         window_mass=write_layer(state.window_mass, layer, keep(state.window_mass[layer])),
         window_seen=write_layer(state.window_seen, layer, keep(state.window_seen[layer])))
+
+  # ------------------------------------------------------------------------------- one range of each sequence
+  # Context parallelism (jkv.context_parallel): each pool's rows are split over seq as the slots are (device i holds
+  # rows [i P/n, (i + 1) P/n) of a pool of P rows, whole key groups and tiles: ``pool_capacities``), so each pool
+  # holds one device's rows. The window, its scores and the channel scale are the same on every device: each
+  # stores every row into the window and, since every device of seq has a prompt's or a chunk's rows and the window,
+  # scores and splits every prompt, chunk and window alike, writing the pool rows of its range. The first range's
+  # device attends the window; a probe's mass on it comes from the log-sum-exp merged over every device.
+
+  def store_span(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext) -> ZipCacheState:
+    """A step's row written to the window as ``step`` writes it (scored and compressed in ``attended``); a prompt's
+    or a chunk's rows stored as ``store_chunk`` stores a chunk, a sequence at position 0 (a prompt's start) first
+    started as ``prefill`` starts it. (A row alone after held tokens is a step's: real, never padding.)"""
+    n = ctx.lengths + ctx.first_slot
+    if k.shape[2] == 1:
+      return jax.lax.cond(jnp.all(n > 0), lambda s: self._to_window(s, layer, k[:, :, 0], v[:, :, 0]),
+                          lambda s: self._prompt_span(s, layer, q, k, v, n, ctx), state)
+    return self._prompt_span(state, layer, q, k, v, n, ctx)
+
+  def _prompt_span(self, state: ZipCacheState, layer, q, k, v, n, ctx: StepContext) -> ZipCacheState:
+    """Rows of positions n [B] + [0, T) (n: the tokens held, whole sequence's count) stored as a chunk."""
+    real = jnp.sum(ctx.positions + ctx.first_slot >= 0, axis=1).astype(jnp.int32)  # (-1 past a prompt's end)
+    fresh = n == 0
+    state = jax.lax.cond(jnp.any(fresh), lambda s: self._started(s, layer, v, real, fresh), lambda s: s, state)
+    return self._store_prompt(state, layer, q, k, v, real, n, ctx.impl, ctx.first_slot)
+
+  def attend(self, state: ZipCacheState, layer, q, ctx: StepContext):
+    return decode_attention(q, layer, stores=self._stores(state, layer, ctx.first_slot),
+                            segments=(self._window(state, layer, ctx.first_slot),), impl=ctx.impl, return_lse=True)
+
+  def attended(self, state: ZipCacheState, layer, q, lse, ctx: StepContext) -> ZipCacheState:
+    """A step's row (T = 1) scored on the window with its probabilities exp(s - lse) over every device's rows,
+    the window compressed where it filled (every device alike)."""
+    probe = self._probes(state, layer, ctx.positions[:, 0] + ctx.first_slot)
+    held = self._window(state, layer)[2][:, None, :, None, :]  # [B, 1, 1, 1, N]
+    logits = jnp.einsum("bhtgd,bhsd->bhtgs", q.astype(jnp.float32) * q.shape[-1] ** -0.5,
+                        state.k_window[layer].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    mass = jnp.sum(jnp.where(held, jnp.exp(logits - lse[..., None]), 0.0), axis=3)[:, :, 0]  # [B, H, N]
+    return self._scored(state, layer, probe, mass, ctx.impl, ctx.first_slot)
+
+  def held_span(self, state: ZipCacheState, layer, ctx: StepContext) -> HeldRows:
+    return self._held(state, layer, ctx.first_slot)
+
+  def splits_tokens(self) -> bool:
+    return not self.mma  # the MMA packing's writes take a range (write_mma_tokens), but no test holds them to it yet
 
   # ---------------------------------------------------------------------------------------------- memory
 
