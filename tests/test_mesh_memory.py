@@ -83,9 +83,13 @@ def test_the_largest_batch_fits_each_device_as_allocated(params, spec, monkeypat
   # One device's prefill: its rows / data prompts' activations (counted whole over model: an upper estimate).
   prefill = plan.rows // shards * width * memory.prefill_bytes_per_token(CFG) + on_device0(part.state)
   assert weights + held + prefill + memory.RESERVE_BYTES <= device
-  # The least prefill takes: a prompt and a fresh sequence on each device (per prompt token, rounded up).
+  # The least prefill takes (``prefill_call_bytes``: a prompt and a fresh sequence on each device) holds one
+  # prompt's fresh state as allocated on device 0, and with it one more sequence per data shard does not fit. (Not
+  # the allocated state itself: the estimate rounds per prompt token, and the device's random slack can fall
+  # between the two.)
   fresh = on_device0(part.state) * shards // plan.rows
-  least = width * memory.prefill_bytes_per_token(CFG) + -(-fresh // width) * width
+  least = memory.prefill_call_bytes(CFG, method, capacity, width, mesh)
+  assert width * memory.prefill_bytes_per_token(CFG) + fresh <= least
   more = memory.cache_bytes(method, CFG, batch + shards, capacity, mesh)
   assert weights + more + least + memory.RESERVE_BYTES > device
   # Each device holds 1 / (data x model) of the cache's codes, but of its per-sequence counters 1 / data.

@@ -341,7 +341,7 @@ def test_the_logits_of_some_rows_lower(t_rows, q_per_kv, logit_rows, width):
   traced = fn.trace(q, s((), jnp.int32), store, segment)
   assert traced.lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 1
   weights = jax.eval_shape(fn, q, s((), jnp.int32), store, segment)[3:]
-  want = [(2, 2, len(logit_rows), q_per_kv, n) for n in (1024, 1024 // 16) + (() if width is None else (width,) * 2)]
+  want = [(2, 2, n, len(logit_rows), q_per_kv) for n in (1024, 1024 // 16) + (() if width is None else (width,) * 2)]
   assert [x.shape for pair in weights for x in pair] == want
 
 
