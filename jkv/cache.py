@@ -181,6 +181,21 @@ class StepContext:
   first_slot: Any = None
 
 
+class SplitByPosition:
+  """``attend`` and ``held_span`` (``jkv.context_parallel``) of a method whose own ``_attend(state, layer, q,
+  q_positions, lengths, impl, first_slot, return_lse)`` and ``_held(state, layer, n, first_slot)`` count positions the
+  whole sequence's way, its store holding the positions from ``first_slot`` on (KIVI, OTT): the device's frame
+  shifted back by its range's first slot. Listed before ``CacheMethod`` among a method's bases."""
+
+  def attend(self, state, layer, q, ctx: StepContext):
+    first = ctx.first_slot
+    return self._attend(state, layer, q, ctx.positions + first, ctx.lengths + first, ctx.impl, first,
+                        return_lse=True)
+
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
+
+
 class CacheMethod(abc.ABC):
   """Operations of a KV-cache method (module docstring). Subclasses are frozen dataclasses registered with
   ``jkv.methods.register``; a field's ``metadata={"help": ...}`` becomes its CLI help."""

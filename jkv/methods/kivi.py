@@ -37,7 +37,7 @@ import numpy as np
 from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
-from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, SplitByPosition, StepContext
 from jkv.cache_arrays import read_at, write_at, write_layer, write_positions
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
@@ -74,7 +74,7 @@ class KiviMmaState:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Kivi(CacheMethod):
+class Kivi(SplitByPosition, CacheMethod):
   """KIVI settings. ``bits`` sets both widths unless ``k_bits``/``v_bits`` override one."""
 
   name = "kivi"
@@ -456,13 +456,6 @@ class Kivi(CacheMethod):
                              pack_values=not self._packs_at_end_step(1), first_slot=first)
     return self._store_from_ring(state, layer, k, v, n, ctx.positions + first, ctx.impl, first)
 
-  def attend(self, state, layer, q, ctx: StepContext):
-    first = ctx.first_slot
-    return self._attend(state, layer, q, ctx.positions + first, ctx.lengths + first, ctx.impl, first,
-                        return_lse=True)
-
-  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
-    return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
 
   def store(self, state, b_v, valid=None):
     """The quantized store read for positions before b_v [B]; ``valid`` [B, H, C] marks holes (SpeCache): an

@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from jkv.attention import MmaStore, QuantizedStore, decode_attention, mma_left_open, read_store
-from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
+from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, SplitByPosition, StepContext
 from jkv.cache_arrays import write_at, write_layer, write_mma_tokens, write_positions
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
@@ -131,7 +131,7 @@ def _quantize_pack(x, *, bits, group_size, axis, meta_dtype, impl):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Ott(CacheMethod):
+class Ott(SplitByPosition, CacheMethod):
   """OTT settings. The defaults were chosen on the default model's quality-per-byte frontier
   (``jkv frontier``, docs/frontier.md): 2-bit codes, key groups of G = 16 tokens, values in groups of 32
   channels, R = 32 and an 8-token pool. At 512 + 64 tokens they reached perplexity 12.526 where KIVI-2's default
@@ -593,13 +593,6 @@ class Ott(CacheMethod):
       return self._append(state, layer, k, v, n, ctx.impl, first)
     return self._store_from_buffer(state, layer, k, v, n, ctx.positions + first, ctx.impl, first)
 
-  def attend(self, state, layer, q, ctx: StepContext):
-    first = ctx.first_slot
-    return self._attend(state, layer, q, ctx.positions + first, ctx.lengths + first, ctx.impl, first,
-                        return_lse=True)
-
-  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
-    return self._held(state, layer, ctx.lengths + ctx.first_slot, ctx.first_slot)
 
   # ---------------------------------------------------------------------------------------------- memory
 
