@@ -187,6 +187,9 @@ class SeqShard(PerShard):
   def attend(self, state, layer, q, ctx: StepContext):
     self._per_device_only("attend")
 
+  def attended(self, state, layer, q, lse, ctx: StepContext):
+    self._per_device_only("attended")
+
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
     self._per_device_only("store_span")
 

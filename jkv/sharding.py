@@ -420,6 +420,10 @@ class PerShard(CacheMethod):
     return self._per_shard(self.inner.attend, (state, layer, q), (self._specs(), P(), heads),
                            (heads, self._heads(q.ndim - 1)), ctx)
 
+  def attended(self, state, layer, q, lse, ctx: StepContext):
+    return self._per_shard(self.inner.attended, (state, layer, q, lse),
+                           (self._specs(), P(), self._heads(q.ndim), self._heads(lse.ndim)), self._specs(), ctx)
+
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.store_span, state, layer, q, k, v, ctx, returns_out=False)
 
