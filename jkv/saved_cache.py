@@ -118,10 +118,13 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
   held = cache.held_bytes(lengths)
   with checkpoint.atomic_directory(directory, "saved cache", COMMAND) as partial:
     tree = {"state": _nested(arrays), "prompts": _padded(prompts)}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_zarr3=True)) as ckptr:
-      ckptr.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(
-          tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree),
-          ocdbt_target_data_file_size=FILE_BYTES))
+
+    def write():
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_zarr3=True)) as ckptr:
+        ckptr.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(
+            tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree),
+            ocdbt_target_data_file_size=FILE_BYTES))
+    checkpoint.finished_before_interrupt(write)
     manifest = dict(
         format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)), fingerprint=fingerprint),
         method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity,
