@@ -17,8 +17,8 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
                      ``jkv.memory.longest_context``) for each of ``--methods``, over a synthetic fill: the cache is
                      allocated holding that many tokens without a prefill (records say ``synthetic_fill``), so
                      lengths no 10-minute prefill reaches are measured; generate's own decode loop, ms/step against
-                     the floor, and the kernels that take the step's time. Not for ZipCache: its pools hold what its
-                     prefill put there, and a synthetic fill leaves them empty (a step would read next to nothing).
+                     the floor, and the kernels that take the step's time (ZipCache's pools are filled by setting their
+                     counters as a prefill of that length leaves them: ``ZipCache.synthetic_fill``).
                      ``--mesh model=N``: one sequence over N GPUs, its KV heads (and the weights) split; the longest
                      context and the floor per device
 
@@ -248,9 +248,6 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
   records = []
   for label in labels:
     name, options = METHODS[label]
-    if name == "zipcache":
-      raise SystemExit("long_context.py --part decode: ZipCache's pools are filled by its prefill, never by a "
-                       "synthetic fill; measure it with --part prefill")
     method = make_method(name, **options)
     for asked in contexts:
       context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes,

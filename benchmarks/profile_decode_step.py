@@ -1,7 +1,8 @@
 """Where a decode step's time goes on the GPU: a profiler trace of jkv's decode loop, summed per kernel.
 
 A randomly initialized Llama-3-8B-shaped model (as in generate_decode.py), a cache of one method at batch B holding
-``--context`` tokens per sequence (the cache's contents do not change the work), and ``--steps`` greedy decode steps
+``--context`` tokens per sequence (the cache's contents do not change the work; ZipCache's pool counters set as a
+prefill of that length leaves them, ``ZipCache.synthetic_fill``), and ``--steps`` greedy decode steps
 run by ``jkv.generate``'s own decode chunk (``jkv.generate._decode_chunk``: one ``lax.scan``, the cache donated; a
 method with a speculative row steps [real, speculative] rows after its pre-decode pass), compiled with jkv's
 MODEL_COMPILER_OPTIONS (``--xla-defaults`` for XLA's own options). The cache and every argument are built and
@@ -29,6 +30,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import generate_decode
 import specache_decode
@@ -42,11 +44,13 @@ from jkv.attention import choose_impl
 from jkv.cache import CacheSpec, is_array_info
 from jkv.config import ModelConfig
 from jkv.methods import make_method
+from jkv.methods.zipcache import ZipCache
 from jkv.sampling import Greedy
 from jkv.xla_options import MODEL_COMPILER_OPTIONS
 
 
-METHODS = {**generate_decode.METHODS, **specache_decode.METHODS}  # dense, KIVI-2/4 and the SpeCache variants
+METHODS = {**generate_decode.METHODS, **specache_decode.METHODS,  # dense, KIVI-2/4, the SpeCache variants
+           "zipcache": ("zipcache", {})}
 
 
 def compile_step(args, cfg, steps, compiler_options, xla_defaults):
@@ -118,6 +122,9 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
   capacity = context_parallel.split_capacity(gen.round_up(context + steps, method.capacity_multiple()), method, mesh)
   with sharding.use_mesh(mesh):
     cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
+    if isinstance(method, ZipCache):  # its pools are laid out by counters of its own, not by the lengths
+      filled = method.synthetic_fill(cache.state, np.full((batch,), context))
+      cache = cache.replace(state=jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), filled, cache.state))
     params, cache = gen.committed((params, cache))
     where = cache.lengths.sharding
     held = lambda: jax.device_put(jnp.full((batch,), context, jnp.int32), where)  # donated with the cache

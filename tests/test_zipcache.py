@@ -549,6 +549,25 @@ def test_pools_never_overflow():
     assert int(pool.fill[1, 0]) == need[name][p] <= pool.v_codes.shape[3]
 
 
+def test_synthetic_fill_leaves_the_counters_of_a_prefill():
+  """A benchmark's synthetic fill holds the rows a prefill of the same lengths holds: every pool counter equal to the
+  prefill's (on every layer), the window empty; then a step attends those rows (the pools' real-row mask)."""
+  lengths = np.array([5, 40, CAP - 8])
+  rng = np.random.default_rng(8)
+  q, k, v = _qkv(rng, BATCH, CAP)
+  prefilled = _prefill(SHARED, SHARED.init(_spec(BATCH, CAP)), LAYER, q, k, v, lengths, pad_to=CAP)
+  filled = SHARED.synthetic_fill(SHARED.init(_spec(BATCH, CAP)), lengths)
+  for name in ("high", "low"):
+    for counter in ("prompt_rows", "fill"):
+      want = np.asarray(getattr(getattr(prefilled, name), counter))[LAYER]
+      got = np.asarray(getattr(getattr(filled, name), counter))
+      assert (got == want[None]).all(), (name, counter, got, want)
+  assert not np.asarray(filled.window_len).any() and np.asarray(filled.v_channel_scale).min() > 0
+  masks = lambda state: [np.asarray(store.slot_mask(LAYER)) for store in SHARED._stores(state, LAYER)]
+  for got, want in zip(masks(filled), masks(prefilled)):
+    np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------------------------------------------- memory
 
 def test_held_bytes_count_every_array_from_first_principles(decoded):

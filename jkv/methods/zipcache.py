@@ -428,6 +428,20 @@ class ZipCache(CacheMethod):
     return state.replace(high=fill(state.high, high_src, self.high_bits, n_high, rows_high),
                          low=fill(state.low, low_src, self.low_bits, n - n_high, rows_low))
 
+  def synthetic_fill(self, state: ZipCacheState, lengths) -> ZipCacheState:
+    """The counters a prefill of ``lengths`` [B] tokens leaves (ceil(r n) salient rows, the others in the low pool,
+    an empty window), the rows' codes left as allocated and the channel scale 1: a benchmark's cache of a length
+    no prefill in its time reaches. The pools are laid out by these counters, not by the cache's lengths, so
+    setting the lengths alone would leave them empty."""
+    n = jnp.asarray(lengths, jnp.int32)
+    n_high = jnp.asarray(self._salient(np.asarray(lengths)), jnp.int32)
+    every_layer = lambda x: jnp.broadcast_to(x, state.window_len.shape)
+    pool = lambda p, rows: p.replace(prompt_rows=every_layer(rows), fill=every_layer(self._rows(rows)))
+    zero = lambda x: jnp.zeros_like(x)
+    return state.replace(high=pool(state.high, n_high), low=pool(state.low, n - n_high),
+                         v_channel_scale=jnp.ones_like(state.v_channel_scale), window_len=zero(state.window_len),
+                         window_mass=zero(state.window_mass), window_seen=zero(state.window_seen))
+
   # ---------------------------------------------------------------------------------------------- decode
 
   def step(self, state: ZipCacheState, layer, q, k, v, ctx: StepContext):
