@@ -61,6 +61,12 @@ What a method provides (shapes: B batch, H = kv_heads, T rows, g = q_per_kv, D =
     of the count it holds, for a method whose held rows are its slots), and ``attended(state, layer, q, lse, ctx)
     -> state`` what a decode step's attention leaves in the state, from the log-sum-exp merged over every device
     (default nothing; ZipCache's probes weigh its window by the step's probabilities).
+``step_span(state, layer, q, k, v, ctx, merge) -> (out, state)`` and ``pre_decode_span(...)``
+    ``step`` and ``pre_decode`` of such a state, run on every device of ``seq`` in its frame, ``merge(o, lse) ->
+    (o, lse)`` merging the devices' attention partials exactly. ``step_span``'s default composes ``store_span``,
+    ``attend``, ``merge`` and ``attended``; a method whose update needs more of its attention pass than the merged
+    log-sum-exp (SpeCache's selection, from each device's token mass) provides its own, and with
+    ``speculative_rows`` > 0 ``pre_decode_span``.
 ``pre_decode(state, layer, q, k, v, ctx) -> (out, state)``
     Called only when ``speculative_rows`` > 0, once, between prefill and the first step: the first generated
     token (one row at position ``ctx.lengths``) attends over the cache and is not stored (lengths do not move);
@@ -288,6 +294,20 @@ class CacheMethod(abc.ABC):
     del layer, q, lse, ctx
     return state
 
+  def step_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``step`` of a state that holds one range of each sequence's slots, on one device of ``seq`` (ctx as in
+    ``attend``): merge(o, lse) -> (o float32, lse), the exact merge of every device's partial (o [B, H, T, g, D],
+    lse [B, H, T, g] float32), the same on each. Returns (out [B, H, T, g, D] in q.dtype, state). The default stores
+    the rows (``store_span``), attends, merges and updates the state from the merged log-sum-exp (``attended``)."""
+    state = self.store_span(state, layer, q, k, v, ctx)
+    held = ctx.replace(lengths=ctx.lengths + q.shape[2])
+    o, lse = merge(*self.attend(state, layer, q, held))
+    return o.astype(q.dtype), self.attended(state, layer, q, lse, held)
+
+  def pre_decode_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``pre_decode`` of a state that holds one range of each sequence's slots (ctx and merge as in ``step_span``)."""
+    raise NotImplementedError(f"cache method {self.name!r} has no pre-decode pass over a sequence split over devices")
+
   def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
     """``held_rows`` of a state that holds one range of each sequence's slots (``jkv.context_parallel``): rows of
     the tokens its slots hold, ctx.lengths [B] counted from its first slot as in ``attend``. The default suits a
@@ -296,8 +316,10 @@ class CacheMethod(abc.ABC):
     return held._replace(count=jnp.minimum(held.count, held.k.shape[2]))
 
   def splits_tokens(self) -> bool:
-    """Whether the method provides ``attend`` and ``store_span``: a mesh's ``seq`` axis may split its tokens."""
-    return type(self).attend is not CacheMethod.attend and type(self).store_span is not CacheMethod.store_span
+    """Whether the method provides ``store_span`` and ``attend`` (or a ``step_span`` of its own): a mesh's ``seq``
+    axis may split its tokens."""
+    steps = type(self).attend is not CacheMethod.attend or type(self).step_span is not CacheMethod.step_span
+    return steps and type(self).store_span is not CacheMethod.store_span
 
   speculative_rows: ClassVar[int] = 0
 

@@ -64,8 +64,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott and zipcache "
-                     "(library layout: mma=false) run, not specache: use data and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott, zipcache (library layout: "
+                     "mma=false) and specache (speculate=true, repair=false) run: use data and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")
@@ -88,6 +88,17 @@ def range_start(size: int):
   """Inside ``SeqShard``'s calls: the first index of this device's range of an axis split over ``seq`` into ranges of
   ``size`` entries (int32 scalar)."""
   return jax.lax.axis_index(SEQ_AXIS) * size
+
+
+def top_k_across_seq(values, positions, k: int):
+  """The k largest of every ``seq`` device's values [..., m] float32 (inside ``shard_map``) and their positions
+  [..., m] int32, after one all-gather over ``seq``: (values, positions) [..., k], the same on every device, and the
+  number of devices."""
+  every = jax.lax.all_gather((values, positions), SEQ_AXIS)  # [n, ..., m] each
+  n = every[0].shape[0]
+  values, positions = (jnp.moveaxis(x, 0, -2).reshape(x.shape[1:-1] + (-1,)) for x in every)
+  best, j = jax.lax.top_k(values, k)
+  return best, jnp.take_along_axis(positions, j, axis=-1), n
 
 
 def merge_across_seq(o, lse, seen=None):
@@ -139,11 +150,10 @@ class SeqShard(PerShard):
     return self.inner.store_span(state, layer, q, k, v, self._local(ctx))
 
   def _step(self, state, layer, q, k, v, ctx: StepContext):
-    state = self._store(state, layer, q, k, v, ctx)
-    local = self._local(ctx)
-    held = local.replace(lengths=local.lengths + q.shape[2])
-    o, lse = merge_across_seq(*self.inner.attend(state, layer, q, held))
-    return o.astype(q.dtype), self.inner.attended(state, layer, q, lse, held)
+    return self.inner.step_span(state, layer, q, k, v, self._local(ctx), merge_across_seq)
+
+  def _pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    return self.inner.pre_decode_span(state, layer, q, k, v, self._local(ctx), merge_across_seq)
 
   def _extend(self, state, layer, q, k, v, ctx: StepContext):
     store_first = self.inner.store_spares_held_rows()  # (CacheMethod.extend's order)
@@ -171,6 +181,9 @@ class SeqShard(PerShard):
   def store_chunk(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self._store, state, layer, q, k, v, ctx, returns_out=False)
 
+  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
+    return self._layer_call(self._pre_decode, state, layer, q, k, v, ctx, returns_out=True)
+
   def end_step(self, state, ctx: StepContext):
     end_step = lambda state, ctx: self.inner.end_step(state, self._local(ctx))
     return self._per_shard(end_step, (state,), (self._specs(),), self._specs(), ctx)
@@ -193,5 +206,8 @@ class SeqShard(PerShard):
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
     self._per_device_only("store_span")
 
-  def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
-    self._per_device_only("pre_decode")
+  def step_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    self._per_device_only("step_span")
+
+  def pre_decode_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    self._per_device_only("pre_decode_span")

@@ -427,6 +427,14 @@ class PerShard(CacheMethod):
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
     return self._layer_call(self.inner.store_span, state, layer, q, k, v, ctx, returns_out=False)
 
+  def step_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    step_span = lambda *args: self.inner.step_span(*args, merge)
+    return self._layer_call(step_span, state, layer, q, k, v, ctx, returns_out=True)
+
+  def pre_decode_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    pre_decode_span = lambda *args: self.inner.pre_decode_span(*args, merge)
+    return self._layer_call(pre_decode_span, state, layer, q, k, v, ctx, returns_out=True)
+
   def splits_tokens(self) -> bool:
     return self.inner.splits_tokens()
 

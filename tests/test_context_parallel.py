@@ -60,6 +60,14 @@ SMALL_ZIPCACHE = dict(method="zipcache", settings=dict(salient_ratio=0.5, interv
 ZIP_LENGTHS = (270, 150, 45)
 ZIP_NEW_TOKENS = 40
 ZIP_CHUNK = 96
+# SpeCache at its defaults but a key block of 32 (1-bit groups are 32) and 16 fetched rows, fewer than the candidates
+# (a prompt of 180 has 160 at its first step): a capacity of 256 splits on seq=4 into ranges of 64, a block's
+# multiple, which the 180-token prompt and its decode reach all of; chunks of 96 straddle the ranges' ends at 64 and
+# 128, and a decode step's row lands in the range past 192.
+SMALL_SPECACHE = dict(method="specache", settings=dict(residual=32, fetch_rows=16), capacity=256)
+SPEC_LENGTHS = (180, 9, 70)
+SPEC_NEW_TOKENS = 30
+SPEC_CHUNK = 96
 
 
 def test_on_four_cpu_devices():
@@ -186,8 +194,11 @@ def _logits(params, prompts, mesh, method=make_method("dense"), chunk=CHUNK, cap
   return _logits_and_cache(params, prompts, mesh, method, chunk, capacity)[0]
 
 
-def _logits_and_cache(params, prompts, mesh, method, chunk, capacity, steps=6):
-  """``_logits`` (after ``steps`` decode steps: [steps + 1, B, vocab]), and the cache after the decode steps."""
+def _logits_and_cache(params, prompts, mesh, method, chunk, capacity, steps=6, watch=None):
+  """``_logits`` (after ``steps`` decode steps: [steps + 1, B, vocab]), and the cache after the decode steps. A method
+  with a speculative row (SpeCache) runs its pre-decode pass on a fixed token first, and each step carries a fixed
+  speculative token after the real one (both rows' logits: [steps + 1, B, 2, vocab], the prompt's repeated);
+  ``watch(cache)`` is called after each decode step."""
   mesh = sharding.make_mesh(mesh)
   with sharding.use_mesh(mesh):
     plan = gen.plan_generation(CFG, method, prompts, max_new_tokens=steps + 2, capacity=capacity, prefill_chunk=chunk,
@@ -198,10 +209,19 @@ def _logits_and_cache(params, prompts, mesh, method, chunk, capacity, steps=6):
                               [len(p) for p in prompts])
     logits, cache = run(placed, cache)
     out = [np.asarray(logits)]
-    step = jax.jit(lambda p, tokens, cache: forward(p, tokens[:, None], cache.lengths[:, None], cache, cfg=CFG))
+    rows = 1 + method.speculative_rows
+    step = jax.jit(lambda p, tokens, cache, pre_decode: forward(
+        p, tokens, cache.lengths[:, None] + jnp.arange(tokens.shape[1]), cache, cfg=CFG, pre_decode=pre_decode),
+        static_argnames="pre_decode")
+    fixed = lambda i, n: jnp.broadcast_to((3 + 11 * i + 5 * jnp.arange(n)) % CFG.vocab_size, (len(prompts), n))
+    if rows > 1:
+      out = [np.repeat(out[0][:, None], rows, axis=1)]
+      _, cache = step(placed, fixed(0, 1), cache, True)
     for i in range(steps):
-      logits, cache = step(placed, jnp.full((len(prompts),), 3 + 11 * i, jnp.int32), cache)
-      out.append(np.asarray(logits[:, 0]))
+      logits, cache = step(placed, fixed(i, rows), cache, False)
+      out.append(np.asarray(logits if rows > 1 else logits[:, 0]))
+      if watch is not None:
+        watch(cache)
   return np.stack(out), cache
 
 
@@ -374,10 +394,66 @@ def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params, zip_prompt
       np.testing.assert_allclose(cut(split_pool), cut(one_pool), rtol=1e-5, atol=1e-5, err_msg=f"{name}.{field}")
 
 
+@pytest.fixture(scope="module")
+def spec_prompts():
+  rng = np.random.default_rng(10)
+  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in SPEC_LENGTHS]
+
+
+def _spec_generate(params, prompts, mesh=None, **kw):
+  return _generate(params, prompts, mesh=mesh, new_tokens=SPEC_NEW_TOKENS, **SMALL_SPECACHE, **kw)
+
+
+@pytest.fixture(scope="module")
+def one_device_specache(params, spec_prompts):
+  """One device's tokens and hit rate with SpeCache: whole prompts, and prompts in chunks."""
+  whole, chunked = _spec_generate(params, spec_prompts), _spec_generate(params, spec_prompts, prefill_chunk=SPEC_CHUNK)
+  assert 0 < whole.stats["method_stats"]["speculation_hit_rate"] < 1  # a selection a wrong mass would move
+  return whole, chunked
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
+def test_specache_over_seq_equals_one_device(params, spec_prompts, one_device_specache, mesh):
+  """SpeCache's low-bit copy split as KIVI's and its host copy by ranges, the fetched positions on every device: the
+  tokens and the speculation hit rate (every step's fetched set against the real row's top k, by the probabilities
+  merged over every device) are one device's, whole prompts and chunks."""
+  for run, kw in zip(one_device_specache, (dict(), dict(prefill_chunk=SPEC_CHUNK))):
+    split = _spec_generate(params, spec_prompts, mesh, **kw)
+    assert split.tokens == run.tokens
+    assert split.stats["method_stats"] == pytest.approx(run.stats["method_stats"], rel=1e-6)
+
+
+@on_four_devices
+def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spec_prompts):
+  """Prompts in chunks, the pre-decode pass and 30 steps of fixed real and speculative tokens on seq=4: both rows'
+  logits are one device's, and so is every layer's fetched set after every step (which positions, in which order:
+  the top k by the merged probabilities), the counted hits too."""
+  method = make_method("specache", **SMALL_SPECACHE["settings"])
+  runs = []
+  for mesh in (None, "seq=4"):
+    fetched = []
+    watch = lambda cache: fetched.append((np.asarray(cache.state.fetched_idx), np.asarray(cache.state.fetched_ok)))
+    logits, cache = _logits_and_cache(params, spec_prompts, mesh, method, SPEC_CHUNK, SMALL_SPECACHE["capacity"],
+                                      steps=SPEC_NEW_TOKENS, watch=watch)
+    runs.append((logits, cache, fetched))
+  (one, one_cache, one_fetched), (split, split_cache, split_fetched) = runs
+  assert np.std(one) > 1
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+  for (one_idx, one_ok), (idx, ok) in zip(one_fetched, split_fetched):
+    np.testing.assert_array_equal(ok, one_ok)
+    np.testing.assert_array_equal(np.where(ok, idx, -1), np.where(one_ok, one_idx, -1))
+  assert np.any(one_fetched[-1][0][one_fetched[-1][1]] >= 128)  # rows of the third range fetched
+  for name in ("hit_sum", "hit_steps"):
+    np.testing.assert_allclose(np.asarray(getattr(split_cache.state, name)), np.asarray(getattr(one_cache.state, name)),
+                               rtol=1e-6)
+
+
 @on_four_devices
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="specache"), "cache method 'specache' cannot split a sequence's tokens over devices (mesh "
-                              "data=1,model=1,seq=4)"),
+    (dict(method="specache", settings=dict(speculate=False)),
+     "cache method 'specache' cannot split a sequence's tokens over devices (mesh data=1,model=1,seq=4)"),
+    (dict(method="specache", settings=dict(repair=True)), "specache (speculate=true, repair=false) run"),
     (dict(capacity=130), "capacity 130 does not split over seq=4"),
     (dict(save_cache=os.path.join(tempfile.gettempdir(), "jkv-never-saved")),
      "a saved cache is not yet saved or loaded with its tokens split"),

@@ -79,6 +79,7 @@ from jkv.cache import ArrayInfo, CacheMethod, CacheSpec, HeldBytes, StepContext
 from jkv.cache_arrays import write_layer
 from jkv.chunk_attention import HeldRows
 from jkv.config import DTYPES
+from jkv.context_parallel import top_k_across_seq
 from jkv.methods.kivi import Kivi, KiviState
 from jkv.methods.registry import register
 from jkv.token_mass import NOT_A_CANDIDATE
@@ -105,21 +106,29 @@ def host_write_layer(buf, layer, x):
   return jax.lax.dynamic_update_slice(buf, to_host(x[None].astype(buf.dtype)), (layer,) + (0,) * x.ndim)
 
 
-def host_write_rows(buf, rows, positions):
-  """Write rows [L, B, H, 1, W] (device: each layer's row of each sequence) into the host array buf [L, B, H, C, W]
-  at positions [B]: one in-place ``dynamic_update_slice`` per sequence (the form verified on host arrays; a
-  scatter into host memory is not), each update sliced on the device before it moves (slicing a host array would
-  run as host compute)."""
-  for b in range(rows.shape[1]):
-    buf = jax.lax.dynamic_update_slice(buf, to_host(rows[:, b:b + 1].astype(buf.dtype)), (0, b, 0, positions[b], 0))
-  return buf
+def host_write_rows(buf, first_layer, rows, start, impl: str, anywhere: bool = False):
+  """Write rows [Lr, B, H, T, W] (device) into the host array buf [L, B, H, C, W] at layers first_layer + [0, Lr),
+  slots start [B] + [0, T): one in-place ``dynamic_update_slice`` per sequence (the form verified on host arrays;
+  a scatter into host memory is not), each update sliced on the device before it moves (slicing a host array
+  would run as host compute).
 
-
-def host_write_chunk(buf, layer, rows, start):
-  """Write rows [B, H, T, W] (device) into the host array buf [L, B, H, C, W] at ``layer``, positions start [B] +
-  [0, T): one in-place ``dynamic_update_slice`` per sequence, as ``host_write_rows``."""
-  for b in range(rows.shape[0]):
-    buf = jax.lax.dynamic_update_slice(buf, to_host(rows[b][None, None].astype(buf.dtype)), (layer, b, 0, start[b], 0))
+  ``anywhere`` (buf holds a ``seq`` device's range of the slots: ``jkv.context_parallel``): start may lie anywhere
+  and the rows outside [0, C) are dropped. A ``dynamic_update_slice`` would clip its start and write them over
+  held rows, so each sequence writes a span of min(T, C) slots inside buf, from start clipped, whose slots that no
+  row lands in are read back first (``gather_host_rows`` with ``impl``) and written as they were."""
+  Lr, B, H, T, W = rows.shape
+  at = start
+  if anywhere:
+    C = buf.shape[3]
+    M = min(T, C)
+    at = jnp.clip(start, 0, C - M)
+    slots = at[:, None] + jnp.arange(M)[None]  # [B, M]
+    held = gather_host_rows(buf, first_layer, jnp.broadcast_to(slots[None, :, None], (Lr, B, H, M)), impl)
+    j = slots - start[:, None]  # each slot's row
+    new = jnp.take_along_axis(rows, jnp.clip(j, 0, T - 1)[None, :, None, :, None], axis=3)
+    rows = jnp.where(((j >= 0) & (j < T))[None, :, None, :, None], new, held)
+  for b in range(B):
+    buf = jax.lax.dynamic_update_slice(buf, to_host(rows[:, b:b + 1].astype(buf.dtype)), (first_layer, b, 0, at[b], 0))
   return buf
 
 
@@ -233,12 +242,13 @@ class SpeCacheState:
                   # full precision)
   host_kv: jax.Array  # [L, B, H, C, 2D] model dtype, pinned_host: every stored token's key | value (rows not
                       # stored yet are undefined after a sub-batched prefill on a GPU: ``cache.allocate``)
-  staged_kv: jax.Array  # [L, B, H, 1, 2D] model dtype: this step's real row, written to host_kv at its end
+  staged_kv: jax.Array  # [L, B, H, 1, 2D] model dtype: this step's real row, written to host_kv at its end (by the
+                        # device whose range holds it, on a seq axis)
   fetched_idx: jax.Array  # [L, B, H, k] int32: positions the next step attends from their 16-bit rows
   fetched_ok: jax.Array  # [L, B, H, k] bool: which of them are real (none before pre-decode; fewer than k early)
   fetched_kv: jax.Array  # [L, B, H, k, 2D] model dtype: those rows, fetched at the end of the previous step
                          # (None when prefetch=False or speculate=False: each layer fetches them when it
-                         # attends)
+                         # attends); on a seq axis [L, B, H, n k, 2D], each device's k the rows of its range
   hit_sum: jax.Array  # [L, B, H] float32: per step, the fraction of the real row's top k that was fetched
   hit_steps: jax.Array  # [L, B, H] float32: steps counted in hit_sum (per KV head, so a mesh that splits the
                         # heads counts every shard's); both None unless counts_hits
@@ -351,10 +361,12 @@ class SpeCache(CacheMethod):
     return SpeCacheState(
         low=self.low_bit.abstract(spec),
         host_kv=ArrayInfo((L, B, H, C, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"), memory_kind="pinned_host"),
-        staged_kv=ArrayInfo((L, B, H, 1, 2 * D), spec.dtype, lead + ("tokens", "kv_channels")),
+        staged_kv=ArrayInfo((L, B, H, 1, 2 * D), spec.dtype, lead + ("row", "kv_channels")),
         fetched_idx=fetched(jnp.int32),
         fetched_ok=fetched(jnp.bool_),
-        fetched_kv=fetched(spec.dtype, 2 * D) if self.prefetch and self.speculate else None,
+        # Named as token slots, so that a seq axis splits them: each device fetches the rows its range holds.
+        fetched_kv=(ArrayInfo((L, B, H, k * spec.ranges, 2 * D), spec.dtype, lead + ("tokens", "kv_channels"))
+                    if self.prefetch and self.speculate else None),
         hit_sum=counter,
         hit_steps=counter,
         spec_key=ArrayInfo((L, B, H, D), spec.dtype, lead + ("kv_channels",)) if self.repairs else None,
@@ -376,7 +388,7 @@ class SpeCache(CacheMethod):
     """A prompt chunk into the low-bit copy (KIVI's ``store_chunk``) and into host memory after the held rows."""
     low = self.low_bit.store_chunk(state.low, layer, q, k, v, ctx)
     rows = jnp.where((ctx.positions >= 0)[:, None, :, None], jnp.concatenate([k, v], axis=-1), 0)
-    return state.replace(low=low, host_kv=host_write_chunk(state.host_kv, layer, rows, ctx.lengths))
+    return state.replace(low=low, host_kv=host_write_rows(state.host_kv, layer, rows[None], ctx.lengths, ctx.impl))
 
   def store_spares_held_rows(self) -> bool:
     return self.exact_chunks  # the host copy's rows past the held ones are written; the low-bit copy's ring is not
@@ -396,37 +408,106 @@ class SpeCache(CacheMethod):
     D = rows.shape[-1] // 2
     return HeldRows(rows[..., :D], rows[..., D:], lengths)
 
+  # ------------------------------------------------------------------------------- one range of each sequence
+  # Context parallelism (jkv.context_parallel): the low-bit copy is split as KIVI's (its store by range, its rings on
+  # every device), the host copy by range (each device its range's rows, written only there), and the fetched
+  # positions are the same on every device, each attending those its range holds (module docstring).
+
+  def splits_tokens(self) -> bool:
+    """A ``seq`` axis takes the speculative steps without repair (``check`` in ``jkv.context_parallel`` refuses
+    the others): the baseline's and the repair's second pass would each need a selection and a merge of their own
+    between the devices' two attention passes."""
+    return self.speculate and not self.repair and super().splits_tokens()
+
+  def store_span(self, state, layer, q, k, v, ctx: StepContext):
+    """A prompt's or a chunk's rows stored as ``store_chunk`` stores them, each copy keeping the rows of its range:
+    the low-bit copy as KIVI's ``store_span``, the host copy's rows of the range (``host_write_rows``)."""
+    low = self.low_bit.store_span(state.low, layer, q, k, v, ctx)
+    real = (ctx.positions + ctx.first_slot >= 0)[:, None, :, None]
+    rows = jnp.where(real, jnp.concatenate([k, v], axis=-1), 0)
+    host_kv = host_write_rows(state.host_kv, layer, rows[None], ctx.lengths, ctx.impl, anywhere=True)
+    return state.replace(low=low, host_kv=host_kv)
+
+  def held_span(self, state, layer, ctx: StepContext) -> HeldRows:
+    """``held_rows`` of the range: with ``exact_chunks`` its rows of the host copy, else the low-bit copy's (KIVI's
+    ``held_span``)."""
+    if not self.exact_chunks:
+      return self.low_bit.held_span(state.low, layer, ctx)
+    return self.held_rows(state, layer, jnp.clip(ctx.lengths, 0, state.host_kv.shape[3]))
+
+  def step_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``step`` on one device of ``seq``: its attention over the rows it holds, merged over every device (``_merged``),
+    and the selection every device's top k by the merged probabilities, of which the top k (``_select``)."""
+    return self._step(state, layer, q, k, v, ctx, merge)
+
+  def pre_decode_span(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``pre_decode`` on one device of ``seq`` (as ``step_span``)."""
+    return self._pre_decode(state, layer, q, k, v, ctx, merge)
+
+  @staticmethod
+  def _frame(ctx: StepContext):
+    """(first_slot, lengths [B], positions [B, T]) counted the whole sequence's way: ctx's (first_slot None) on one
+    device, shifted by the range's first slot on one of ``seq``."""
+    first = ctx.first_slot
+    if first is None:
+      return None, ctx.lengths, ctx.positions
+    return first, ctx.lengths + first, ctx.positions + first
+
+  @staticmethod
+  def _fetched_slots(idx, ok, first_slot, capacity: int):
+    """The slots [B, H, k] (clipped into [0, capacity)) of fetched positions idx in a state whose slots hold the
+    positions from ``first_slot`` on (None: 0, the whole sequence), and which of them it holds: ok and inside."""
+    if first_slot is None:
+      return idx, ok
+    slot = idx - first_slot
+    return jnp.clip(slot, 0, capacity - 1), ok & (slot >= 0) & (slot < capacity)
+
+  # ---------------------------------------------------------------------------------------------- decode
+
   def pre_decode(self, state, layer, q, k, v, ctx: StepContext):
     """The first generated token (one row at position n = ctx.lengths) over the low-bit cache and its own K/V,
     nothing fetched and nothing stored (the paper's §3.3); its probabilities pick the first step's rows."""
-    n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
+    return self._pre_decode(state, layer, q, k, v, ctx, None)
+
+  def _pre_decode(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``pre_decode``, with ``merge`` on one device of ``seq`` (``step_span``)."""
+    first, n, positions = self._frame(ctx)
+    k_rows = state.fetched_idx.shape[-1]
     if self.repairs:  # the first step's real row is this token: its guess is right
       state = state.replace(spec_key=write_layer(state.spec_key, layer, k[:, :, 0]))
     own = (k, v, jnp.ones((k.shape[0], 1, 1), bool))
-    out, mass = self._attend(state.low, layer, q, ctx.positions, n, None, own, (0,) if k_rows else (), ctx.impl)
+    mass_rows = (0,) if k_rows else ()
+    out, mass = self._merged(q, self._attend(state.low, layer, q, positions, n, None, own, mass_rows, ctx.impl, first),
+                             merge, mass_rows)
     if k_rows:
-      idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows, first)
       idx, ok = idx[:, :, 0], ok[:, :, 0]
       state = self._keep(state, layer, idx, ok)
       if self.prefetch:  # once per generation: this layer's rows now, not all layers at the end
-        rows = gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0]
+        slots, _ = self._fetched_slots(idx, ok, first, state.host_kv.shape[3])
+        rows = gather_host_rows(state.host_kv, layer, slots[None], ctx.impl)[0]
         state = state.replace(fetched_kv=write_layer(state.fetched_kv, layer, rows))
     return out, state
 
   def step(self, state, layer, q, k, v, ctx: StepContext):
     """Rows [real, speculative] at positions [n, n + 1] (q [B, H, 2, g, D]); stores the real row only. Without
     ``speculate``, the real row alone (q [B, H, 1, g, D])."""
+    return self._step(state, layer, q, k, v, ctx, None)
+
+  def _step(self, state, layer, q, k, v, ctx: StepContext, merge):
+    """``step``, with ``merge`` on one device of ``seq`` (``step_span``; speculative, without repair there)."""
     if k.shape[2] != 1 + self.speculative_rows:
       raise ValueError(f"specache steps carry the real row{' and one speculative row' if self.speculate else ''}, "
                        f"got {k.shape[2]} rows")
-    n, k_rows = ctx.lengths, state.fetched_idx.shape[-1]
+    first, n, positions = self._frame(ctx)
+    k_rows = state.fetched_idx.shape[-1]
     # With the MMA packing the value tile the row completes is packed, and the key block ending at the new length
     # flushed, in ``end_step`` (KIVI's for steps of one row; the block ending at n was flushed by the step before).
     low = self.low_bit.append_one(state.low, layer, k[:, :, 0], v[:, :, 0], n, ctx.impl,
-                                  flush_before=not self.mma, pack_values=not self.mma)
+                                  flush_before=not self.mma, pack_values=not self.mma, first_slot=first)
     staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
     if not self.speculate:
-      out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, ctx.positions, n, k_rows, ctx.impl)
+      out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, positions, n, k_rows, ctx.impl)
       state = state.replace(low=low, staged_kv=staged)
       return out, (state if fetched is None else self._keep(state, layer, *fetched[:2]))
     fetched = None
@@ -435,21 +516,23 @@ class SpeCache(CacheMethod):
       if self.prefetch:
         rows = state.fetched_kv[layer]
       else:  # rows at positions < bK, on the host since an earlier step ended
-        rows = gather_host_rows(state.host_kv, layer, idx[None], ctx.impl)[0]
+        slots, _ = self._fetched_slots(idx, ok, first, state.host_kv.shape[3])
+        rows = gather_host_rows(state.host_kv, layer, slots[None], ctx.impl)[0]
       fetched = (idx, ok, rows)
     # The speculative row sees the real one (in the window now) and itself; the real row never sees it.
     own = (k[:, :, 1:], v[:, :, 1:], jnp.broadcast_to(jnp.array([False, True])[None, :, None], (k.shape[0], 2, 1)))
     mass_rows = ((0, 1) if self.counts_hits else (1,)) if k_rows else ()
-    out, mass = self._attend(low, layer, q, ctx.positions, n + 1, fetched, own, mass_rows, ctx.impl)
+    out, mass = self._merged(q, self._attend(low, layer, q, positions, n + 1, fetched, own, mass_rows, ctx.impl,
+                                             first), merge, mass_rows)
     state = state.replace(low=low, staged_kv=staged)
     if self.repairs and k_rows:
       state, right = self._verify(state, layer, k)
       repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
-          low, state.host_kv, layer, q[:, :, :1], ctx.positions[:, :1], n, k_rows, ctx.impl)[0])
+          low, state.host_kv, layer, q[:, :, :1], positions[:, :1], n, k_rows, ctx.impl)[0])
       out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
     if k_rows:  # mass's rows are mass_rows: the real row's (to count hits) and the speculative row's, one selection
       bounds = ((self.low_bit.key_boundary(n + 1),) if self.counts_hits else ()) + (self.low_bit.key_boundary(n + 2),)
-      top, top_ok = self._select(mass, jnp.stack(bounds, axis=1), k_rows)
+      top, top_ok = self._select(mass, jnp.stack(bounds, axis=1), k_rows, first)
       if self.counts_hits:
         state = self._count_hits(state, layer, idx, ok, top[:, :, 0], top_ok[:, :, 0])
       state = self._keep(state, layer, top[:, :, -1], top_ok[:, :, -1])
@@ -462,12 +545,11 @@ class SpeCache(CacheMethod):
     again with them. Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
     fetched = None
     if k_rows:
-      _, mass = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
+      _, _, mass = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
       idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
       idx, ok = idx[:, :, 0], ok[:, :, 0]
       fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
-    out, _ = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)
-    return out, fetched
+    return self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)[0], fetched
 
   @staticmethod
   def _verify(state, layer, k):
@@ -485,69 +567,123 @@ class SpeCache(CacheMethod):
     """After every layer: the real rows to host memory (one write per sequence, every layer at once) and, with
     prefetch, the next step's rows of every layer from it in one call (the rows chosen
     may include the one just written); with the MMA packing, the low-bit copy's value tile and key flush that
-    the stored row completed (``Kivi.settle``)."""
-    state = state.replace(low=self.low_bit.settle(state.low, ctx.lengths + 1, True, ctx.impl),
-                          host_kv=host_write_rows(state.host_kv, state.staged_kv, ctx.lengths))
+    the stored row completed (``Kivi.settle``). On one device of ``seq`` the row is written where the device's
+    range holds it, and each device fetches the rows of its range."""
+    first, n, _ = self._frame(ctx)
+    host_kv = host_write_rows(state.host_kv, 0, state.staged_kv, ctx.lengths, ctx.impl, anywhere=first is not None)
+    state = state.replace(low=self.low_bit.settle(state.low, n + 1, True, ctx.impl, first), host_kv=host_kv)
     if state.fetched_kv is not None and state.fetched_idx.shape[-1]:
-      state = state.replace(fetched_kv=gather_host_rows(state.host_kv, 0, state.fetched_idx, ctx.impl))
+      slots, _ = self._fetched_slots(state.fetched_idx, state.fetched_ok, first, state.host_kv.shape[3])
+      state = state.replace(fetched_kv=gather_host_rows(state.host_kv, 0, slots, ctx.impl))
     return state
 
   # ---------------------------------------------------------------------------------------------- parts
 
-  def _attend(self, low, layer, q, q_positions, lengths, fetched, own, mass_rows, impl):
+  def _attend(self, low, layer, q, q_positions, lengths, fetched, own, mass_rows, impl, first_slot=None):
     """One softmax over the mixed cache of a step holding ``lengths`` [B] tokens, plus the rows' own K/V ``own``
     (k, v [B, H, r, D], mask [B, T, r]; None when they are all held already); fetched = (idx [B, H, k],
     ok [B, H, k], rows [B, H, k, 2D]) or None.
 
-    Returns out [B, H, T, g, D] and the held positions' mass from the chosen rows (None with no rows): each
-    position's probability from each row, summed over the g query heads, at whichever precision it was read, as
-    ``_select`` takes it: (the store's ``TokenMass``, ((positions [B, H or 1, 1, N], mass [B, H, R, N], held
-    [B, H or 1, 1, N]) of the window and of the fetched rows)). A held position is in exactly one of the three:
-    the store's slots below its value boundary that are not holes, the window's slots from there that are not
-    fetched, the fetched rows.
+    With ``first_slot``, one device of ``seq`` (``jkv.context_parallel``), whose store holds the positions from it
+    on (positions, lengths and idx count the whole sequence's way): the fetched positions its range holds are its
+    holes and its fetched segment (``rows``: gathered from its range of the host copy), the others another
+    device's; the window, less every fetched position, and the rows' own K/V are attended by the first range's
+    device alone. There each query head is a row of its own (q as [B, H, T g, 1, D]), so that the mass comes per
+    head, to be weighed by the merged log-sum-exp (``_merged``).
+
+    Returns out [B, H, T, g, D], lse [B, H, T, g] float32 (on one device of ``seq``; else None) and the held
+    positions' mass from the chosen rows (None with no rows): each position's probability from each row, summed
+    over the g query heads (per head on one device of ``seq``: the rows R g, row r's head j at r g + j), at
+    whichever precision it was read, as ``_select`` takes it: (the store's ``TokenMass``, ((positions
+    [B, H or 1, 1, N], mass [B, H, R, N], held [B, H or 1, 1, N]) of the window and of the fetched rows)). A held
+    position is in exactly one of the three on exactly one device: the store's slots below its value boundary that
+    are not holes, the window's slots from there that are not fetched, the fetched rows.
     """
     kivi = self.low_bit
+    split = first_slot is not None
+    starts = (first_slot == 0) if split else True  # the device that attends the window and the own rows
     win, in_window = kivi.window(lengths)
-    B, H, T = q.shape[:3]
-    C, D = kivi.capacity(low), low.k_ring.shape[-1]
-    win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None])  # [B, T, W]
-    win_held = in_window[:, None, None, :]  # [B, 1, 1, W]
+    B, H, T, g, D = q.shape
+    C = kivi.capacity(low)
+    win_mask = in_window[:, None, :] & (win[:, None, :] <= q_positions[:, :, None]) & starts  # [B, T, W]
+    win_held = in_window[:, None, None, :] & starts  # [B, 1, 1, W]
     valid = None
     segments = []
     if fetched is not None:
       idx, ok, rows = fetched
+      slots, mine = self._fetched_slots(idx, ok, first_slot, C)
       b_i, h_i = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
       # A fetched position is read from its 16-bit row alone: a hole in the store, or out of the window (a key
-      # quantized while its value is still exact). Indices are unique (``_select``), so the scatter has no
-      # conflicts.
-      valid = ~jnp.zeros((B, H, C), bool).at[b_i, h_i, idx].set(ok)
+      # quantized while its value is still exact). Positions are unique (``_select``), so the scatter has no
+      # conflicts; the positions not held here are dropped.
+      valid = ~jnp.zeros((B, H, C), bool).at[b_i, h_i, jnp.where(mine, slots, C)].set(True, mode="drop")
       in_fetched = jnp.any((win[:, None, :, None] == idx[:, :, None, :]) & ok[:, :, None, :], axis=-1)  # [B, H, W]
       win_mask = win_mask[:, None] & ~in_fetched[:, :, None, :]  # [B, H, T, W]
       win_held = win_held & ~in_fetched[:, :, None, :]
       # Rows not fetched point past the length, at host rows that may never have been written (``cache.allocate``):
       # zeroed, as a kernel that multiplies a masked value by p = 0 needs it finite.
-      rows = jnp.where(ok[..., None], rows, 0).astype(q.dtype)
-      segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(ok[:, :, None, :], (B, H, T, ok.shape[-1]))))
-    segments = [(low.k_ring, low.v_ring, win_mask)] + segments + ([own] if own is not None else [])
-    store = kivi.store(low, kivi.value_boundary(lengths), valid)
+      rows = jnp.where(mine[..., None], rows, 0).astype(q.dtype)
+      segments.append((rows[..., :D], rows[..., D:], jnp.broadcast_to(mine[:, :, None, :], (B, H, T, mine.shape[-1]))))
+    if own is not None:
+      segments.append(own[:2] + (own[2] & starts,))
+    segments = [(low.k_ring, low.v_ring, win_mask)] + segments
+    store = kivi.store(low, jnp.clip(kivi.value_boundary(lengths) - (first_slot if split else 0), 0, C), valid)
+    if split:  # one row per query head
+      q = q.reshape(B, H, T * g, 1, D)
+      segments = [(k, v, jnp.repeat(mask, g, axis=-2)) for k, v, mask in segments]
+      mass_rows = tuple(r * g + j for r in mass_rows for j in range(g))
+    out = decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl, return_lse=split,
+                           token_mass_rows=mass_rows)
+    out = out if isinstance(out, tuple) else (out,)
+    o, lse = out[0].reshape(B, H, T, g, D), (out[1].reshape(B, H, T, g) if split else None)
     if not mass_rows:
-      return decode_attention(q, layer, stores=(store,), segments=tuple(segments), impl=impl), None
-    out, ((store_mass,), segment_mass) = decode_attention(q, layer, stores=(store,), segments=tuple(segments),
-                                                         impl=impl, token_mass_rows=mass_rows)
+      return o, lse, None
+    (store_mass,), segment_mass = out[-1]
     held = ((win[:, None, None, :], segment_mass[0], win_held),)
     if fetched is not None:
-      held += ((idx[:, :, None, :], segment_mass[1], ok[:, :, None, :]),)
-    return out, (store_mass, held)
+      held += ((idx[:, :, None, :], segment_mass[1], mine[:, :, None, :]),)
+    return o, lse, (store_mass, held)
 
   @staticmethod
-  def _select(mass, bound, k: int):
+  def _merged(q, attended, merge, mass_rows):
+    """``_attend``'s (out, lse, mass) as ``_select`` and the caller take it: (out [B, H, T, g, D] in q.dtype, mass).
+    With ``merge`` (one device of ``seq``): out merged over every device, and each query head's mass weighed by
+    exp(lse - merged lse) of its row, which makes it the probability over every device's rows, then summed over
+    the heads (a head's weights sum to 1 over its own softmax: summed before the weighing, heads whose softmax
+    this device's rows dominate differently would be mixed in wrong proportions)."""
+    out, lse, mass = attended
+    if merge is None:
+      return out, mass
+    o, merged = merge(out, lse)
+    if mass is None:
+      return o.astype(q.dtype), None
+    B, H, _, g = lse.shape
+    rows = list(mass_rows)
+    factor = jnp.exp(lse[:, :, rows] - merged[:, :, rows]).reshape(B, H, len(rows) * g)  # row r's head j at r g + j
+    store, held = mass
+    per_head = lambda x: x.reshape(x.shape[:3] + (len(rows), g))  # [B, H, n, R g, 1] -> [B, H, n, R, g]
+    if store.scale is None:
+      store = store.replace(weights=per_head(store.weights[..., 0].astype(jnp.float32) * factor[:, :, None]))
+    else:  # the kernel's fp16 weights stay as written; their runs' factors take the weighing
+      store = store.replace(weights=per_head(store.weights[..., 0]), scale=per_head(store.scale[..., 0] * factor[:, :, None]))
+    held = tuple((at, jnp.sum((m * factor[..., None]).reshape(B, H, len(rows), g, -1), axis=3), is_held)
+                 for at, m, is_held in held)
+    return o.astype(q.dtype), (store, held)
+
+  @staticmethod
+  def _select(mass, bound, k: int, first_slot=None):
     """Top k positions [B, H, R, k] of each of R rows among the held positions below bound [B, R] (``_attend``'s
     mass), and which are real (fewer than k held: the rest point past the capacity, each at its own slot, so the
     holes' scatter stays exact). The window's and the fetched rows' masses join the store's slots as runs of
     ``SELECT_RUN`` after its own; the k runs with the largest masses hold a top k (``top_k_positions``), and the
     top k of their k * SELECT_RUN slots is one. The store's runs come from one pass over its weights
-    (``TokenMass.block_max``). Every selection goes in one call: it costs what one row's does."""
+    (``TokenMass.block_max``). Every selection goes in one call: it costs what one row's does.
+
+    With ``first_slot`` (one device of ``seq``, its store's slots the positions from it on; the masses weighed by
+    the merged log-sum-exp: ``_merged``): every device's top k of what it holds, and of those the top k, the same
+    on every device (``top_k_across_seq``)."""
     store, held = mass
+    first = 0 if first_slot is None else first_slot
     below = bound[:, None, :, None]
     at = jnp.concatenate([jnp.broadcast_to(pos, of.shape) for pos, of, _ in held], axis=-1)  # [B, H, R, E]
     of = jnp.concatenate([jnp.where(is_held & (jnp.broadcast_to(pos, m.shape) < below), m, NOT_A_CANDIDATE)
@@ -555,18 +691,22 @@ class SpeCache(CacheMethod):
     pad = -of.shape[-1] % SELECT_RUN
     at = jnp.pad(at, ((0, 0),) * 3 + ((0, pad),))
     of = jnp.pad(of, ((0, 0),) * 3 + ((0, pad),), constant_values=NOT_A_CANDIDATE)
-    store_runs = store.block_max(SELECT_RUN, bound)  # [B, H, R, n]
+    store_bound = bound - first  # the store's slots count from its first
+    store_runs = store.block_max(SELECT_RUN, store_bound)  # [B, H, R, n]
     runs = jnp.concatenate([store_runs, jnp.max(of.reshape(of.shape[:3] + (-1, SELECT_RUN)), axis=-1)], axis=-1)
     chosen = top_k_positions(runs, min(k, runs.shape[-1]))
     slots = (chosen[..., None] * SELECT_RUN + jnp.arange(SELECT_RUN)).reshape(chosen.shape[:3] + (-1,))
     extra = slots - store_runs.shape[-1] * SELECT_RUN  # >= 0: a slot of the window's and fetched rows' runs
     e = jnp.clip(extra, 0, of.shape[-1] - 1)
-    values = jnp.where(extra >= 0, jnp.take_along_axis(of, e, axis=-1), store.at(slots, bound))
-    positions = jnp.where(extra >= 0, jnp.take_along_axis(at, e, axis=-1), slots)
-    best, j = jax.lax.top_k(values, k)
+    values = jnp.where(extra >= 0, jnp.take_along_axis(of, e, axis=-1), store.at(slots, store_bound))
+    positions = jnp.where(extra >= 0, jnp.take_along_axis(at, e, axis=-1), slots + first)
+    best, j = jax.lax.top_k(values, min(k, values.shape[-1]))  # (fewer on a device whose range is shorter than k)
+    idx, past = jnp.take_along_axis(positions, j, axis=-1), store.length
+    if first_slot is not None:
+      best, idx, n = top_k_across_seq(best, idx, k)
+      past = n * store.length
     ok = best > NOT_A_CANDIDATE
-    idx = jnp.take_along_axis(positions, j, axis=-1)
-    return jnp.where(ok, idx, store.length + jnp.arange(k)).astype(jnp.int32), ok
+    return jnp.where(ok, idx, past + jnp.arange(k)).astype(jnp.int32), ok
 
   @staticmethod
   def _keep(state, layer, idx, ok):
