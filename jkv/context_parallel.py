@@ -28,7 +28,7 @@ attended by the first range's (``Kivi.attend``); fakequant, whose groups a range
 (either layout) and hole mask are split as KIVI's store (a range is whole tiles of 64 slots, to which its store
 rounds, so a block event writes one device's store) while its buffer and outlier pools are held by every device
 alike: each device runs every block's competition on the rows it holds of the buffer or the prompt, so the pools
-are one device's, and the first range's device attends them (``Ott.attend``); and ZipCache (library layout), whose
+are one device's, and the first range's device attends them (``Ott.attend``); and ZipCache (either layout), whose
 two pools are not laid out by position (each prompt, chunk and window appends its rows in saliency's split), so
 their rows are split into ranges as the slots are (``CacheSpec.ranges`` sizes them to n ranges of whole key groups)
 while its window, scores and channel scale are held by every device alike: every device scores and splits every
@@ -64,8 +64,8 @@ def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
-                     f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott, zipcache (library layout: "
-                     "mma=false) and specache (speculate=true, repair=false) run: use data and model axes for it")
+                     f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott, zipcache "
+                     "and specache (speculate=true, repair=false) run: use data and model axes for it")
   if saved_cache:
     raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
                      f"{mesh_label(mesh)}): use data and model axes")

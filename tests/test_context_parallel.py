@@ -450,6 +450,35 @@ def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spe
 
 
 @on_four_devices
+def test_zipcache_mma_packing_over_seq_equals_one_devices(params, zip_prompts):
+  """The MMA packing on seq=4 (read by XLA here): whole prompts and 34 decode steps (a window compressed, its rows
+  merged into tiles of a later range) give one device's logits and every tile below the fill, codes and scale
+  words; prompts in chunks give one device's tokens. Whole prompts for the tiles: a chunk's attention merged across
+  devices moves later layers' keys by about 1e-6, which with 16-bit scales (the packing's only kind) can move a
+  zero-point by one step (docs/methods/zipcache.md)."""
+  settings = dict(SMALL_ZIPCACHE["settings"], mma=True)
+  method = make_method("zipcache", **settings)
+  (one, one_cache), (split, split_cache) = (
+      _logits_and_cache(params, zip_prompts[:2], mesh, method, None, SMALL_ZIPCACHE["capacity"], steps=34)
+      for mesh in (None, "seq=4"))
+  assert np.std(one) > 1
+  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
+  for name in ("high", "low"):
+    one_pool, split_pool = getattr(one_cache.state, name), getattr(split_cache.state, name)
+    fill = np.asarray(one_pool.fill)  # [L, B]
+    np.testing.assert_array_equal(np.asarray(split_pool.fill), fill)
+    tiles = -(-int(fill.max()) // 64)
+    assert tiles > split_pool.k_tiles.shape[3] // 4  # rows past seq=4's first range
+    for field, rows_per_entry in (("k_tiles", 64), ("v_tiles", 64), ("v_meta", 64), ("k_meta", method.key_group)):
+      cut = lambda pool: np.asarray(getattr(pool, field))[:, :, :, :tiles * 64 // rows_per_entry]
+      np.testing.assert_array_equal(cut(split_pool), cut(one_pool), err_msg=f"{name}.{field}")
+  chunked = lambda mesh: _generate(params, zip_prompts, mesh, method="zipcache", settings=settings,
+                                   capacity=SMALL_ZIPCACHE["capacity"], new_tokens=ZIP_NEW_TOKENS,
+                                   prefill_chunk=ZIP_CHUNK).tokens
+  assert chunked("seq=4") == chunked(None)
+
+
+@on_four_devices
 @pytest.mark.parametrize("kw, message", [
     (dict(method="specache", settings=dict(speculate=False)),
      "cache method 'specache' cannot split a sequence's tokens over devices (mesh data=1,model=1,seq=4)"),

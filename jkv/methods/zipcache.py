@@ -33,7 +33,7 @@ Layout, and why:
 - With ``mma=True`` both pools are kept in the MMA-ready packing (``jkv_kernels.mma_layout``) that the Hopper
   tensor-core kernel reads, holes and channel scale included; each event's rows are merged into the tiles that
   hold them (``cache_arrays.write_mma_tokens``).
-- On a mesh's ``seq`` axis (``jkv.context_parallel``; library layout) each pool's rows are split into ranges of
+- On a mesh's ``seq`` axis (``jkv.context_parallel``; either layout) each pool's rows are split into ranges of
   whole key groups and tiles, one per device, while the window, its probe scores and the channel scale are on every
   device: every device scores and splits every prompt, chunk and window alike (it has their rows) and writes the
   pool rows of its range, so the pools are one device's; the first range's device attends the window, and a probe
@@ -573,9 +573,6 @@ class ZipCache(CacheMethod):
 
   def held_span(self, state: ZipCacheState, layer, ctx: StepContext) -> HeldRows:
     return self._held(state, layer, ctx.first_slot)
-
-  def splits_tokens(self) -> bool:
-    return not self.mma  # the MMA packing's writes take a range (write_mma_tokens), but no test holds them to it yet
 
   # ---------------------------------------------------------------------------------------------- memory
 
