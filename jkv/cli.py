@@ -251,9 +251,9 @@ def add_mesh_args(parser):
   g = parser.add_argument_group("devices", "several devices, and several processes (multi-host): README, 'Sharding'")
   g.add_argument("--mesh", default=None, type=mesh_spec, metavar="data=N,model=M[,seq=S]",
                  help="run on a device mesh: the batch split over data, attention heads, the MLP and the cache's KV "
-                      "heads over model, one sequence's tokens over seq (dense, KIVI, fakequant, OTT, "
-                      "ZipCache so far); their product must equal the devices jax sees, model must divide the KV heads "
-                      "(default: one device)")
+                      "heads over model, one sequence's tokens over seq (every method; SpeCache with speculate and "
+                      "without repair); their product must equal the devices jax sees, model must divide the KV "
+                      "heads (default: one device)")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="multi-process run: address of process 0 (jax.distributed); every process runs the same "
                       "command with its own --process-id")

@@ -20,22 +20,30 @@ Every call gets ctx in the frame of the device's state (lengths and positions le
 device's held rows through ``held_span``; a method whose other token axes are split too finds its range's start
 with ``range_start``. A step's state is updated from the merged log-sum-exp by ``attended`` (default: unchanged).
 
-A range is a whole number of the method's ``range_multiple`` slots. Methods opt in by providing ``attend`` and
-``store_span`` (``CacheMethod.splits_tokens``): dense, whose slots are its tokens; KIVI, whose quantized store
-(either layout) is split by ranges (a range is whole key blocks and tiles, so a flush writes one device's store)
-while its residual rings, a sequence's newest tokens wherever they fall, are held by every device alike and
-attended by the first range's (``Kivi.attend``); fakequant, whose groups a range holds whole; and OTT, whose store
-(either layout) and hole mask are split as KIVI's store (a range is whole tiles of 64 slots, to which its store
-rounds, so a block event writes one device's store) while its buffer and outlier pools are held by every device
-alike: each device runs every block's competition on the rows it holds of the buffer or the prompt, so the pools
-are one device's, and the first range's device attends them (``Ott.attend``); and ZipCache (either layout), whose
-two pools are not laid out by position (each prompt, chunk and window appends its rows in saliency's split), so
-their rows are split into ranges as the slots are (``CacheSpec.ranges`` sizes them to n ranges of whole key groups)
-while its window, scores and channel scale are held by every device alike: every device scores and splits every
-prompt, chunk and window alike and writes the pool rows of its range, so the pools are one device's; the first
-range's device attends the window, and after a step's merge each device weighs the window by the step's
-probabilities from the merged log-sum-exp (``CacheMethod.attended``). A mesh with ``seq`` > 1 and any other method
-(SpeCache: its speculative rows and host copy are not split) is refused up front (``check``).
+A range is a whole number of the method's ``range_multiple`` slots. Methods opt in by providing ``store_span`` and
+``attend`` or a ``step_span`` of their own (``CacheMethod.splits_tokens``): dense, whose slots are its tokens; KIVI,
+whose quantized store (either layout) is split by ranges (a range is whole key blocks and tiles, so a flush writes
+one device's store) while its residual rings, a sequence's newest tokens wherever they fall, are held by every
+device alike and attended by the first range's (``Kivi.attend``); fakequant, whose groups a range holds whole; and
+OTT, whose store (either layout) and hole mask are split as KIVI's store (a range is whole tiles of 64 slots, to
+which its store rounds, so a block event writes one device's store) while its buffer and outlier pools are held by
+every device alike: each device runs every block's competition on the rows it holds of the buffer or the prompt, so
+the pools are one device's, and the first range's device attends them (``Ott.attend``); and ZipCache (either
+layout), whose two pools are not laid out by position (each prompt, chunk and window appends its rows in saliency's
+split), so their rows are split into ranges as the slots are (``CacheSpec.ranges`` sizes them to n ranges of whole
+key groups) while its window, scores and channel scale are held by every device alike: every device scores and
+splits every prompt, chunk and window alike and writes the pool rows of its range, so the pools are one device's;
+the first range's device attends the window, and after a step's merge each device weighs the window by the step's
+probabilities from the merged log-sum-exp (``CacheMethod.attended``); and SpeCache (speculative, without repair;
+either layout), whose low-bit copy is a KIVI cache split as KIVI's and whose host copy is split by range (each
+device writes and reads only its range's rows), while the fetched positions are the same on every device: each makes
+holes of and attends those its range holds, the first range's device the window less all of them. Its step needs
+more than the merged log-sum-exp, so it runs its own ``step_span`` and ``pre_decode_span`` per device, given the
+merge (``CacheMethod``; the default ``step_span`` is ``store_span``, ``attend``, the merge and ``attended``): each
+device weighs its per-head token mass by the merged probabilities and takes its top k, and the top k of every
+device's (``top_k_across_seq``, one all-gather over ``seq``) is the selection, the same on every device. A mesh with
+``seq`` > 1 and any other method (or SpeCache's non-speculative baseline and repair, each a second attention pass
+whose selection would need a merge of its own) is refused up front (``check``).
 """
 
 import dataclasses

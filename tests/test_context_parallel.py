@@ -425,11 +425,16 @@ def test_specache_over_seq_equals_one_device(params, spec_prompts, one_device_sp
 
 
 @on_four_devices
-def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spec_prompts):
+@pytest.mark.parametrize("settings", [dict(), dict(prefetch=False), dict(mma=True, residual=64)],
+                         ids=["prefetch", "no-prefetch", "mma"])
+def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spec_prompts, settings):
   """Prompts in chunks, the pre-decode pass and 30 steps of fixed real and speculative tokens on seq=4: both rows'
   logits are one device's, and so is every layer's fetched set after every step (which positions, in which order:
-  the top k by the merged probabilities), the counted hits too."""
-  method = make_method("specache", **SMALL_SPECACHE["settings"])
+  the top k by the merged probabilities), the counted hits too. The rows fetched at the end of each step into a
+  buffer per device, or by each layer when it attends; the low-bit copy in the MMA packing too (read by XLA here;
+  key blocks of 64, a range's, flushed and value tiles packed by the end of a step into the range that holds
+  them)."""
+  method = make_method("specache", **{**SMALL_SPECACHE["settings"], **settings})
   runs = []
   for mesh in (None, "seq=4"):
     fetched = []

@@ -665,7 +665,8 @@ class SpeCache(CacheMethod):
     if store.scale is None:
       store = store.replace(weights=per_head(store.weights[..., 0].astype(jnp.float32) * factor[:, :, None]))
     else:  # the kernel's fp16 weights stay as written; their runs' factors take the weighing
-      store = store.replace(weights=per_head(store.weights[..., 0]), scale=per_head(store.scale[..., 0] * factor[:, :, None]))
+      store = store.replace(weights=per_head(store.weights[..., 0]),
+                            scale=per_head(store.scale[..., 0] * factor[:, :, None]))
     held = tuple((at, jnp.sum((m * factor[..., None]).reshape(B, H, len(rows), g, -1), axis=3), is_held)
                  for at, m, is_held in held)
     return o.astype(q.dtype), (store, held)
