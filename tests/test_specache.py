@@ -21,7 +21,7 @@ from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
 from jkv.methods.specache import (SpeCache, gather_host_rows, gather_host_rows_one_by_one,
-                                  gather_rows_pallas, top_k_positions)
+                                  gather_rows_pallas, host_write_rows, top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 import quant_oracle
@@ -564,6 +564,26 @@ def test_fetch_paths_agree_bit_for_bit():
     got = jax.jit(gather)(kv_in, jnp.asarray(idx))
     assert got.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_write_into_one_range_of_the_host_copy_drops_the_rows_outside():
+  """``host_write_rows(anywhere=True)`` (a seq device's range of the host copy): rows whose slots lie before, after or
+  across its slots land where they fall inside, the others are dropped, and every slot no row lands in keeps what it
+  held (a clipped ``dynamic_update_slice`` would have written over them)."""
+  rng = np.random.default_rng(11)
+  held = rng.normal(size=(2, 4, 2, 8, 6)).astype(np.float32)  # [L, B, H, C, W]
+  rows = rng.normal(size=(2, 4, 2, 5, 6)).astype(np.float32)  # [L, B, H, T, W]
+  start = np.array([-3, 6, 10, 2], np.int32)  # across the start, across the end, past it, inside
+  want = held.copy()
+  for b, s in enumerate(start):
+    for t in range(5):
+      if 0 <= s + t < 8:
+        want[:, b, :, s + t] = rows[:, b, :, t]
+  host = jax.device_put(held, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+  write = jax.jit(lambda buf, x, at: host_write_rows(buf, 0, x, at, "xla", anywhere=True), donate_argnums=0)
+  got = write(host, jnp.asarray(rows), jnp.asarray(start))
+  assert got.sharding.memory_kind == "pinned_host"
+  np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("capacity, k", [(1024, 8), (8192, 64), (192, 8), (40003, 64)])
