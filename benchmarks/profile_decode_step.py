@@ -121,14 +121,20 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
   """
   capacity = context_parallel.split_capacity(gen.round_up(context + steps, method.capacity_multiple()), method, mesh)
   with sharding.use_mesh(mesh):
-    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity), choose_impl(), mesh)
-    if isinstance(method, ZipCache):  # its pools are laid out by counters of its own, not by the lengths
-      filled = method.synthetic_fill(cache.state, np.full((batch,), context))
-      cache = cache.replace(state=jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), filled, cache.state))
+    # Sized as generate sizes a cache that decodes ``steps`` tokens after its prompts (``CacheSpec.max_decode``).
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, batch, capacity, steps), choose_impl(), mesh)
     params, cache = gen.committed((params, cache))
     where = cache.lengths.sharding
-    held = lambda: jax.device_put(jnp.full((batch,), context, jnp.int32), where)  # donated with the cache
-    cache = cache.replace(lengths=held())
+
+    def filled(cache):
+      """The cache holding ``context`` tokens of each sequence again, so that every run decodes the same steps: its
+      lengths (donated with it), and ZipCache's pool counters (``ZipCache.synthetic_fill``: its pools are laid out
+      by counters of its own, not by the lengths)."""
+      if isinstance(method, ZipCache):
+        state = method.synthetic_fill(cache.state, np.full((batch,), context))
+        cache = cache.replace(state=jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), state, cache.state))
+      return cache.replace(lengths=jax.device_put(jnp.full((batch,), context, jnp.int32), where))
+    cache = filled(cache)
     first, no, counts, rng, eos, pad = sharding.rows(gen.committed((
         jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.int32),
         jax.random.key(0), jnp.asarray((-1,), jnp.int32), jnp.int32(0))), mesh)  # eos -1: every step runs
@@ -149,11 +155,11 @@ def trace_decode(params, cfg, method, *, batch, context, steps, mesh=None, compi
     walls = []
     for _ in range(3):
       start = time.perf_counter()
-      cache, last, spec = run(cache.replace(lengths=held()), last, spec)
+      cache, last, spec = run(filled(cache), last, spec)
       walls.append((time.perf_counter() - start) / steps)
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
-        cache, last, spec = run(cache.replace(lengths=held()), last, spec)
+        cache, last, spec = run(filled(cache), last, spec)
       planes = device_events(trace_dir)
   return dict(wall_ms=1e3 * statistics.median(walls), planes=planes, cache=cache, kinds=kinds, hlo=step.as_text)
 

@@ -129,10 +129,15 @@ class CacheSpec:
   # Devices of a mesh's seq axis, each holding one contiguous range of the slots (jkv.context_parallel): a method
   # whose state's token axes are not the slots themselves sizes them to split as evenly (ZipCache's pools).
   ranges: int = 1
+  # The most tokens any sequence stores after its prompt (decode steps; a prompt's chunks count as prompt), None: up
+  # to the capacity. A method whose decode steps take more rows than prompt tokens do sizes its arrays by it
+  # (ZipCache's pools); a cache whose sequences start anew (a request stream's) leaves it None.
+  max_decode: Optional[int] = None
 
   @classmethod
-  def for_model(cls, cfg: ModelConfig, batch: int, capacity: int) -> "CacheSpec":
-    return cls(cfg.num_layers, batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.q_per_kv, cfg.jnp_dtype)
+  def for_model(cls, cfg: ModelConfig, batch: int, capacity: int, max_decode: Optional[int] = None) -> "CacheSpec":
+    return cls(cfg.num_layers, batch, capacity, cfg.kv_heads, cfg.head_dim, cfg.q_per_kv, cfg.jnp_dtype,
+               max_decode=max_decode)
 
   def with_batch(self, batch: int) -> "CacheSpec":
     return dataclasses.replace(self, batch=batch)

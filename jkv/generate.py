@@ -99,6 +99,13 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
   return capacity
 
 
+def max_decode(max_new_tokens: int, chunk: int, saved) -> Optional[int]:
+  """The most tokens a sequence stores after its prompt (``CacheSpec.max_decode``): whole decode chunks, as the
+  capacity counts them. None continuing a ``saved`` cache: its arrays, sized by the run that saved it, are grown to
+  this one's, so this one's hold any mix."""
+  return None if saved is not None else round_up(max_new_tokens, chunk)
+
+
 @functools.partial(jax.jit, static_argnames=("sampler",))
 def _first_tokens(logits, key, *, sampler):
   """The first generated token of each sequence from its prompt's logits [B, vocab], and whether they were
@@ -241,6 +248,10 @@ class GenerationPlan:
     return [len(p) for p in self.prompts]
 
   @property
+  def max_decode(self) -> Optional[int]:
+    return max_decode(self.max_new_tokens, self.chunk, self.saved)
+
+  @property
   def starts(self) -> list:
     """Tokens each sequence holds before its prompt."""
     return self.held or [0] * self.batch
@@ -287,7 +298,8 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   first = heads if split else lengths
   options = dict(prefill_tokens=prefill_tokens, chunk=prefill_chunk, mesh=mesh)
   if saved is None:
-    prefill = prefill_lib.plan(cfg, method, first, cap, **options)
+    prefill = prefill_lib.plan(cfg, method, first, cap, max_decode=max_decode(max_new_tokens, chunk, saved),
+                               **options)
   else:
     prefill = prefill_lib.plan_continuation(cfg, method, held, first, cap, **options)
     saved.check_method(method.for_impl(CacheSpec.for_model(cfg, len(prompts), prefill.capacity), impl))
@@ -326,7 +338,7 @@ class _Generation:
   def __init__(self, params, cfg: ModelConfig, method: CacheMethod, plan: GenerationPlan, sampler, seed: int,
                mesh):
     self.cfg, self.plan, self.sampler, self.mesh = cfg, plan, sampler, mesh
-    self.spec = CacheSpec.for_model(cfg, plan.batch, plan.capacity)
+    self.spec = CacheSpec.for_model(cfg, plan.batch, plan.capacity, plan.max_decode)
     self.prefills = [prefill_lib.Prefill(part, cfg, prefill_lib.pad_prompts(ids, part.width, plan.pad_id),
                                          [len(p) for p in ids], held) for ids, part, held in plan.parts()]
     # Placement: the parameters over the mesh, the cache allocated in its shards (or loaded), the carried arrays
@@ -461,7 +473,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                          save_cache=save_cache)
   # Refused here, before anything is allocated, when the cache cannot fit; an allocation that fails later says
   # the same in one line (jkv.memory.guard).
-  with memory.guard(memory.CacheRequest(cfg, method, plan.batch, plan.capacity, plan.prefill.chunk, mesh)):
+  with memory.guard(memory.CacheRequest(cfg, method, plan.batch, plan.capacity, plan.prefill.chunk, mesh,
+                                        plan.max_decode)):
     run = _Generation(params, cfg, method, plan, sampler, seed, mesh)
     with CompileCounter() as compiles:
       t_compile = time.perf_counter()
@@ -544,7 +557,8 @@ def stream(params: Params, cfg: ModelConfig, prompt: Sequence[int], *, method: C
   plan = plan_generation(cfg, method, [prompt], max_new_tokens=max_new_tokens, chunk=1, eos_ids=eos_ids,
                          attention_impl=attention_impl, prefill_chunk=prefill_chunk, cache=cache,
                          save_cache=save_cache)
-  with memory.guard(memory.CacheRequest(cfg, method, 1, plan.capacity, plan.prefill.chunk)):
+  with memory.guard(memory.CacheRequest(cfg, method, 1, plan.capacity, plan.prefill.chunk,
+                                        max_decode=plan.max_decode)):
     run = _Generation(params, cfg, method, plan, sampler, seed, None)
     run.run_prefill()
     c = run.carry

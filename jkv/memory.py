@@ -199,10 +199,12 @@ def held_rows_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
   return 2 * batch * cfg.kv_heads * capacity * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
-def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:
-  """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded); with a
-  mesh, what one device of it holds (each array split over the mesh axes that shard it)."""
-  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity))
+def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None,
+                max_decode: Optional[int] = None) -> int:
+  """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded), at
+  most ``max_decode`` of them decoded after the prompt (``CacheSpec.max_decode``; None: any); with a mesh, what one
+  device of it holds (each array split over the mesh axes that shard it)."""
+  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity, max_decode))
   if mesh is None:
     return abstract_bytes(abstract).device + 4 * batch
   return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
@@ -292,7 +294,8 @@ def _largest(fits, hi: int) -> int:
 def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int, weight_bytes: int, mesh=None,
                     host_bytes: Optional[int] = None, limit: int = 1 << 27) -> int:
   """The most tokens one sequence can hold on a device of ``device_bytes`` (each device of ``mesh``) beside
-  ``weight_bytes``: its cache at that capacity (a multiple of the method's ``chunk_multiple``), a chunked prefill's
+  ``weight_bytes``: its cache at that capacity holding a prompt (a multiple of the method's ``chunk_multiple``;
+  a few decoded tokens more fit in ``RESERVE_BYTES``), a chunked prefill's
   held rows (one layer's keys and values in the model dtype, ``held_rows_bytes``), ``RESERVE_BYTES``, and twice the
   activations of a chunk of ``MIN_CHUNK`` tokens (the prefill plan leaves half the free memory to them), with its
   host arrays within ``host_bytes`` where given (``pinned_host_limit``); 0 when not even one chunk fits. The
@@ -304,7 +307,7 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
 
   def fits(n: int) -> bool:
     tokens = n * step
-    need = (cache_bytes(method, cfg, 1, tokens, mesh) + held_rows_bytes(cfg, 1, tokens) // shards
+    need = (cache_bytes(method, cfg, 1, tokens, mesh, max_decode=0) + held_rows_bytes(cfg, 1, tokens) // shards
             + RESERVE_BYTES + 2 * MIN_CHUNK * prefill_bytes_per_token(cfg))
     return need + weight_bytes <= device_bytes and _host_fits(method, cfg, 1, tokens, mesh, host_bytes)
 
@@ -353,7 +356,8 @@ def _gib(n: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class CacheRequest:
   """A batch about to be allocated: ``batch`` sequences of ``capacity`` tokens with ``method``, prompts prefilled
-  ``prompt_tokens`` (padded) tokens each, optionally over a mesh."""
+  ``prompt_tokens`` (padded) tokens each, at most ``max_decode`` tokens decoded after them (None: any),
+  optionally over a mesh."""
 
   cfg: ModelConfig
   method: CacheMethod
@@ -361,11 +365,16 @@ class CacheRequest:
   capacity: int
   prompt_tokens: int
   mesh: Any = None
+  max_decode: Optional[int] = None
+
+  @property
+  def spec(self) -> CacheSpec:
+    return CacheSpec.for_model(self.cfg, self.batch, self.capacity, self.max_decode)
 
   @property
   def need_bytes(self) -> int:
     """The cache's device bytes (one device's share on a mesh)."""
-    return cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh)
+    return cache_bytes(self.method, self.cfg, self.batch, self.capacity, self.mesh, self.max_decode)
 
   @property
   def host_bytes(self) -> int:
@@ -376,8 +385,8 @@ class CacheRequest:
   def allocation_bytes(self) -> int:
     """What the allocator takes for the cache's device arrays on one device: ``need_bytes`` with each array
     rounded up as XLA's GPU allocator rounds it."""
-    return self.need_bytes + ALLOCATION_GRANULE * (len(jax.tree.leaves(
-        self.method.abstract(CacheSpec.for_model(self.cfg, self.batch, self.capacity)), is_leaf=is_array_info)) + 1)
+    return self.need_bytes + ALLOCATION_GRANULE * (len(jax.tree.leaves(self.method.abstract(self.spec),
+                                                                       is_leaf=is_array_info)) + 1)
 
   def devices(self) -> list:
     """This process's devices the cache is allocated on: the mesh's, or the first device."""
@@ -417,7 +426,7 @@ def guard(request: CacheRequest):
   ``DeviceMemoryError`` saying the same. On a CPU the device's memory is the machine's
   (``available_memory``); nothing is checked where neither is known."""
   # Settings that cannot serve this model are their own one-line error, before their cache is sized.
-  request.method.check(CacheSpec.for_model(request.cfg, request.batch, request.capacity))
+  request.method.check(request.spec)
   mem = available_memory()
   if mem is not None and request.need_bytes > mem["limit"] - mem["in_use"]:
     raise request.error(f"{request} does not fit", mem)

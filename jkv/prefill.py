@@ -66,14 +66,16 @@ class PrefillPlan:
 
 
 def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity: int, *,
-         prefill_tokens: Optional[int] = None, chunk: Optional[int] = None, mesh=None) -> PrefillPlan:
+         prefill_tokens: Optional[int] = None, chunk: Optional[int] = None, mesh=None,
+         max_decode: Optional[int] = None) -> PrefillPlan:
   """The prefill plan for prompts of these lengths in a cache of ``capacity`` tokens (``jkv.generate``'s plan),
   before the cache is allocated.
 
   ``prefill_tokens``: prompt tokens one call may take (default: what half the device's free memory holds beside
   the cache, and beside a sub-batch's fresh state or the chunk's held rows). ``chunk``: chunked prefill with chunks
   of this many tokens (rounded up to ``chunk_multiple``) whatever fits; whole prompts where one chunk holds them.
-  Chunked, the capacity grows to hold a chunk multiple past the last chunk."""
+  Chunked, the capacity grows to hold a chunk multiple past the last chunk. ``max_decode``: the cache's
+  (``CacheSpec.max_decode``), which sizes it."""
   B, longest = len(lengths), max(lengths)
   width = min(bucket(longest), capacity)
   multiple = method.chunk_multiple()
@@ -85,7 +87,7 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
   shards = sharding.axis_size(mesh, "data")
   # Prompt tokens of one call over the mesh: each device takes 1 / data of them (budgets count one device's memory).
   budget = lambda **extra: prefill_tokens or shards * memory.prefill_token_budget(cfg, **extra)
-  in_cache = memory.cache_bytes(method, cfg, B, capacity, mesh)
+  in_cache = memory.cache_bytes(method, cfg, B, capacity, mesh, max_decode)
   if B * width <= budget(fixed_bytes=in_cache):
     return whole
   # Beside a sub-batch's fresh state; at least one prompt per device where that fits whole (what
@@ -94,8 +96,8 @@ def plan(cfg: ModelConfig, method: CacheMethod, lengths: Sequence[int], capacity
   rows = budget(fixed_bytes=in_cache, state_bytes_per_token=per_sequence, floor_tokens=width) // width
   if rows >= 1:
     return PrefillPlan(B, width, sharding.batch_rows(rows, B, mesh), width, capacity)
-  return _chunked(B, longest, capacity, _chunk_budget(cfg, method, B, capacity, prefill_tokens, mesh), multiple,
-                  even=True)
+  return _chunked(B, longest, capacity, _chunk_budget(cfg, method, B, capacity, prefill_tokens, mesh, max_decode),
+                  multiple, even=True)
 
 
 def plan_continuation(cfg: ModelConfig, method: CacheMethod, held: Sequence[int], lengths: Sequence[int],
@@ -120,14 +122,14 @@ def plan_continuation(cfg: ModelConfig, method: CacheMethod, held: Sequence[int]
 
 
 def _chunk_budget(cfg: ModelConfig, method: CacheMethod, batch: int, capacity: int, prefill_tokens: Optional[int],
-                  mesh) -> int:
+                  mesh, max_decode: Optional[int] = None) -> int:
   """Tokens per sequence of one chunked call: ``prefill_tokens`` over the batch, or what half the free memory holds
   beside the cache and the chunk's held rows; whole chunk multiples, at least ``memory.MIN_CHUNK``."""
   multiple, shards = method.chunk_multiple(), sharding.axis_size(mesh, "data")
   # Per device: the cache's share, and the held rows of its sequences, KV heads and range of tokens.
   held = memory.held_rows_bytes(cfg, batch // shards, capacity) // (sharding.axis_size(mesh, "model")
                                                                      * sharding.axis_size(mesh, sharding.SEQ_AXIS))
-  fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh) + held
+  fixed = memory.cache_bytes(method, cfg, batch, capacity, mesh, max_decode) + held
   # (a chunk's more held rows at the grown capacity: within the halving)
   tokens = prefill_tokens or shards * memory.prefill_token_budget(cfg, fixed_bytes=fixed)  # over the mesh
   size = tokens // batch // multiple * multiple

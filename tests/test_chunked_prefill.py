@@ -320,15 +320,21 @@ def test_longest_context_is_the_last_capacity_that_fits():
                     kv_heads=8, head_dim=128, max_position=8192, dtype="bfloat16")
   device, weights = 80 << 30, 15 << 30
   found = {}
-  for name, options in (("dense", {}), ("kivi", dict(bits=2, mma=True))):
+  for name, options in (("dense", {}), ("kivi", dict(bits=2, mma=True)), ("zipcache", {})):
     method = make_method(name, **options)
     n = memory.longest_context(cfg, method, device_bytes=device, weight_bytes=weights)
-    need = lambda t: (memory.cache_bytes(method, cfg, 1, t) + memory.held_rows_bytes(cfg, 1, t) + memory.RESERVE_BYTES
-                      + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+    # The cache of a prompt (nothing decoded after it), or of any mix of prompt and decoded tokens.
+    need = lambda t, decode=0: (memory.cache_bytes(method, cfg, 1, t, max_decode=decode)
+                                + memory.held_rows_bytes(cfg, 1, t) + memory.RESERVE_BYTES
+                                + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
     step = method.chunk_multiple()
     assert n % step == 0 and need(n) <= device < need(n + step)
     found[name] = n
   assert found["dense"] > 400_000 and found["kivi"] > 4 * found["dense"]
+  # ZipCache's decoded windows take whole key groups in each pool (twice a prompt's rows): pools sized for a prompt
+  # hold about twice as long a one as pools sized for any mix of prompt and decoded tokens.
+  any_mix = memory._largest(lambda m: need(m * step, None) <= device, n // step) * step
+  assert 1.7 < found["zipcache"] / any_mix < 2.1
 
 
 # ------------------------------------------------------------------------------------------------- generate

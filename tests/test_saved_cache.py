@@ -91,7 +91,9 @@ def test_a_saved_document_continued_by_a_question_equals_one_chunked_prefill(par
   tail = doc[head:]
   np.testing.assert_allclose(_first_logits(params, method, [tail + question], directory, head),
                              _first_logits(params, method, [doc + question], None, head), rtol=1e-5, atol=1e-5)
-  spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [head]))
+  # (sized, as the saving run's cache was, for its decode steps: ZipCache's pools depend on them)
+  spec = CacheSpec.for_model(CFG, 1, saved_cache.held_capacity(method, [head]),
+                             gen.max_decode(NEW, min(gen.DECODE_CHUNK, NEW), None))
   assert written["array_bytes"] == abstract_bytes(method.for_impl(spec, IMPL).abstract(spec)).total
   assert written["held_bytes"] + written["held_host_bytes"] <= written["array_bytes"]
   assert written["array_bytes"] <= written["disk_bytes"] < written["array_bytes"] + 65536  # orbax metadata: kBs

@@ -549,6 +549,47 @@ def test_pools_never_overflow():
     assert int(pool.fill[1, 0]) == need[name][p] <= pool.v_codes.shape[3]
 
 
+@pytest.mark.parametrize("method", [SHARED, ZipCache(), ZipCache(salient_ratio=0.3, interval=7, key_group=16)])
+def test_pool_capacities_are_the_most_any_prompt_length_needs(method):
+  """Each pool's rows are the most that a prompt of any length p and then at most ``max_decode`` decoded tokens (the
+  rest of the capacity) need: by brute force over every p, for capacities and decode bounds around the interval."""
+  G, multiple = method.key_group, int(np.lcm(method.key_group, 64))
+  up = lambda n, m=G: -(-n // m) * m
+  for capacity in (1, 31, 32, 33, 100, 257, 1000):
+    for max_decode in (None, 0, 1, 31, 33, 500, 5000):
+      p = np.arange(capacity + 1)
+      windows = np.minimum(capacity - p, capacity if max_decode is None else max_decode) // method.interval
+      n_high = np.ceil(p * method.salient_ratio - 1e-9).astype(int)
+      w_high = int(np.ceil(method.interval * method.salient_ratio - 1e-9))
+      need = (up(n_high) + windows * up(w_high), up(p - n_high) + windows * up(method.interval - w_high))
+      want = tuple(max(up(int(x.max()), multiple), multiple) for x in need)
+      assert method.pool_capacities(capacity, 1, max_decode) == want, (capacity, max_decode)
+
+
+def test_pools_sized_for_the_decode_attend_as_pools_for_any_mix():
+  """A cache that decodes at most 24 tokens after its prompts allocates fewer pool rows than one for any mix, and
+  gives the same outputs over those 24 steps (three windows compressed), its fills within its rows."""
+  lengths = np.array([40, 33, 12])
+  rng = np.random.default_rng(11)
+  q, k, v = _qkv(rng, BATCH, CAP)
+  step = _step_fn(SHARED, LAYER)
+  runs = []
+  for max_decode in (None, 24):
+    spec = dataclasses.replace(_spec(BATCH, CAP), max_decode=max_decode)
+    state = _prefill(SHARED, SHARED.init(spec), LAYER, q, k, v, lengths, pad_to=CAP)
+    outs = []
+    for s in range(24):
+      pos = lengths + s
+      out, state = step(state, *(_rows_at(x, pos) for x in (q, k, v)), pos)
+      outs.append(np.asarray(out))
+    runs.append((np.stack(outs), state))
+  (any_mix, whole), (decode, sized) = runs
+  np.testing.assert_array_equal(decode, any_mix)
+  for name in ("high", "low"):
+    rows = getattr(sized, name).v_codes.shape[3]
+    assert rows < getattr(whole, name).v_codes.shape[3] and int(np.asarray(getattr(sized, name).fill).max()) <= rows
+
+
 def test_synthetic_fill_leaves_the_counters_of_a_prefill():
   """A benchmark's synthetic fill holds the rows a prefill of the same lengths holds: every pool counter equal to the
   prefill's (on every layer), the window empty; then a step attends those rows (the pools' real-row mask)."""

@@ -218,12 +218,19 @@ class ZipCache(CacheMethod):
     return ceil_fraction(exact_fraction(self.salient_ratio), n)
 
   @functools.lru_cache(maxsize=64)
-  def pool_capacities(self, capacity: int, ranges: int = 1) -> tuple[int, int]:
+  def pool_capacities(self, capacity: int, ranges: int = 1, max_decode: Optional[int] = None) -> tuple[int, int]:
     """Rows of the high and low pools that no sequence of ``capacity`` tokens outgrows: the most over every
-    prompt length p (its rows, then one window's rows per N tokens after it); each pool splits into ``ranges``
-    equal ranges of whole blocks (a ``seq`` axis: ``CacheSpec.ranges``)."""
-    p = np.arange(capacity + 1)
-    windows = (capacity - p) // self.interval
+    prompt length p (its rows, then one window's rows per N of the tokens after it, at most ``max_decode``: None,
+    up to the capacity); each pool splits into ``ranges`` equal ranges of whole blocks (a ``seq`` axis:
+    ``CacheSpec.ranges``). A decoded window takes whole key groups in each pool (at the defaults 32 rows in each for
+    32 tokens), a prompt about one row per token in all, so a cache for any mix holds about twice the rows that a
+    prompt of its whole capacity fills (``CacheSpec.max_decode`` bounds the mix).
+
+    A prompt's rows grow with p, the windows after it shrink: the most is at the longest prompt of each window
+    count, p = capacity - w N for w windows (O(capacity / N) candidates, not every p)."""
+    decode = capacity if max_decode is None else min(max_decode, capacity)
+    p = capacity - self.interval * np.arange(decode // self.interval + 1)
+    windows = np.minimum(capacity - p, decode) // self.interval
     n_high = self._salient(p)
     high = self._rows(n_high) + windows * self._rows(self.window_high)
     low = self._rows(p - n_high) + windows * self._rows(self.interval - self.window_high)
@@ -250,7 +257,7 @@ class ZipCache(CacheMethod):
 
   def abstract(self, spec: CacheSpec) -> ZipCacheState:
     L, B, H, D, N = spec.num_layers, spec.batch, spec.kv_heads, spec.head_dim, self.interval
-    high, low = self.pool_capacities(spec.capacity, spec.ranges)
+    high, low = self.pool_capacities(spec.capacity, spec.ranges, spec.max_decode)
     window = ArrayInfo((L, B, H, N, D), spec.dtype, LEAD + ("window", "head_dim"))
     return ZipCacheState(
         high=self._pool_abstract(spec, high, self.high_bits), low=self._pool_abstract(spec, low, self.low_bits),
