@@ -6,6 +6,7 @@ runs its sharded suite); in the main test process they are skipped.
 """
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -124,10 +125,14 @@ def params():
   return init_random(CFG, jax.random.key(0), scale=0.15)  # peaked enough that tokens vary with the context
 
 
+def _random_prompts(seed, lengths):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in lengths]
+
+
 @pytest.fixture(scope="module")
 def prompts():
-  rng = np.random.default_rng(7)
-  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in LENGTHS]
+  return _random_prompts(7, LENGTHS)
 
 
 def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, impl="xla",
@@ -266,8 +271,7 @@ def test_kivi_in_the_mma_packing_over_seq_equals_one_device(params):
   """The Hopper kernel's packing (read by XLA here) over seq=4's ranges of 64 tokens: the first prompt is stored in
   three devices' stores, and its decode reaches position 192, where the end of a step flushes a key block and packs
   a value tile into the third device's store, which the next steps read."""
-  rng = np.random.default_rng(8)
-  prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (190, 130)]
+  prompts = _random_prompts(8, (190, 130))
   method = make_method("kivi", residual=64, group_size=32, mma=True)
   one, split = (_logits(params, prompts, mesh, method, chunk=None, capacity=2 * CAPACITY) for mesh in (None, "seq=4"))
   np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
@@ -320,8 +324,7 @@ def test_ott_logits_and_pools_over_seq_equal_one_devices(params, layout):
   the second layer 3e-6 apart after the prefill) moved 7 zero-points by one step of fp16 (0.002), and logits by up
   to 4e-4. The MMA packing (read by XLA here: block events merged into tiles of the device's range) takes 16-bit
   ones only; there these prompts' rounding moves none."""
-  rng = np.random.default_rng(8)
-  prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (200, 130)]
+  prompts = _random_prompts(8, (200, 130))
   method = make_method("ott", **layout, **SMALL_OTT["settings"])
   (one, one_cache), (split, split_cache) = (_logits_and_cache(params, prompts, mesh, method, OTT_CHUNK, None)
                                             for mesh in (None, "seq=4"))
@@ -337,12 +340,10 @@ def test_ott_logits_and_pools_over_seq_equal_one_devices(params, layout):
 
 @pytest.fixture(scope="module")
 def zip_prompts():
-  rng = np.random.default_rng(9)
-  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in ZIP_LENGTHS]
+  return _random_prompts(9, ZIP_LENGTHS)
 
 
-def _zip_generate(params, prompts, mesh=None, **kw):
-  return _generate(params, prompts, mesh=mesh, new_tokens=ZIP_NEW_TOKENS, **SMALL_ZIPCACHE, **kw)
+_zip_generate = functools.partial(_generate, new_tokens=ZIP_NEW_TOKENS, **SMALL_ZIPCACHE)
 
 
 @pytest.fixture(scope="module")
@@ -396,12 +397,10 @@ def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params, zip_prompt
 
 @pytest.fixture(scope="module")
 def spec_prompts():
-  rng = np.random.default_rng(10)
-  return [rng.integers(2, CFG.vocab_size, n).tolist() for n in SPEC_LENGTHS]
+  return _random_prompts(10, SPEC_LENGTHS)
 
 
-def _spec_generate(params, prompts, mesh=None, **kw):
-  return _generate(params, prompts, mesh=mesh, new_tokens=SPEC_NEW_TOKENS, **SMALL_SPECACHE, **kw)
+_spec_generate = functools.partial(_generate, new_tokens=SPEC_NEW_TOKENS, **SMALL_SPECACHE)
 
 
 @pytest.fixture(scope="module")
