@@ -199,12 +199,19 @@ def held_rows_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
   return 2 * batch * cfg.kv_heads * capacity * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
+def _abstract(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh, max_decode=None):
+  """The state a mesh allocates: with a ``seq`` axis its ranges (``CacheSpec.ranges``: ZipCache's pools round to
+  them), as ``jkv.context_parallel.SeqShard`` asks for it."""
+  spec = CacheSpec.for_model(cfg, batch, capacity, max_decode)
+  return method.abstract(dataclasses.replace(spec, ranges=sharding.axis_size(mesh, sharding.SEQ_AXIS)))
+
+
 def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None,
                 max_decode: Optional[int] = None) -> int:
   """Device bytes the cache allocates for ``batch`` sequences of ``capacity`` tokens (host arrays excluded), at
   most ``max_decode`` of them decoded after the prompt (``CacheSpec.max_decode``; None: any); with a mesh, what one
   device of it holds (each array split over the mesh axes that shard it)."""
-  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity, max_decode))
+  abstract = _abstract(method, cfg, batch, capacity, mesh, max_decode)
   if mesh is None:
     return abstract_bytes(abstract).device + 4 * batch
   return sharding.local_bytes(abstract, mesh).device + 4 * batch // sharding.axis_size(mesh, "data")
@@ -213,7 +220,7 @@ def cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int
 def host_cache_bytes(method: CacheMethod, cfg: ModelConfig, batch: int, capacity: int, mesh=None) -> int:
   """Host bytes the cache allocates (SpeCache's 16-bit copy; 0 for device-only methods), in all for this process:
   with a mesh, one device's share times this process's devices of it (XLA pins them all from one pool)."""
-  abstract = method.abstract(CacheSpec.for_model(cfg, batch, capacity))
+  abstract = _abstract(method, cfg, batch, capacity, mesh)
   if mesh is None:
     return abstract_bytes(abstract).host
   share = sharding.local_bytes(abstract, mesh).host

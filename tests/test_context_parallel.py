@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from jkv import context_parallel
 from jkv import generate as gen
 from jkv import memory
 from jkv import prefill as prefill_lib
@@ -118,6 +119,25 @@ def test_the_longest_context_over_seq_counts_each_devices_share_of_the_held_rows
   step = method.chunk_multiple()
   assert per_device(n) <= device < per_device(n + step)
   assert 3.5 < n / memory.longest_context(cfg, method, **free) < 4.5
+
+
+@on_four_devices
+@pytest.mark.parametrize("name, settings", [("dense", {}), ("kivi", SMALL_KIVI["settings"]),
+                                            ("ott", SMALL_OTT["settings"]), ("zipcache", SMALL_ZIPCACHE["settings"]),
+                                            ("specache", SMALL_SPECACHE["settings"])])
+def test_the_memory_plan_is_what_seq_allocates_on_each_device(name, settings):
+  """The plans' bytes of a cache on seq=4 (``memory.cache_bytes``, ``host_cache_bytes``) are what device 0 holds of
+  it as allocated, ZipCache's pools rounded to the ranges included."""
+  mesh, method = sharding.make_mesh("seq=4"), make_method(name, **settings)
+  capacity = context_parallel.split_capacity(300, method, mesh)
+  cache = sharding.create_cache(method, CacheSpec.for_model(CFG, 2, capacity), "xla", mesh)
+  device = jax.devices()[0]
+  held = {"device": 0, "host": 0}
+  for x in jax.tree.leaves((cache.state, cache.lengths)):
+    kind = "device" if x.sharding.memory_kind in (None, "device") else "host"
+    held[kind] += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+  assert held["device"] == memory.cache_bytes(method, CFG, 2, capacity, mesh)
+  assert held["host"] * 4 == memory.host_cache_bytes(method, CFG, 2, capacity, mesh)  # this process's 4 devices
 
 
 @pytest.fixture(scope="module")
