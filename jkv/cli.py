@@ -329,7 +329,7 @@ def cmd_generate(args):
   ids = [encode_text(tok, p, not args.raw, starts=args.cache is None, ends=args.save_cache is None) for p in prompts]
   size_pinned_host_pool(_host_copy_bytes(source.config, method, ids, args))
   mesh = mesh_from_args(args)
-  context_parallel.check(method, mesh, saved_cache=args.cache is not None or args.save_cache is not None)
+  context_parallel.check(method, mesh)
   _progress(f"loading model {args.model} ...")
   model = source.load()
   sharding.check_mesh(mesh, model.config, len(prompts))

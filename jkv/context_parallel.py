@@ -65,18 +65,14 @@ def seq_devices(mesh) -> int:
   return axis_size(mesh, SEQ_AXIS)
 
 
-def check(method: CacheMethod, mesh, *, saved_cache: bool = False) -> None:
-  """One-line ValueError where the mesh splits tokens over ``seq`` and the method cannot be split so, or a cache is
-  saved or loaded (``jkv.saved_cache`` places a cache by sequences and heads alone)."""
+def check(method: CacheMethod, mesh) -> None:
+  """One-line ValueError where the mesh splits tokens over ``seq`` and the method cannot be split so."""
   if seq_devices(mesh) == 1:
     return
   if not method.splits_tokens():
     raise ValueError(f"cache method {method.name!r} cannot split a sequence's tokens over devices (mesh "
                      f"{mesh_label(mesh)}); on a seq axis dense, kivi, fakequant, ott, zipcache "
                      "and specache (speculate=true, repair=false) run: use data and model axes for it")
-  if saved_cache:
-    raise ValueError(f"a saved cache is not yet saved or loaded with its tokens split over devices (mesh "
-                     f"{mesh_label(mesh)}): use data and model axes")
 
 
 def split_capacity(capacity: int, method: CacheMethod, mesh, requested=None) -> int:

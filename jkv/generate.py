@@ -283,6 +283,7 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   if cache is not None:
     saved = saved_cache.open_saved(cache)
     saved.check_model(cfg)
+    saved.check_mesh(mesh)
     held = saved.check_batch(len(prompts))
     prompts = [tail + p for tail, p in zip(saved.tails(len(prompts)), prompts)]
   lengths = [len(p) for p in prompts]
@@ -292,7 +293,7 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
                       chunk, capacity, continued=saved is not None)
   sharding.check_mesh(mesh, cfg, len(prompts))
-  context_parallel.check(method, mesh, saved_cache=cache is not None or save_cache is not None)
+  context_parallel.check(method, mesh)
   cap = context_parallel.split_capacity(cap, method, mesh, requested=capacity)
   split = heads is not None and heads != lengths
   first = heads if split else lengths

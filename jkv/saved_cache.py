@@ -13,6 +13,7 @@ A saved cache directory::
 
   jkv_cache.json  {"format": 1, "jkv": version, "model": {"config": ModelConfig fields, "fingerprint": hex},
                    "method": {"name", "settings" as it ran}, "capacity": tokens the arrays are cut to,
+                   "seq": devices a sequence's tokens were split over (a mesh's seq axis; 1 without),
                    "lengths": [B] tokens held, "tails": [B] token ids after them (fewer than a chunk),
                    "arrays": {name: {"shape", "dtype", "axes", "memory_kind"}},
                    "held_bytes": {"device", "host"}, "array_bytes": bytes of the arrays,
@@ -29,8 +30,9 @@ allocation and that prefill would give.
 
 Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole. Loading
 refuses, each in one line: a leftover of an interrupted save, a missing or damaged manifest, another model's config,
-another batch, another method or settings (as they run here), all before anything is allocated; then weights that
-are not the ones saved with (checksums of every weight) and any file whose size or sha256 differs (naming the file).
+another batch, another method or settings (as they run here), another ``seq`` split, all before anything is
+allocated; then weights that are not the ones saved with (checksums of every weight) and any file whose size or
+sha256 differs (naming the file).
 """
 
 import dataclasses
@@ -108,6 +110,9 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
   t0 = time.perf_counter()
   lengths = np.asarray(sharding.fetch(cache.lengths))
   method = cache.method  # a mesh's PerShard describes and names its inner method's state
+  # Split over seq, an array's layout is one device's over the whole capacity (each range in place), rounded to the
+  # ranges (ZipCache's pools, SpeCache's fetched rows): a load on the same seq gets it back.
+  seq = sharding.axis_size(method.mesh if isinstance(method, sharding.PerShard) else None, sharding.SEQ_AXIS)
   capacity = held_capacity(method, lengths)
   abstract = method.abstract(dataclasses.replace(cache.spec, capacity=capacity))
   paths, infos = zip(*jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_array_info)[0])
@@ -127,7 +132,7 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
     checkpoint.finished_before_interrupt(write)
     manifest = dict(
         format=FORMAT, jkv=_version(), model=dict(config=_jsonable(dataclasses.asdict(cfg)), fingerprint=fingerprint),
-        method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity,
+        method=dict(name=method.name, settings=_jsonable(method.settings())), capacity=capacity, seq=seq,
         lengths=lengths.tolist(), tails=[list(map(int, t)) for t in tails], arrays=infos,
         held_bytes=dict(device=held.device, host=held.host), array_bytes=sum(a.nbytes for a in arrays.values()),
         files=checkpoint.file_digests(partial, ARRAYS))
@@ -262,6 +267,14 @@ class SavedCache:
                        f"each), or save one sequence to continue it with any number of prompts; got {batch}")
     return self.lengths * batch if saved == 1 else list(self.lengths)
 
+  def check_mesh(self, mesh) -> None:
+    """A one-line ValueError unless ``mesh`` splits a sequence's tokens over as many devices as the saving run's
+    (``seq``: the arrays' layout follows its ranges)."""
+    saved, here = self.manifest.get("seq", 1), sharding.axis_size(mesh, sharding.SEQ_AXIS)
+    if saved != here:
+      raise ValueError(f"saved cache {self.directory} holds its tokens split over seq={saved}; load it on a mesh "
+                       f"with seq={saved} (this run: seq={here})")
+
   def check_model(self, cfg: ModelConfig) -> None:
     """A one-line ValueError unless ``cfg`` is the config the cache was prefilled with."""
     saved, here = self.manifest["model"]["config"], _jsonable(dataclasses.asdict(cfg))
@@ -343,7 +356,7 @@ def load(saved: SavedCache, params, method: CacheMethod, spec: CacheSpec, impl: 
   with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
     restored = ckptr.restore(os.path.join(saved.directory, ARRAYS), args=ocp.args.PyTreeRestore(restore_args=wanted))
   tiled = lambda x, axis: np.repeat(x, spec.batch, axis=axis) if B == 1 and spec.batch > 1 else x
-  cache_method = method if mesh is None else sharding.PerShard(method, mesh, spec)
+  cache_method = method if mesh is None else sharding.per_shard(method, mesh, spec)
   cache_method.check(spec)
   abstract = cache_method.abstract(spec)
   placements = (cache_method.shardings(spec) if mesh is not None

@@ -480,10 +480,15 @@ def create_cache(method: CacheMethod, spec: CacheSpec, impl: str, mesh: Optional
   ``KVCache.create`` itself."""
   if mesh is None:
     return KVCache.create(method, spec, impl)
-  from jkv.context_parallel import SeqShard  # here: it builds on PerShard
-  wrapper = SeqShard if axis_size(mesh, SEQ_AXIS) > 1 else PerShard
-  cache = KVCache.create(wrapper(method, mesh, spec, rules), spec, impl)
+  cache = KVCache.create(per_shard(method, mesh, spec, rules), spec, impl)
   return cache.replace(lengths=jax.device_put(cache.lengths, NamedSharding(mesh, P(rules.batch))))
+
+
+def per_shard(method: CacheMethod, mesh: Mesh, spec: CacheSpec, rules: ShardingRules = DEFAULT_RULES) -> "PerShard":
+  """``method`` wrapped to run per shard of ``mesh``: ``PerShard``, or ``context_parallel.SeqShard`` on a mesh
+  with a ``seq`` axis."""
+  from jkv.context_parallel import SeqShard  # here: it builds on PerShard
+  return (SeqShard if axis_size(mesh, SEQ_AXIS) > 1 else PerShard)(method, mesh, spec, rules)
 
 
 def under_mesh(fn):
