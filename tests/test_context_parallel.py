@@ -154,6 +154,9 @@ def prompts():
   return _random_prompts(7, LENGTHS)
 
 
+ZIP_PROMPTS, SPEC_PROMPTS = _random_prompts(9, ZIP_LENGTHS), _random_prompts(10, SPEC_LENGTHS)
+
+
 def _generate(params, prompts, mesh=None, method="dense", capacity=CAPACITY, settings=None, impl="xla",
               new_tokens=NEW_TOKENS, **kw):
   return gen.generate(params, CFG, prompts, method=make_method(method, **(settings or {})),
@@ -357,54 +360,56 @@ def test_ott_logits_and_pools_over_seq_equal_one_devices(params, layout):
   np.testing.assert_array_equal(np.asarray(split_cache.state.pool_pos), pools)
 
 
-@pytest.fixture(scope="module")
-def zip_prompts():
-  return _random_prompts(9, ZIP_LENGTHS)
-
-
 _zip_generate = functools.partial(_generate, new_tokens=ZIP_NEW_TOKENS, **SMALL_ZIPCACHE)
 
 
 @pytest.fixture(scope="module")
-def one_device_zipcache(params, zip_prompts):
+def one_device_zipcache(params):
   """One device's tokens with ZipCache's small groups: whole prompts, and prompts in chunks (each scored by its own
   probes, so they differ from whole prompts' tokens)."""
-  whole = _zip_generate(params, zip_prompts).tokens
-  chunked = _zip_generate(params, zip_prompts, prefill_chunk=ZIP_CHUNK).tokens
+  whole = _zip_generate(params, ZIP_PROMPTS).tokens
+  chunked = _zip_generate(params, ZIP_PROMPTS, prefill_chunk=ZIP_CHUNK).tokens
   assert whole != chunked
   return whole, chunked
 
 
 @on_four_devices
 @pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
-def test_zipcache_over_seq_equals_one_device(params, zip_prompts, one_device_zipcache, mesh):
+def test_zipcache_over_seq_equals_one_device(params, one_device_zipcache, mesh):
   """ZipCache's pools split by ranges of rows, its window on every device: every prompt, chunk and window scored and
   split alike on each device, which writes the pool rows of its range; the window attended once, its probes
   weighed by the probabilities merged over every device."""
   whole, chunked = one_device_zipcache
-  assert _zip_generate(params, zip_prompts, mesh).tokens == whole
-  split = _zip_generate(params, zip_prompts, mesh, prefill_chunk=ZIP_CHUNK)
+  assert _zip_generate(params, ZIP_PROMPTS, mesh).tokens == whole
+  split = _zip_generate(params, ZIP_PROMPTS, mesh, prefill_chunk=ZIP_CHUNK)
   assert split.stats["prefill_chunk"] == ZIP_CHUNK and split.tokens == chunked
 
 
-@on_four_devices
-def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params, zip_prompts):
-  """Prompts in chunks of 96 and 34 decode steps (a window compressed at step 32) on seq=4: the logits are one
-  device's, and so are both pools' rows below their fill in every layer (which tokens are salient, in which row:
-  each row's value scale and zero-point are its token's), their codes and counters. Scales in fp32 (as OTT's test,
-  so the merge's rounding moves none)."""
-  method = make_method("zipcache", meta_dtype="float32", **SMALL_ZIPCACHE["settings"])
+def _zip_pools_over_seq(params, method, chunk):
+  """The first two ZipCache prompts (in chunks of ``chunk``, or whole) and 34 decode steps on one device and on
+  seq=4: checks that the logits and both pools' fills are one device's, then yields (name, one device's pool,
+  seq=4's pool) of each pool."""
   (one, one_cache), (split, split_cache) = (
-      _logits_and_cache(params, zip_prompts[:2], mesh, method, ZIP_CHUNK, SMALL_ZIPCACHE["capacity"], steps=34)
+      _logits_and_cache(params, ZIP_PROMPTS[:2], mesh, method, chunk, SMALL_ZIPCACHE["capacity"], steps=34)
       for mesh in (None, "seq=4"))
   assert np.std(one) > 1
   np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
   for name in ("high", "low"):
     one_pool, split_pool = getattr(one_cache.state, name), getattr(split_cache.state, name)
-    fill = np.asarray(one_pool.fill)  # [L, B]
-    np.testing.assert_array_equal(np.asarray(split_pool.fill), fill)
+    np.testing.assert_array_equal(np.asarray(split_pool.fill), np.asarray(one_pool.fill))  # [L, B]
+    yield name, one_pool, split_pool
+
+
+@on_four_devices
+def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params):
+  """Prompts in chunks of 96 and 34 decode steps (a window compressed at step 32) on seq=4: the logits are one
+  device's, and so are both pools' rows below their fill in every layer (which tokens are salient, in which row:
+  each row's value scale and zero-point are its token's), their codes and counters. Scales in fp32 (as OTT's test,
+  so the merge's rounding moves none)."""
+  method = make_method("zipcache", meta_dtype="float32", **SMALL_ZIPCACHE["settings"])
+  for name, one_pool, split_pool in _zip_pools_over_seq(params, method, ZIP_CHUNK):
     np.testing.assert_array_equal(np.asarray(split_pool.prompt_rows), np.asarray(one_pool.prompt_rows))
-    rows = int(fill.max())
+    rows = int(np.asarray(one_pool.fill).max())
     assert rows > split_pool.v_codes.shape[3] // 2  # rows in the third of seq=4's four ranges
     for field, axis in (("v_codes", 3), ("v_scale", 3), ("v_zero", 3), ("k_codes", 4), ("k_scale", 4),
                         ("k_zero", 4)):
@@ -414,30 +419,25 @@ def test_zipcache_logits_and_pools_over_seq_equal_one_devices(params, zip_prompt
       np.testing.assert_allclose(cut(split_pool), cut(one_pool), rtol=1e-5, atol=1e-5, err_msg=f"{name}.{field}")
 
 
-@pytest.fixture(scope="module")
-def spec_prompts():
-  return _random_prompts(10, SPEC_LENGTHS)
-
-
 _spec_generate = functools.partial(_generate, new_tokens=SPEC_NEW_TOKENS, **SMALL_SPECACHE)
 
 
 @pytest.fixture(scope="module")
-def one_device_specache(params, spec_prompts):
+def one_device_specache(params):
   """One device's tokens and hit rate with SpeCache: whole prompts, and prompts in chunks."""
-  whole, chunked = _spec_generate(params, spec_prompts), _spec_generate(params, spec_prompts, prefill_chunk=SPEC_CHUNK)
+  whole, chunked = _spec_generate(params, SPEC_PROMPTS), _spec_generate(params, SPEC_PROMPTS, prefill_chunk=SPEC_CHUNK)
   assert 0 < whole.stats["method_stats"]["speculation_hit_rate"] < 1  # a selection a wrong mass would move
   return whole, chunked
 
 
 @on_four_devices
 @pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
-def test_specache_over_seq_equals_one_device(params, spec_prompts, one_device_specache, mesh):
+def test_specache_over_seq_equals_one_device(params, one_device_specache, mesh):
   """SpeCache's low-bit copy split as KIVI's and its host copy by ranges, the fetched positions on every device: the
   tokens and the speculation hit rate (every step's fetched set against the real row's top k, by the probabilities
   merged over every device) are one device's, whole prompts and chunks."""
   for run, kw in zip(one_device_specache, (dict(), dict(prefill_chunk=SPEC_CHUNK))):
-    split = _spec_generate(params, spec_prompts, mesh, **kw)
+    split = _spec_generate(params, SPEC_PROMPTS, mesh, **kw)
     assert split.tokens == run.tokens
     assert split.stats["method_stats"] == pytest.approx(run.stats["method_stats"], rel=1e-6)
 
@@ -445,7 +445,7 @@ def test_specache_over_seq_equals_one_device(params, spec_prompts, one_device_sp
 @on_four_devices
 @pytest.mark.parametrize("settings", [dict(), dict(prefetch=False), dict(mma=True, residual=64)],
                          ids=["prefetch", "no-prefetch", "mma"])
-def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spec_prompts, settings):
+def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, settings):
   """Prompts in chunks, the pre-decode pass and 30 steps of fixed real and speculative tokens on seq=4: both rows'
   logits are one device's, and so is every layer's fetched set after every step (which positions, in which order:
   the top k by the merged probabilities), the counted hits too. The rows fetched at the end of each step into a
@@ -457,7 +457,7 @@ def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spe
   for mesh in (None, "seq=4"):
     fetched = []
     watch = lambda cache: fetched.append((np.asarray(cache.state.fetched_idx), np.asarray(cache.state.fetched_ok)))
-    logits, cache = _logits_and_cache(params, spec_prompts, mesh, method, SPEC_CHUNK, SMALL_SPECACHE["capacity"],
+    logits, cache = _logits_and_cache(params, SPEC_PROMPTS, mesh, method, SPEC_CHUNK, SMALL_SPECACHE["capacity"],
                                       steps=SPEC_NEW_TOKENS, watch=watch)
     runs.append((logits, cache, fetched))
   (one, one_cache, one_fetched), (split, split_cache, split_fetched) = runs
@@ -473,7 +473,7 @@ def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, spe
 
 
 @on_four_devices
-def test_zipcache_mma_packing_over_seq_equals_one_devices(params, zip_prompts):
+def test_zipcache_mma_packing_over_seq_equals_one_devices(params):
   """The MMA packing on seq=4 (read by XLA here): whole prompts and 34 decode steps (a window compressed, its rows
   merged into tiles of a later range) give one device's logits and every tile below the fill, codes and scale
   words; prompts in chunks give one device's tokens. Whole prompts for the tiles: a chunk's attention merged across
@@ -481,21 +481,13 @@ def test_zipcache_mma_packing_over_seq_equals_one_devices(params, zip_prompts):
   zero-point by one step (docs/methods/zipcache.md)."""
   settings = dict(SMALL_ZIPCACHE["settings"], mma=True)
   method = make_method("zipcache", **settings)
-  (one, one_cache), (split, split_cache) = (
-      _logits_and_cache(params, zip_prompts[:2], mesh, method, None, SMALL_ZIPCACHE["capacity"], steps=34)
-      for mesh in (None, "seq=4"))
-  assert np.std(one) > 1
-  np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-4)
-  for name in ("high", "low"):
-    one_pool, split_pool = getattr(one_cache.state, name), getattr(split_cache.state, name)
-    fill = np.asarray(one_pool.fill)  # [L, B]
-    np.testing.assert_array_equal(np.asarray(split_pool.fill), fill)
-    tiles = -(-int(fill.max()) // 64)
+  for name, one_pool, split_pool in _zip_pools_over_seq(params, method, None):
+    tiles = -(-int(np.asarray(one_pool.fill).max()) // 64)
     assert tiles > split_pool.k_tiles.shape[3] // 4  # rows past seq=4's first range
     for field, rows_per_entry in (("k_tiles", 64), ("v_tiles", 64), ("v_meta", 64), ("k_meta", method.key_group)):
       cut = lambda pool: np.asarray(getattr(pool, field))[:, :, :, :tiles * 64 // rows_per_entry]
       np.testing.assert_array_equal(cut(split_pool), cut(one_pool), err_msg=f"{name}.{field}")
-  chunked = lambda mesh: _generate(params, zip_prompts, mesh, method="zipcache", settings=settings,
+  chunked = lambda mesh: _generate(params, ZIP_PROMPTS, mesh, method="zipcache", settings=settings,
                                    capacity=SMALL_ZIPCACHE["capacity"], new_tokens=ZIP_NEW_TOKENS,
                                    prefill_chunk=ZIP_CHUNK).tokens
   assert chunked("seq=4") == chunked(None)
