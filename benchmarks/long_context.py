@@ -19,8 +19,9 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
                      lengths no 10-minute prefill reaches are measured; generate's own decode loop, ms/step against
                      the floor, and the kernels that take the step's time (ZipCache's pools are filled by setting their
                      counters as a prefill of that length leaves them: ``ZipCache.synthetic_fill``).
-                     ``--mesh model=N``: one sequence over N GPUs, its KV heads (and the weights) split; the longest
-                     context and the floor per device
+                     ``--mesh model=N``: one sequence over N GPUs, its KV heads (and the weights) split; ``seq=N``:
+                     its tokens split (context parallelism); the longest context and the floor per device.
+                     ``--kv-heads 2``: a model with fewer KV heads than GPUs, where ``model`` stops and ``seq`` serves
 
 With more than one method or context (prefill, decode), each runs in a process of its own, so a record's peak
 device memory is its own run's.
@@ -32,6 +33,7 @@ benchmarks/README.md.
     python benchmarks/long_context.py --part prefill --context 131072 --methods kivi2_mma dense
     python benchmarks/long_context.py --part decode --contexts 131072 1048576 0 --methods kivi2_mma dense
     python benchmarks/long_context.py --part decode --contexts 1048576 0 --methods kivi2_mma --mesh model=4
+    python benchmarks/long_context.py --part decode --contexts 0 --methods kivi2_mma --kv-heads 2 --mesh seq=4
     python benchmarks/long_context.py --part prefill --smoke      # a tiny model, any machine
 """
 
@@ -56,7 +58,7 @@ METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True
            "specache1_no_hit_rate": ("specache", {"bits": 1, "exact_chunks": False, "hit_rate": False})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
                         r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"],
-                        r.get("mesh"))
+                        r.get("mesh"), r.get("kv_heads"))
 
 
 def _base(part, impl, batch, context, mesh=None):
@@ -219,7 +221,7 @@ def top_kernels(trace_dir, top=25) -> list:
 # ------------------------------------------------------------------------------------------------- decode
 
 
-def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
+def decode_part(contexts, labels, steps, smoke, mesh_spec="none", kv_heads=None):
   import jax.numpy as jnp
   from profile_decode_step import kernel_events, summarize, trace_decode
   from sharded_decode import mesh_devices, random_params
@@ -228,7 +230,8 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
   from jkv.methods import make_method
   from jkv.prefill import round_up
   shape = SMOKE if smoke else LLAMA3_8B
-  cfg = ModelConfig(**dict(shape, max_position=1 << 27))  # random weights: RoPE runs at any position
+  # Random weights: RoPE runs at any position. Fewer KV heads than devices is the case for the seq axis.
+  cfg = ModelConfig(**dict(shape, max_position=1 << 27, **({"kv_heads": kv_heads} if kv_heads else {})))
   # The longest context (0) is known only from the device's memory: the pool keeps its limit for it.
   asked = max(contexts)
   pool = size_pinned_pool(cfg, labels, lambda m: asked and round_up(asked + steps, m.capacity_multiple()))
@@ -253,6 +256,8 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none"):
       context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes,
                                                 mesh=mesh)
       base = dict(_base("decode", label, 1, context, mesh), context_asked=asked or "longest", synthetic_fill=True)
+      if kv_heads:
+        base.update(kv_heads=kv_heads, model=f"random Llama-3-8B shape, {kv_heads} KV heads")
       try:
         traced = trace_decode(params, cfg, method, batch=1, context=context, steps=steps, mesh=mesh)
       except (MemoryError, ValueError) as e:
@@ -315,7 +320,8 @@ def markdown_table(records) -> str:
                      + (f"; {r['ratio_to_read_floor']:.2f}x the read-rate floor" if "ratio_to_read_floor" in r else ""))
     else:
       result = r.get("error", "ran")
-    impl = r["impl"] + (f" on {r['mesh']}" if r.get("mesh") else "")
+    impl = (r["impl"] + (f" on {r['mesh']}" if r.get("mesh") else "")
+            + (f", {r['kv_heads']} KV heads" if r.get("kv_heads") else ""))
     lines.append(f"| {r['part']} | {impl} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
                  f"{fmt(r, 'prefill_tokens_per_s', '.0f')} | {r.get('prefill_chunk') or '–'} | "
                  f"{fmt(r, 'decode_ms_per_step', '.2f')} | {fmt(r, 'floor_ms_per_step', '.2f')} | "
@@ -335,6 +341,7 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--steps", type=int, default=16, help="decode: steps timed per call")
   parser.add_argument("--mesh", default="none", help="decode: a mesh of GPUs, e.g. model=4 (KV heads split)")
+  parser.add_argument("--kv-heads", type=int, help="decode: the model's KV heads (default the shape's 8)")
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
   parser.add_argument("--profile", action="store_true", help="prefill: trace the run, record its top kernels")
@@ -354,7 +361,8 @@ def main():
   runs = len(args.methods) * (len(args.contexts) if args.part == "decode" else 1)
   if args.part != "kernel" and runs > 1 and not args.smoke and args.records_to is None:
     argv = ["--part", args.part, "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--mesh", args.mesh]
-    argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens))
+    argv += [f"--{k}={v}" for k, v in (("prefill-chunk", args.prefill_chunk), ("prefill-tokens", args.prefill_tokens),
+                                       ("kv-heads", args.kv_heads))
              if v is not None] + ["--profile"] * args.profile
     records, failed = in_own_processes(argv, args.part, args.methods,
                                        args.contexts if args.part == "decode" else [args.context])
@@ -363,7 +371,7 @@ def main():
                           args.smoke)
   elif args.part == "decode":
     records = decode_part([64, 0] if args.smoke else args.contexts, args.methods, 4 if args.smoke else args.steps,
-                          args.smoke, args.mesh)
+                          args.smoke, args.mesh, args.kv_heads)
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
                            args.prefill_chunk, args.prefill_tokens, args.smoke, args.profile)
