@@ -10,8 +10,14 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class Greedy:
   def next_tokens(self, logits, key):
+    """The first index of each row's largest logit, as ``argmax``, by two plain reductions: over a vocabulary
+    split across devices each is one small all-reduce, where argmax's (value, index) reduction all-gathers every
+    shard's pair (an NCCL all-gather, 1.2 ms of a 9 ms step at B = 1 on 4 H200s)."""
     del key
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(logits == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)  # a NaN row matches nothing: a valid token, as argmax gives
 
 
 @dataclasses.dataclass(frozen=True)

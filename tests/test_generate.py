@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,6 +47,18 @@ def test_stops_each_sequence_at_eos(tiny_llama):
     expect = free.tokens[b][:free.tokens[b].index(stop)] if stop in free.tokens[b] else free.tokens[b]
     assert res.tokens[b] == expect
   assert len(res.tokens[0]) == 5
+
+
+@pytest.mark.parametrize("vocab", [7, 512])
+def test_greedy_is_the_first_largest_logit(vocab):
+  rng = np.random.default_rng(vocab)
+  # Coarse values, so rows tie at their maximum; a row of one value; -inf entries.
+  logits = rng.integers(-4, 4, size=(64, vocab)).astype(np.float32)
+  logits[1] = 2.0
+  logits[2, ::2] = -np.inf
+  got = np.asarray(Greedy().next_tokens(jnp.asarray(logits), None))
+  want = [min(i for i in range(vocab) if row[i] == row.max()) for row in logits]
+  assert got.dtype == np.int32 and got.tolist() == want
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_llama):
