@@ -182,6 +182,7 @@ def main():
   parser.add_argument("--steps", type=int, default=32)
   parser.add_argument("--top", type=int, default=30)
   parser.add_argument("--smoke", action="store_true", help="a tiny model (any machine)")
+  parser.add_argument("--kv-heads", type=int, help="the model's KV heads (default the shape's)")
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option for the decode loop's compilation (repeatable; on top of jkv's "
                            "MODEL_COMPILER_OPTIONS), e.g. xla_gpu_enable_triton_gemm=true")
@@ -192,7 +193,8 @@ def main():
                       "fusions the trace names)")
   args = parser.parse_args()
 
-  cfg = ModelConfig(**(SMOKE if args.smoke else LLAMA3_8B))
+  shape = SMOKE if args.smoke else LLAMA3_8B
+  cfg = ModelConfig(**dict(shape, **({"kv_heads": args.kv_heads} if args.kv_heads else {})))
   batch, context, steps = (2, 64, 4) if args.smoke else (args.batch, args.context, args.steps)
   name, options = METHODS[args.method]
   method = make_method(name, **options)
@@ -236,7 +238,7 @@ def main():
     print(f"-- {title}")
     for r in table:
       print(f"{r['us_per_step']:10.1f} µs/step {r['calls_per_step']:7.1f} calls/step  {r['name'][:150]}")
-  record = dict(method=args.method, method_config=options, compiler_options=compiler_options, batch=batch, context=context, steps=steps,
+  record = dict(method=args.method, kv_heads=cfg.kv_heads, method_config=options, compiler_options=compiler_options, batch=batch, context=context, steps=steps,
                 wall_ms_per_step=wall_ms, kernel_ms_per_step=kernel_ms, floor_ms_per_step=floor_ms,
                 weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_host_bytes=kv.host, cache_memory_kinds=kinds,
                 device_peak_bytes=device_peak,
