@@ -13,8 +13,9 @@ One mesh per command (each fits the device tool's 10 minutes):
     --mesh model=2     two GPUs, tensor-parallel: half the weights and half of every sequence's KV heads each
     --mesh data=2      two GPUs, data-parallel: the whole weights and half of the sequences each
 
-Records are merged into benchmarks/results/sharded_decode_<device>.json (``--out`` to choose); ``--table`` renders
-them, with each mesh's batch and tokens/s against the one-GPU record, into benchmarks/README.md.
+Records are merged into benchmarks/results/sharded_decode_<device>.json (``--out`` to choose: one file per machine,
+as ratios hold only within one); ``--table`` renders a file, with each mesh's batch and tokens/s against its one-GPU
+record, into a section of benchmarks/README.md named after the file.
 
 ``--profile --batch B``: where a decode step's time goes on each device of the mesh, without prefill: a cache of B
 sequences holding ``--prompt-len`` tokens (its contents do not change the work), ``--steps`` decode steps under
@@ -206,9 +207,9 @@ def main():
   parser.add_argument("--out", type=pathlib.Path, help="JSON to merge the record into (--profile: to write)")
   parser.add_argument("--table", action="store_true", help="render --out into benchmarks/README.md and exit")
   args = parser.parse_args()
-  if args.table:
-    write_readme_section("sharded_decode", markdown_table(json.loads(args.out.read_text())),
-                         "## KIVI-2 on several GPUs (`sharded_decode.py`)")
+  if args.table:  # one section per results file: each machine's rows against its own one-GPU row
+    write_readme_section(args.out.stem, markdown_table(json.loads(args.out.read_text())),
+                         f"## KIVI-2 on several GPUs (`sharded_decode.py`, `{args.out.name}`)")
     return
   prompt_len = args.prompt_len or (100 if args.smoke else 4096)
   if args.profile:
