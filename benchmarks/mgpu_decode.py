@@ -228,12 +228,14 @@ def in_program(fn, calls: int):
 
 def timing(device, settings: Settings, batches, seq_lens, variants: bool = True, impls=IMPLS,
            repeats: int = 1, variants_at: tuple = (8, 32768), trace: bool = False,
-           splits_sweep: tuple = (), program_calls: int = 0) -> list[dict]:
+           splits_sweep: tuple = (), program_calls: int = 0, kv_heads: int = 8) -> list[dict]:
   """Time ``impls`` (every one by default) at each batch and length; with ``variants`` the kernel's steps and
   depths, KIVI-2 and KIVI-4 in turn, the whole sweep ``repeats`` times (config "repeat": machines drift within a
   run by more than neighbouring variants differ); with ``trace`` each default row also records its device
   kernels (``traced_kernels``); with ``splits_sweep`` the kernel at each of those split counts (default step and
-  depth), KIVI-2 and KIVI-4 in turn, at every batch and length, ``repeats`` times (``splits_table``)."""
+  depth), KIVI-2 and KIVI-4 in turn, at every batch and length, ``repeats`` times (``splits_table``). With
+  ``kv_heads`` other than 8 (32 query heads over them: 16 query rows a KV head at 2) the records say so in their
+  config."""
   records = []
   mgpu = lambda **kw: jax.jit(lambda q, s: mgpu_decode_attention(q, 0, s, **kw))
   triton = jax.jit(lambda q, s: decode_attention(q, 0, (s,), ()))
@@ -248,6 +250,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
   def run(impl, fn, make, nbytes, shape, config):
     if impl not in impls:
       return
+    config = config if shape.kv_heads == 8 else {**config, "kv_heads": shape.kv_heads}
     sets = input_set_count(nbytes, settings)
     try:
       input_sets = [make(seed) for seed in range(sets)]
@@ -271,7 +274,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 
   for batch in batches:
     for seq_len in seq_lens:
-      shape = Shape(batch, seq_len)
+      shape = Shape(batch, seq_len, kv_heads=kv_heads)
       for bits in (2, 4, 8):
         nbytes = bytes_read(shape, bits)
         run(f"mgpu_kivi{bits}", mgpu(), functools.partial(lambda seed, b=bits: inputs(shape, b, seed, True)),
@@ -311,7 +314,8 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
 def at_defaults(record) -> bool:
   """A record of the kernel at its defaults on a full cache (not a variant or a partial fill; issue_blocks and
   pallas_barriers name options timed on 2026-11-26 and since removed, whose records the results keep)."""
-  return not {"stages", "fill", "sweep", "issue_blocks", "pallas_barriers", "in_program"} & set(record["config"])
+  return not ({"stages", "fill", "sweep", "issue_blocks", "pallas_barriers", "in_program", "kv_heads"}
+              & set(record["config"]))
 
 
 def in_program_table(records: list[dict]) -> str:
@@ -339,16 +343,17 @@ def splits_table(records: list[dict]) -> str:
   found = {}
   for r in records:
     if r["impl"].startswith("mgpu_kivi") and r["config"].get("sweep") == "splits":
-      found.setdefault((r["batch"], r["seq_len"], int(r["impl"][-1]), r["config"]["splits"]), []).append(r["median_us"])
-  lines = ["| B | L | KIVI | splits | programs | median over repeats | range | repeats |",
-           "|---|---|---|---|---|---|---|---|"]
-  for batch, seq_len, bits, splits in sorted(found):
-    times = found[batch, seq_len, bits, splits]
-    packed = _abstract_mma_store(Shape(batch, seq_len), bits)
-    mark = " (default)" if splits == _default_splits(Shape(batch, seq_len), bits) else ""
-    programs = batch * packed.k_codes.shape[2] * splits
-    lines.append(f"| {batch} | {seq_len} | {bits}-bit | {splits}{mark} | {programs} | {np.median(times):.1f} µs | "
-                 f"{min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
+      key = (r["batch"], r["seq_len"], r["config"].get("kv_heads", 8), int(r["impl"][-1]), r["config"]["splits"])
+      found.setdefault(key, []).append(r["median_us"])
+  lines = ["| B | L | KV heads | KIVI | splits | programs | median over repeats | range | repeats |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for batch, seq_len, kv_heads, bits, splits in sorted(found):
+    times = found[batch, seq_len, kv_heads, bits, splits]
+    shape = Shape(batch, seq_len, kv_heads=kv_heads)
+    mark = " (default)" if splits == _default_splits(shape, bits) else ""
+    programs = batch * kv_heads * splits
+    lines.append(f"| {batch} | {seq_len} | {kv_heads} | {bits}-bit | {splits}{mark} | {programs} | "
+                 f"{np.median(times):.1f} µs | {min(times):.1f}-{max(times):.1f} µs | {len(times)} |")
   return "\n".join(lines)
 
 
@@ -455,6 +460,7 @@ def main():
   parser.add_argument("--splits", type=int, nargs="+", default=[],
                       help="also time the kernel at these split counts at every batch and length (--repeats times)")
   parser.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="time only these")
+  parser.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (2: 16 rows a head)")
   parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                       help="check the kernel against the reference first (a failed check fails the run)")
   parser.add_argument("--trace", action="store_true",
@@ -482,7 +488,7 @@ def main():
     settings = Settings()
     records.append(copy_bandwidth(device, settings))
     records += timing(device, settings, args.batches, args.seq_lens, args.variants, args.impls, args.repeats,
-                      args.variants_at, args.trace, tuple(args.splits), args.in_program)
+                      args.variants_at, args.trace, tuple(args.splits), args.in_program, args.kv_heads)
   records = save(out, records, RECORD_KEY)
   print("\n" + "\n\n".join((table(records), variants_table(records), splits_table(records),
                               in_program_table(records))))
