@@ -267,7 +267,7 @@ def timing(device, settings: Settings, batches, seq_lens, variants: bool = True,
       records.append(record(impl, shape.batch, shape.seq_len, program_us / program_calls, nbytes, device,
                             config={**config, "in_program": program_calls}))
       print(f"{impl:>14} B={shape.batch:<3} L={shape.seq_len:<6} in one program {program_us / program_calls:9.1f} µs")
-    if trace and set(config) <= {"splits", "sweep", "repeat"}:
+    if trace and set(config) <= {"splits", "sweep", "repeat", "kv_heads"}:
       records[-1]["kernels"] = traced_kernels(fn, input_sets)
       for row in records[-1]["kernels"]:
         print(f"{'':>16}{row['us_per_call']:9.2f} µs  x{row['calls_per_call']:<4} {row['name'][:90]}")
@@ -383,12 +383,16 @@ def variants_table(records: list[dict]) -> str:
 
 
 def _default_splits(shape: Shape, bits: int, step_tiles=None) -> int:
-  """The kernel's split count at ``shape``; a round's before build (``mgpu_ab.py``) may be one from before round
-  9, whose ``default_splits`` took (batch, kv_heads, units of whole steps)."""
-  try:
-    return default_splits(_abstract_mma_store(shape, bits), step_tiles)
-  except TypeError:
-    return default_splits(shape.batch, shape.kv_heads, shape.seq_len // 64 // (step_tiles or 4))
+  """The kernel's split count at ``shape`` (one query row, g = q_per_kv rows a KV head); a round's before build
+  (``mgpu_ab.py``) may be one from before the split count took the rows, or from before round 9, whose
+  ``default_splits`` took (batch, kv_heads, units of whole steps)."""
+  for call in (lambda: default_splits(_abstract_mma_store(shape, bits), step_tiles, n_rows=shape.q_per_kv),
+               lambda: default_splits(_abstract_mma_store(shape, bits), step_tiles)):
+    try:
+      return call()
+    except TypeError:
+      pass
+  return default_splits(shape.batch, shape.kv_heads, shape.seq_len // 64 // (step_tiles or 4))
 
 
 def _abstract_mma_store(shape: Shape, bits: int) -> MmaStore:

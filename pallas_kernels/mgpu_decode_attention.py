@@ -84,6 +84,15 @@ STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concur
 # KIVI-2 140, with a segment 144; KIVI-4 139, 142), fewer where shared memory does not fit (splits count
 # on the fit). At B = 8, L = 32768 KIVI-2 takes 6 splits, all 384 programs at once.
 PROGRAMS_PER_SM = 3
+
+
+def programs_per_sm(n_rows: int) -> int:
+  """The programs an SM is given at once for ``n_rows`` query rows of a KV head (T * g), at most ``PROGRAMS_PER_SM``.
+  Measured, not derived (one H200, B = 1, KIVI-2, the kernel alone, ``mgpu_decode.py --kv-heads``): 4 rows run
+  best 3 to an SM (L = 262,144, 8 KV heads: 87.0 µs at 392 programs, 101.6 at 528); 8 rows 2 (L = 524,288, 4 KV
+  heads: 98.2 µs at 264 programs, 171.8 at 392), though 4 and 8 rows compile to one kernel width; 16 rows 1
+  (L = 1,048,576, 2 KV heads: 131.9 µs at 132 programs, 153.3 at 264, 263.5 at 396)."""
+  return PROGRAMS_PER_SM if n_rows <= 4 else 2 if n_rows <= 8 else 1
 ROWS = 16       # the most query rows of a KV head; the N of a segment's value product (the smallest swizzle)
 # Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
 # logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
@@ -818,10 +827,11 @@ def split_tiles(store: MmaStore, splits: int, step_tiles: int) -> int:
 
 
 def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: int = STAGES,
-                   sm_count: Optional[int] = None, segment: bool = False, segment_depth: Optional[int] = None) -> int:
-  """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``): as
-  many as let all of B * Hkv * splits programs run at once (``PROGRAMS_PER_SM`` per SM, fewer where their shared
-  memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
+                   sm_count: Optional[int] = None, segment: bool = False, segment_depth: Optional[int] = None,
+                   n_rows: int = 1) -> int:
+  """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``) for
+  ``n_rows`` query rows a KV head: as many as let all of B * Hkv * splits programs run at once
+  (``programs_per_sm`` per SM, fewer where their shared memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
   than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2 at B = 256, L = 4608 on an H100,
   the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
   8, 98.5 with 16). ``segment``: a segment joins the store, ``segment_depth`` slots deep (None:
@@ -830,7 +840,7 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
   step_tiles = step_tiles or default_step_tiles(store, stages, segment)
   segment_depth = segment_depth or default_segment_depth(store, step_tiles, stages)
   fit = SHARED_PER_SM // (shared_memory_bytes(store, step_tiles, stages, segment, segment_depth) + 1024)
-  slots = (sm_count or _sm_count()) * max(1, min(PROGRAMS_PER_SM, fit))
+  slots = (sm_count or _sm_count()) * max(1, min(programs_per_sm(n_rows), fit))
   splits = min(max(1, slots // (batch * kv_heads)), -(-tiles // _split_unit(store, step_tiles)))
   return -(-tiles // split_tiles(store, splits, step_tiles))
 
@@ -842,7 +852,7 @@ TILE_COST = {1: 1.0, 2: 1.0, 4: 1.5, 8: 2.5}
 
 
 def pool_splits(stores, step_tiles, stages: int = STAGES, sm_count: Optional[int] = None, segment: bool = False,
-                segment_depth: Optional[int] = None) -> tuple[int, ...]:
+                segment_depth: Optional[int] = None, n_rows: int = 1) -> tuple[int, ...]:
   """Splits of each of several stores read in one launch (``mgpu_decode_partial`` with a tuple of stores): the
   programs that run at once (as ``default_splits`` counts them, by the largest program's shared memory) shared
   in proportion to each store's tiles times a tile's time at its widths (``TILE_COST``), at least one each and at
@@ -850,7 +860,7 @@ def pool_splits(stores, step_tiles, stages: int = STAGES, sm_count: Optional[int
   batch, kv_heads = stores[0].k_codes.shape[1:3]
   largest = max(shared_memory_bytes(store, step, stages, segment, segment_depth or 1)
                 for store, step in zip(stores, step_tiles))
-  slots = (sm_count or _sm_count()) * max(1, min(PROGRAMS_PER_SM, SHARED_PER_SM // (largest + 1024)))
+  slots = (sm_count or _sm_count()) * max(1, min(programs_per_sm(n_rows), SHARED_PER_SM // (largest + 1024)))
   per_head = max(len(stores), slots // (batch * kv_heads))
   work = [store.k_codes.shape[3] * (TILE_COST[store.k_bits] + TILE_COST[store.v_bits]) for store in stores]
   return tuple(min(max(1, round(per_head * w / sum(work))), -(-store.k_codes.shape[3] // _split_unit(store, step)))
@@ -1045,10 +1055,10 @@ def mgpu_decode_partial(q, layer, store: MmaStore, *, segment=None, sm_scale: Op
                                        for store, step in zip(stores, steps))
   if len(stores) > 1:
     counts = pool_splits(stores, steps, max_concurrent_steps, segment=segment is not None,
-                         segment_depth=segment_depth)
+                         segment_depth=segment_depth, n_rows=n_rows)
   elif splits is None:
     counts = (default_splits(stores[0], steps[0], max_concurrent_steps, segment=segment is not None,
-                             segment_depth=segment_depth),)
+                             segment_depth=segment_depth, n_rows=n_rows),)
   else:
     most = -(-stores[0].k_codes.shape[3] // _split_unit(stores[0], steps[0]))
     if not 1 <= splits <= most:

@@ -22,8 +22,8 @@ from jkv_kernels.attention_reference import MASK_VALUE
 from jkv_kernels.dequant_attention import QuantizedStore, decode_attention_reference
 from jkv_kernels.mgpu_decode_attention import (TILE_COST, available, default_segment_depth, default_splits,
                                                default_step_tiles, hole_dtype, logit_columns, mgpu_decode_attention,
-                                               mgpu_decode_partial, pool_splits, shared_memory_bytes,
-                                               slot_probabilities, split_tiles)
+                                               mgpu_decode_partial, pool_splits, programs_per_sm,
+                                               shared_memory_bytes, slot_probabilities, split_tiles)
 from jkv_kernels.mma_layout import (MmaStore, check_mma_packing, field_plan, key_register_map, magic_half,
                                     quad_word_position, read_mma_tiles, register_slots, value_register_map,
                                     word_positions)
@@ -445,17 +445,19 @@ def test_holes_fill_whole_tma_units(step_tiles):
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("batch,capacity,k_bits,k_group", [
-    (1, 32768, 2, 32), (8, 32768, 2, 32), (8, 32768, 4, 32), (8, 4736, 2, 128), (33, 4608, 2, 32), (256, 4608, 2, 32),
-    (256, 4608, 4, 32), (3, 320, 2, 32)])
-def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits, k_group):
+@pytest.mark.parametrize("batch,capacity,k_bits,k_group,n_rows", [
+    (1, 32768, 2, 32, 1), (8, 32768, 2, 32, 4), (8, 32768, 4, 32, 4), (8, 4736, 2, 128, 4), (33, 4608, 2, 32, 1),
+    (256, 4608, 2, 32, 4), (256, 4608, 4, 32, 4), (3, 320, 2, 32, 4), (1, 65536, 2, 32, 8), (1, 65536, 4, 32, 16),
+    (2, 32768, 2, 32, 16)])
+def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits, k_group, n_rows):
   """Splits hold whole steps and key groups and cover the capacity with none empty; their programs fit the slots
-  (132 SMs, 3 or fewer by shared memory), and one more split would not (by brute force over split counts)."""
+  (132 SMs, ``programs_per_sm`` of the rows or fewer by shared memory), and one more split would not (by brute
+  force over split counts)."""
   store = _abstract_store(k_bits, 2, k_group, 32, 128, jnp.bfloat16, layers=1, batch=batch, kv_heads=8,
                           capacity=capacity)
   tiles, step = capacity // 64, default_step_tiles(store)
-  fit = min(3, 228 * 1024 // (shared_memory_bytes(store, step, 2) + 1024))
-  splits = default_splits(store, sm_count=132)
+  fit = min(programs_per_sm(n_rows), 228 * 1024 // (shared_memory_bytes(store, step, 2) + 1024))
+  splits = default_splits(store, sm_count=132, n_rows=n_rows)
   per = split_tiles(store, splits, step)
   assert per % step == 0 and per * 64 % k_group == 0
   assert per * splits >= tiles > per * (splits - 1)
@@ -465,6 +467,16 @@ def test_default_splits_fill_the_slots_with_whole_steps(batch, capacity, k_bits,
   # A segment's pipeline is one slot deep where that lets more programs share an SM.
   per_sm = lambda depth: 228 * 1024 // (shared_memory_bytes(store, step, 2, True, depth) + 1024)
   assert default_segment_depth(store, step) == (1 if per_sm(1) > per_sm(2) else 2)
+
+
+def test_more_query_rows_never_take_more_programs():
+  """Fewer programs an SM for more query rows a KV head (the kernel's program count is sized by them), and never
+  more splits for more rows at a fixed store; every row count up to ROWS gives at least one program an SM."""
+  store = _abstract_store(2, 2, 32, 32, 128, jnp.bfloat16, layers=1, batch=1, kv_heads=2, capacity=1 << 20)
+  per_sm = [programs_per_sm(n) for n in range(1, 17)]
+  splits = [default_splits(store, sm_count=132, n_rows=n) for n in range(1, 17)]
+  assert all(a >= b >= 1 for a, b in zip(per_sm, per_sm[1:]))
+  assert all(a >= b for a, b in zip(splits, splits[1:])) and splits[0] > splits[-1]
 
 
 def test_bad_arguments_raise():
