@@ -443,15 +443,17 @@ def test_specache_over_seq_equals_one_device(params, one_device_specache, mesh):
 
 
 @on_four_devices
-@pytest.mark.parametrize("settings", [dict(), dict(prefetch=False), dict(mma=True, residual=64)],
-                         ids=["prefetch", "no-prefetch", "mma"])
+@pytest.mark.parametrize("settings", [dict(), dict(prefetch=False), dict(mma=True, residual=64), dict(speculate=False),
+                                      dict(repair=True)],
+                         ids=["prefetch", "no-prefetch", "mma", "no-speculation", "repair"])
 def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, settings):
   """Prompts in chunks, the pre-decode pass and 30 steps of fixed real and speculative tokens on seq=4: both rows'
   logits are one device's, and so is every layer's fetched set after every step (which positions, in which order:
   the top k by the merged probabilities), the counted hits too. The rows fetched at the end of each step into a
   buffer per device, or by each layer when it attends; the low-bit copy in the MMA packing too (read by XLA here;
   key blocks of 64, a range's, flushed and value tiles packed by the end of a step into the range that holds
-  them)."""
+  them). The non-speculative baseline (one real row a step, its selection from its own first pass) and repair (the
+  fixed guesses are all wrong: every step repairs its real row by a second pass) likewise."""
   method = make_method("specache", **{**SMALL_SPECACHE["settings"], **settings})
   runs = []
   for mesh in (None, "seq=4"):
@@ -467,7 +469,7 @@ def test_specache_logits_and_fetched_rows_over_seq_equal_one_devices(params, set
     np.testing.assert_array_equal(ok, one_ok)
     np.testing.assert_array_equal(np.where(ok, idx, -1), np.where(one_ok, one_idx, -1))
   assert np.any(one_fetched[-1][0][one_fetched[-1][1]] >= 128)  # rows of the third range fetched
-  for name in ("hit_sum", "hit_steps"):
+  for name in ("hit_sum", "hit_steps") if method.counts_hits else ():
     np.testing.assert_allclose(np.asarray(getattr(split_cache.state, name)), np.asarray(getattr(one_cache.state, name)),
                                rtol=1e-6)
 
@@ -521,12 +523,26 @@ def test_a_cache_saved_on_seq_is_continued_there_as_one_device_would(params, tmp
 
 @on_four_devices
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="specache", settings=dict(speculate=False)),
-     "cache method 'specache' cannot split a sequence's tokens over devices (mesh data=1,model=1,seq=4)"),
-    (dict(method="specache", settings=dict(repair=True)), "specache (speculate=true, repair=false) run"),
     (dict(capacity=130), "capacity 130 does not split over seq=4"),
 ])
 def test_what_seq_does_not_take_is_a_one_line_error(params, prompts, kw, message):
   with pytest.raises(ValueError) as e:
     _generate(params, prompts, mesh="seq=4", **kw)
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@on_four_devices
+def test_a_method_without_spans_is_refused_on_seq():
+  """A method that stores only whole sequences (no ``store_span``) cannot split tokens: refused in one line."""
+  from jkv.cache import CacheMethod
+  from jkv.methods.dense import Dense
+
+  @dataclasses.dataclass(frozen=True)
+  class WholeOnly(Dense):
+    store_span = CacheMethod.store_span
+
+  assert make_method("dense").splits_tokens() and not WholeOnly().splits_tokens()
+  with pytest.raises(ValueError) as e:
+    context_parallel.check(WholeOnly(), sharding.make_mesh("seq=4"))
+  assert "cannot split a sequence's tokens over devices (mesh data=1,model=1,seq=4)" in str(e.value)
+  assert "\n" not in str(e.value)

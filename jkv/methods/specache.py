@@ -413,12 +413,6 @@ class SpeCache(CacheMethod):
   # every device), the host copy by range (each device its range's rows, written only there), and the fetched
   # positions are the same on every device, each attending those its range holds (module docstring).
 
-  def splits_tokens(self) -> bool:
-    """A ``seq`` axis takes the speculative steps without repair (``check`` in ``jkv.context_parallel`` refuses
-    the others): the baseline's and the repair's second pass would each need a selection and a merge of their own
-    between the devices' two attention passes."""
-    return self.speculate and not self.repair and super().splits_tokens()
-
   def store_span(self, state, layer, q, k, v, ctx: StepContext):
     """A prompt's or a chunk's rows stored as ``store_chunk`` stores them, each copy keeping the rows of its range:
     the low-bit copy as KIVI's ``store_span``, the host copy's rows of the range (``host_write_rows``)."""
@@ -495,7 +489,7 @@ class SpeCache(CacheMethod):
     return self._step(state, layer, q, k, v, ctx, None)
 
   def _step(self, state, layer, q, k, v, ctx: StepContext, merge):
-    """``step``, with ``merge`` on one device of ``seq`` (``step_span``; speculative, without repair there)."""
+    """``step``, with ``merge`` on one device of ``seq`` (``step_span``)."""
     if k.shape[2] != 1 + self.speculative_rows:
       raise ValueError(f"specache steps carry the real row{' and one speculative row' if self.speculate else ''}, "
                        f"got {k.shape[2]} rows")
@@ -507,7 +501,8 @@ class SpeCache(CacheMethod):
                                   flush_before=not self.mma, pack_values=not self.mma, first_slot=first)
     staged = write_layer(state.staged_kv, layer, jnp.concatenate([k[:, :, :1], v[:, :, :1]], axis=-1))
     if not self.speculate:
-      out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, positions, n, k_rows, ctx.impl)
+      out, fetched = self._fetch_then_recompute(low, state.host_kv, layer, q, positions, n, k_rows, ctx.impl, first,
+                                                merge)
       state = state.replace(low=low, staged_kv=staged)
       return out, (state if fetched is None else self._keep(state, layer, *fetched[:2]))
     fetched = None
@@ -527,8 +522,9 @@ class SpeCache(CacheMethod):
     state = state.replace(low=low, staged_kv=staged)
     if self.repairs and k_rows:
       state, right = self._verify(state, layer, k)
+      # On seq every device of a sequence's ranges holds the same heads and the same verdict: one branch for all.
       repaired = lambda: jnp.where(right[:, :, None, None, None], out[:, :, :1], self._fetch_then_recompute(
-          low, state.host_kv, layer, q[:, :, :1], positions[:, :1], n, k_rows, ctx.impl)[0])
+          low, state.host_kv, layer, q[:, :, :1], positions[:, :1], n, k_rows, ctx.impl, first, merge)[0])
       out = out.at[:, :, :1].set(jax.lax.cond(jnp.all(right), lambda: out[:, :, :1], repaired))
     if k_rows:  # mass's rows are mass_rows: the real row's (to count hits) and the speculative row's, one selection
       bounds = ((self.low_bit.key_boundary(n + 1),) if self.counts_hits else ()) + (self.low_bit.key_boundary(n + 2),)
@@ -538,18 +534,23 @@ class SpeCache(CacheMethod):
       state = self._keep(state, layer, top[:, :, -1], top_ok[:, :, -1])
     return out, state
 
-  def _fetch_then_recompute(self, low, host_kv, layer, q, positions, n, k_rows, impl):
+  def _fetch_then_recompute(self, low, host_kv, layer, q, positions, n, k_rows, impl, first_slot=None, merge=None):
     """The non-speculative baseline (an upper bound on the guess's selection, and the paper's Table 4 comparison): the
     real row q [B, H, 1, g, D] at positions [B, 1] (its K/V already in the window) attends the low-bit cache, its own
     probabilities pick the top k among this step's quantized keys, those rows come from host memory, and it attends
-    again with them. Returns the output and the rows fetched (idx, ok, rows; None when k = 0)."""
+    again with them. On one device of ``seq`` (``first_slot``, ``merge``) both passes merge over the devices and the
+    selection is the top k of every device's, as a speculative step's (``_merged``, ``_select``). Returns the output
+    and the rows fetched (idx, ok, rows; None when k = 0)."""
     fetched = None
     if k_rows:
-      _, _, mass = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl)
-      idx, ok = self._select(mass, self.low_bit.key_boundary(n + 1)[:, None], k_rows)
+      attended = self._attend(low, layer, q, positions, n + 1, None, None, (0,), impl, first_slot)
+      idx, ok = self._select(self._merged(q, attended, merge, (0,))[1], self.low_bit.key_boundary(n + 1)[:, None],
+                             k_rows, first_slot)
       idx, ok = idx[:, :, 0], ok[:, :, 0]
-      fetched = (idx, ok, gather_host_rows(host_kv, layer, idx[None], impl)[0])
-    return self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl)[0], fetched
+      slots, _ = self._fetched_slots(idx, ok, first_slot, host_kv.shape[3])
+      fetched = (idx, ok, gather_host_rows(host_kv, layer, slots[None], impl)[0])
+    attended = self._attend(low, layer, q, positions, n + 1, fetched, None, (), impl, first_slot)
+    return self._merged(q, attended, merge, ())[0], fetched
 
   @staticmethod
   def _verify(state, layer, k):
