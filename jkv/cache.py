@@ -131,7 +131,8 @@ class CacheSpec:
   ranges: int = 1
   # The most tokens any sequence stores after its prompt (decode steps; a prompt's chunks count as prompt), None: up
   # to the capacity. A method whose decode steps take more rows than prompt tokens do sizes its arrays by it
-  # (ZipCache's pools); a cache whose sequences start anew (a request stream's) leaves it None.
+  # (ZipCache's pools); None where the bound is not known when the cache is made (a saved cache continued by
+  # another run).
   max_decode: Optional[int] = None
 
   @classmethod
