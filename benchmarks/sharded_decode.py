@@ -6,7 +6,8 @@ vocab 128256, bf16; the weights drawn where they live, each device its own shard
 decoding with end-of-sequence disabled so every step runs, KIVI-2 (G = 32, R = 128). For each mesh: the largest
 batch whose cache fits beside each device's share of the weights (``jkv.memory.largest_batch`` with the mesh: the
 cache is split over its batch and KV-head axes, the weights over heads and the MLP) at 4096 prompt + 256 new
-tokens, then ``generate`` at that batch (so the batch is shown to fit), decode tokens/s with compilation apart.
+tokens, then ``generate`` at that batch (so the batch is shown to fit), decode tokens/s with compilation apart, and
+the step's floor: each device's weights and its share of the cache once, at the copy rate measured in the run.
 One mesh per command (each fits the device tool's 10 minutes):
 
     --mesh none        one GPU, no mesh (the baseline)
@@ -40,7 +41,7 @@ import json
 import pathlib
 import sys
 
-from generate_decode import LLAMA3_8B, SMOKE, device_slug, now
+from generate_decode import LLAMA3_8B, SMOKE, copy_rate, device_slug, now
 from records import save, write_readme_section
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -84,6 +85,7 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
   from jkv.methods import make_method
   cfg = ModelConfig(**(SMOKE if smoke else LLAMA3_8B))
   mesh, devices = mesh_devices(spec)
+  rate = 1e10 if smoke else copy_rate()  # on the first device, before the batch takes its memory
   method = make_method(METHOD[0], **METHOD[1])
   capacity = -(-(prompt_len + new_tokens) // method.capacity_multiple()) * method.capacity_multiple()
   limit = (memory.device_memory(devices[0]) or {}).get("limit", SMOKE_DEVICE_BYTES)
@@ -104,17 +106,21 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
                      mesh=mesh)
   s = res.stats
   peaks = [(memory.device_memory(d) or {}).get("peak") for d in devices]
+  # The floor: a step reads each device's weights and its share of the cache (every mesh axis splits the cache).
+  floor_ms = 1e3 * (weight_bytes + s["kv_bytes"] / len(devices)) / rate
   record = dict(
       mesh=spec, devices=len(devices), method="kivi2", method_config=dataclasses.asdict(method), batch=batch,
       computed_largest_batch=largest, prompt_len=prompt_len, new_tokens=new_tokens, capacity=capacity,
       decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
+      floor_ms_per_step=floor_ms, copy_rate=rate,
       prefill_s=s["prefill_s"], prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"],
       compiles=s["compiles"],
       kv_bytes=s["kv_bytes"], allocated_kv_bytes=s["allocated_kv_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
       weight_bytes_per_device=weight_bytes, device_limit_bytes=limit, peak_device_bytes=peaks,
       attention_impl=s["attention_impl"], device=devices[0].device_kind, jax_version=jax.__version__, date=now(),
       model="random Llama-3-8B shape" if not smoke else "smoke: tiny random model")
-  print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step, {s['decode_tokens_per_s']:.1f} "
+  print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step (floor {floor_ms:.2f}), "
+        f"{s['decode_tokens_per_s']:.1f} "
         f"decode tok/s, prefill {s['prefill_s']:.1f} s (sub-batch {s['prefill_sub_batch']}), compile "
         f"{s['compile_s']:.1f} s, kv {s['kv_bytes'] / 2**30:.2f} GiB", flush=True)
   return record
@@ -175,15 +181,17 @@ def markdown_table(records) -> str:
   the code."""
   setting = lambda r: (r["device"], r["prompt_len"], r["new_tokens"])
   ones = {setting(r): r for r in sorted((r for r in records if r["mesh"] == "none"), key=lambda r: r["date"])}
-  lines = ["| mesh | GPUs | largest batch | batch run | decode tokens/s | ms/step | largest batch vs 1 GPU | "
+  lines = ["| mesh | GPUs | largest batch | batch run | decode tokens/s | ms/step | x floor | largest batch vs 1 GPU | "
            "tokens/s vs 1 GPU | prefill s | peak GiB per GPU | device | measured (UTC) |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
   for r in records:
     base = ones.get(setting(r))
     ratio = lambda k: f"{r[k] / base[k]:.2f}x" if base else "–"
     peak = max((p for p in r["peak_device_bytes"] if p is not None), default=None)
+    floor = r.get("floor_ms_per_step")
     lines.append(f"| {r['mesh']} | {r['devices']} | {r['computed_largest_batch']} | {r['batch']} | "
                  f"{r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
+                 f"{'–' if floor is None else format(r['decode_ms_per_step'] / floor, '.2f')} | "
                  f"{ratio('computed_largest_batch')} | {ratio('decode_tokens_per_s')} | {r['prefill_s']:.1f} | "
                  f"{'–' if peak is None else format(peak / 2**30, '.1f')} | {r['device']} | "
                  f"{r['date'][:16].replace('T', ' ')} |")
