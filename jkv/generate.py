@@ -283,7 +283,6 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   if cache is not None:
     saved = saved_cache.open_saved(cache)
     saved.check_model(cfg)
-    saved.check_mesh(mesh)
     held = saved.check_batch(len(prompts))
     prompts = [tail + p for tail, p in zip(saved.tails(len(prompts)), prompts)]
   lengths = [len(p) for p in prompts]

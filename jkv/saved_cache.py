@@ -24,14 +24,19 @@ A saved cache directory::
 Only what is held is written: every array is cut to the shape ``abstract`` gives at the capacity
 round_up(longest held, capacity_multiple), a prefix of each axis that grows with the capacity (tokens, key groups,
 tiles, pool rows, fetched rows). A prefill of those lengths leaves nothing past it that is read before it is written
-again (what lies there is padding, or zeros as allocated). Loading allocates the capacity the new prompts and their
-new tokens need and puts each saved array at the front of its grown shape, zeros after: the state a fresh
-allocation and that prefill would give.
+again (what lies there is padding, or zeros as allocated). Loading allocates the capacity the new prompts and their new tokens need
+and puts each saved array at the front of its grown shape, zeros after: the state a fresh allocation and that
+prefill would give.
+
+A cache saved on a mesh's ``seq`` axis holds each array in one device's layout over the whole capacity (every range
+in place: token slots, and ZipCache's pool rows, in the order one device holds them), so it loads on any ``seq``
+size, none included. Rounded to the saving run's ranges (ZipCache's pools; SpeCache's prefetched rows, a range's
+per device, none fetched yet after a prefill), an array may be longer than this run's: it loads where what lies past
+this run's shape is zeros, else a one-line error.
 
 Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole. Loading
 refuses, each in one line: a leftover of an interrupted save, a missing or damaged manifest, another model's config,
-another batch, another method or settings (as they run here), another ``seq`` split, all before anything is
-allocated; then weights that are not the ones saved with (checksums of every weight) and any file whose size or
+another batch, another method or settings (as they run here), all before anything is allocated; then weights that are not the ones saved with (checksums of every weight) and any file whose size or
 sha256 differs (naming the file).
 """
 
@@ -111,7 +116,7 @@ def save(directory: str, cache: KVCache, cfg: ModelConfig, params, prompts, tail
   lengths = np.asarray(sharding.fetch(cache.lengths))
   method = cache.method  # a mesh's PerShard describes and names its inner method's state
   # Split over seq, an array's layout is one device's over the whole capacity (each range in place), rounded to the
-  # ranges (ZipCache's pools, SpeCache's fetched rows): a load on the same seq gets it back.
+  # ranges (ZipCache's pools, SpeCache's fetched rows): a load on any seq size gets it back (module docstring).
   seq = sharding.axis_size(method.mesh if isinstance(method, sharding.PerShard) else None, sharding.SEQ_AXIS)
   capacity = held_capacity(method, lengths)
   abstract = method.abstract(dataclasses.replace(cache.spec, capacity=capacity))
@@ -267,14 +272,6 @@ class SavedCache:
                        f"each), or save one sequence to continue it with any number of prompts; got {batch}")
     return self.lengths * batch if saved == 1 else list(self.lengths)
 
-  def check_mesh(self, mesh) -> None:
-    """A one-line ValueError unless ``mesh`` splits a sequence's tokens over as many devices as the saving run's
-    (``seq``: the arrays' layout follows its ranges)."""
-    saved, here = self.manifest.get("seq", 1), sharding.axis_size(mesh, sharding.SEQ_AXIS)
-    if saved != here:
-      raise ValueError(f"saved cache {self.directory} holds its tokens split over seq={saved}; load it on a mesh "
-                       f"with seq={saved} (this run: seq={here})")
-
   def check_model(self, cfg: ModelConfig) -> None:
     """A one-line ValueError unless ``cfg`` is the config the cache was prefilled with."""
     saved, here = self.manifest["model"]["config"], _jsonable(dataclasses.asdict(cfg))
@@ -368,7 +365,7 @@ def load(saved: SavedCache, params, method: CacheMethod, spec: CacheSpec, impl: 
     if name not in infos:
       raise ValueError(f"saved cache {saved.directory} has no state array {name}; {REMEDY}")
     x = _leaf(restored["state"], name)
-    leaves.append(jax.device_put(_grown(tiled(x, info.axes.index("batch")), info, name, saved.directory), where))
+    leaves.append(jax.device_put(_fitted(tiled(x, info.axes.index("batch")), info, name, saved.directory), where))
   state = jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_array_info), leaves)
   lengths = tiled(np.asarray(saved.lengths, np.int32), 0)
   placed = jax.device_put(lengths, None if mesh is None else NamedSharding(mesh, P(sharding.DEFAULT_RULES.batch)))
@@ -392,15 +389,18 @@ def _one_device(info) -> jax.sharding.Sharding:
                                            else info.memory_kind)
 
 
-def _grown(x: np.ndarray, info, name: str, directory: str) -> np.ndarray:
-  """``x`` at the front of an array of ``info``'s shape, zeros after; a one-line ValueError where it does not fit
-  (a saved cache of other sizes than its manifest's settings make)."""
-  if x.dtype != jnp.dtype(info.dtype) or x.ndim != len(info.shape) or any(
-      n > m for n, m in zip(x.shape, info.shape)):
+def _fitted(x: np.ndarray, info, name: str, directory: str) -> np.ndarray:
+  """``x`` at the front of an array of ``info``'s shape, zeros after; cut where ``x`` is longer and what lies past
+  is zeros (a saving run's ``seq`` ranges rounded it up); a one-line ValueError where it does not fit (a saved cache
+  of other sizes than its manifest's settings make)."""
+  front = tuple(slice(0, min(n, m)) for n, m in zip(x.shape, info.shape))
+  longer = any(n > m for n, m in zip(x.shape, info.shape))
+  if (x.dtype != jnp.dtype(info.dtype) or x.ndim != len(info.shape)
+      or (longer and np.count_nonzero(x) != np.count_nonzero(x[front]))):
     raise ValueError(f"saved cache {directory}: state array {name} is {x.dtype}{list(x.shape)}, which does not fit "
                      f"this run's {jnp.dtype(info.dtype)}{list(info.shape)}; {REMEDY}")
   if x.shape == tuple(info.shape):
     return x
   out = np.zeros(info.shape, x.dtype)
-  out[tuple(slice(0, n) for n in x.shape)] = x
+  out[front] = x[front]
   return out

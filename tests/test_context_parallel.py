@@ -505,20 +505,18 @@ SAVED = {"kivi": (dict(residual=16, group_size=16), CAPACITY * 2, 100, 96),
 @pytest.mark.parametrize("name", list(SAVED))
 def test_a_cache_saved_on_seq_is_continued_there_as_one_device_would(params, tmp_path, name):
   """A document prefilled and saved on seq=4 (each array as one device's over the whole capacity, ranges in place),
-  then continued by a question on seq=4: the tokens of one device's chunked generate of document + question, whose
-  chunk boundary falls at the end of the document's whole chunks. Loading it on one device is refused in one line."""
+  then continued by a question on seq=4 and on one device: the tokens of one device's chunked generate of document
+  + question, whose chunk boundary falls at the end of the document's whole chunks. On one device ZipCache's pools
+  and SpeCache's prefetched rows are shorter than seq=4 rounded them (what lies past is zeros, cut)."""
   settings, capacity, n, head = SAVED[name]
   doc, question = _random_prompts(11, (n, 20))
   run = dict(method=name, settings=settings, capacity=capacity, new_tokens=8, prefill_chunk=head)
   directory = str(tmp_path / "doc")
   saving = _generate(params, [doc], "seq=4", save_cache=directory, **run)
   assert saving.stats["cache_saved"]["held_bytes"] > 0
-  loaded = _generate(params, [question], "seq=4", cache=directory, **run)
-  assert loaded.tokens == _generate(params, [doc + question], **run).tokens
-  with pytest.raises(ValueError) as e:
-    _generate(params, [question], cache=directory, **run)
-  assert "holds its tokens split over seq=4; load it on a mesh with seq=4 (this run: seq=1)" in str(e.value)
-  assert "\n" not in str(e.value)
+  want = _generate(params, [doc + question], **run).tokens
+  for mesh in ("seq=4", None):
+    assert _generate(params, [question], mesh, cache=directory, **run).tokens == want
 
 
 @on_four_devices

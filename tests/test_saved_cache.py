@@ -255,3 +255,22 @@ def test_the_benchmark_records_bytes_and_rates(monkeypatch, tmp_path):
   assert record["array_bytes"] == record["held_bytes"] <= record["disk_bytes"] < record["array_bytes"] + 65536
   assert record["save_gb_per_s"] > 0 and record["load_gb_per_s"] > 0 and record["question_prefill_s"] > 0
   assert list(caches.iterdir()) == []
+
+
+def test_an_array_longer_than_this_runs_loads_only_where_the_rest_is_zeros():
+  """A saved array is put at the front of this run's shape: grown with zeros, or cut where what lies past this run's
+  shape is zeros (a seq run's rounding); anything else past it is refused in one line naming the array."""
+  from jkv.cache import ArrayInfo
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 5)).astype(np.float32)
+  grown = saved_cache._fitted(x, ArrayInfo((2, 3, 8), np.float32, ("layers", "batch", "tokens")), "a", "d")
+  np.testing.assert_array_equal(grown[:, :, :5], x)
+  assert not grown[:, :, 5:].any()
+  padded = np.concatenate([x, np.zeros((2, 3, 4), np.float32)], axis=2)
+  cut = saved_cache._fitted(padded, ArrayInfo((2, 3, 6), np.float32, ("layers", "batch", "tokens")), "a", "d")
+  np.testing.assert_array_equal(cut[:, :, :5], x)
+  assert not cut[:, :, 5:].any()
+  with pytest.raises(ValueError) as e:
+    saved_cache._fitted(x, ArrayInfo((2, 3, 4), np.float32, ("layers", "batch", "tokens")), "high.k_codes", "d")
+  assert "state array high.k_codes is float32[2, 3, 5], which does not fit this run's float32[2, 3, 4]" in str(e.value)
+  assert "\n" not in str(e.value)
