@@ -238,7 +238,8 @@ def main():
     print(f"-- {title}")
     for r in table:
       print(f"{r['us_per_step']:10.1f} µs/step {r['calls_per_step']:7.1f} calls/step  {r['name'][:150]}")
-  record = dict(method=args.method, kv_heads=cfg.kv_heads, method_config=options, compiler_options=compiler_options, batch=batch, context=context, steps=steps,
+  record = dict(method=args.method, kv_heads=cfg.kv_heads, method_config=options, compiler_options=compiler_options,
+                batch=batch, context=context, steps=steps,
                 wall_ms_per_step=wall_ms, kernel_ms_per_step=kernel_ms, floor_ms_per_step=floor_ms,
                 weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_host_bytes=kv.host, cache_memory_kinds=kinds,
                 device_peak_bytes=device_peak,

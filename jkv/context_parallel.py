@@ -34,15 +34,16 @@ split), so their rows are split into ranges as the slots are (``CacheSpec.ranges
 key groups) while its window, scores and channel scale are held by every device alike: every device scores and
 splits every prompt, chunk and window alike and writes the pool rows of its range, so the pools are one device's;
 the first range's device attends the window, and after a step's merge each device weighs the window by the step's
-probabilities from the merged log-sum-exp (``CacheMethod.attended``); and SpeCache (every setting; either layout), whose low-bit copy is a KIVI cache split as KIVI's and whose host copy is split by range (each
-device writes and reads only its range's rows), while the fetched positions are the same on every device: each makes
-holes of and attends those its range holds, the first range's device the window less all of them. Its step needs
-more than the merged log-sum-exp, so it runs its own ``step_span`` and ``pre_decode_span`` per device, given the
-merge (``CacheMethod``; the default ``step_span`` is ``store_span``, ``attend``, the merge and ``attended``): each
-device weighs its per-head token mass by the merged probabilities and takes its top k, and the top k of every
-device's (``top_k_across_seq``, one all-gather over ``seq``) is the selection, the same on every device; its
-non-speculative baseline and its repair attend twice, each pass merged, the first selecting as a speculative step
-does. A mesh with ``seq`` > 1 and any other method is refused up front (``check``).
+probabilities from the merged log-sum-exp (``CacheMethod.attended``); and SpeCache (every setting; either layout),
+whose low-bit copy is a KIVI cache split as KIVI's and whose host copy is split by range (each device writes and
+reads only its range's rows), while the fetched positions are the same on every device: each makes holes of and
+attends those its range holds, the first range's device the window less all of them. Its step needs more than the
+merged log-sum-exp, so it runs its own ``step_span`` and ``pre_decode_span`` per device, given the merge
+(``CacheMethod``; the default ``step_span`` is ``store_span``, ``attend``, the merge and ``attended``): each device
+weighs its per-head token mass by the merged probabilities and takes its top k, and the top k of every device's
+(``top_k_across_seq``, one all-gather over ``seq``) is the selection, the same on every device; its non-speculative
+baseline and its repair attend twice, each pass merged, the first selecting as a speculative step does. A mesh with
+``seq`` > 1 and any other method is refused up front (``check``).
 """
 
 import dataclasses

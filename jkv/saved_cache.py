@@ -24,9 +24,9 @@ A saved cache directory::
 Only what is held is written: every array is cut to the shape ``abstract`` gives at the capacity
 round_up(longest held, capacity_multiple), a prefix of each axis that grows with the capacity (tokens, key groups,
 tiles, pool rows, fetched rows). A prefill of those lengths leaves nothing past it that is read before it is written
-again (what lies there is padding, or zeros as allocated). Loading allocates the capacity the new prompts and their new tokens need
-and puts each saved array at the front of its grown shape, zeros after: the state a fresh allocation and that
-prefill would give.
+again (what lies there is padding, or zeros as allocated). Loading allocates the capacity the new prompts and their
+new tokens need and puts each saved array at the front of its grown shape, zeros after: the state a fresh allocation
+and that prefill would give.
 
 A cache saved on a mesh's ``seq`` axis holds each array in one device's layout over the whole capacity (every range
 in place: token slots, and ZipCache's pool rows, in the order one device holds them), so it loads on any ``seq``
@@ -36,8 +36,8 @@ this run's shape is zeros, else a one-line error.
 
 Written atomically (``jkv_convert.checkpoint.atomic_directory``), checksummed file by file and as a whole. Loading
 refuses, each in one line: a leftover of an interrupted save, a missing or damaged manifest, another model's config,
-another batch, another method or settings (as they run here), all before anything is allocated; then weights that are not the ones saved with (checksums of every weight) and any file whose size or
-sha256 differs (naming the file).
+another batch, another method or settings (as they run here), all before anything is allocated; then weights that
+are not the ones saved with (checksums of every weight) and any file whose size or sha256 differs (naming the file).
 """
 
 import dataclasses

@@ -84,6 +84,11 @@ STAGES = 2      # the default pipeline depth (mgpu_decode_attention's max_concur
 # KIVI-2 140, with a segment 144; KIVI-4 139, 142), fewer where shared memory does not fit (splits count
 # on the fit). At B = 8, L = 32768 KIVI-2 takes 6 splits, all 384 programs at once.
 PROGRAMS_PER_SM = 3
+ROWS = 16       # the most query rows of a KV head; the N of a segment's value product (the smallest swizzle)
+# Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
+# logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
+M_FLOOR = MASK_VALUE / 2
+LOG2E = 1.4426950408889634
 
 
 def programs_per_sm(n_rows: int) -> int:
@@ -93,11 +98,6 @@ def programs_per_sm(n_rows: int) -> int:
   heads: 98.2 µs at 264 programs, 171.8 at 392), though 4 and 8 rows compile to one kernel width; 16 rows 1
   (L = 1,048,576, 2 KV heads: 131.9 µs at 132 programs, 153.3 at 264, 263.5 at 396)."""
   return PROGRAMS_PER_SM if n_rows <= 4 else 2 if n_rows <= 8 else 1
-ROWS = 16       # the most query rows of a KV head; the N of a segment's value product (the smallest swizzle)
-# Below the softmax's running max for a row with no valid key yet: exp2(MASK_VALUE - M_FLOOR) is 0, so masked
-# logits need no second mask on p, and a split with no valid key leaves (m, l) = (M_FLOOR, 0).
-M_FLOOR = MASK_VALUE / 2
-LOG2E = 1.4426950408889634
 
 
 # jax 0.10's plgpu.load takes the index as an argument; 0.11 deprecates it for ``ref.at[...]``.
@@ -830,12 +830,12 @@ def default_splits(store: MmaStore, step_tiles: Optional[int] = None, stages: in
                    sm_count: Optional[int] = None, segment: bool = False, segment_depth: Optional[int] = None,
                    n_rows: int = 1) -> int:
   """The split count ``mgpu_decode_partial`` takes by default at ``step_tiles`` (None: ``default_step_tiles``) for
-  ``n_rows`` query rows a KV head: as many as let all of B * Hkv * splits programs run at once
-  (``programs_per_sm`` per SM, fewer where their shared memory does not fit), at least 1, counted as the splits of ``split_tiles`` that cover the capacity. More programs
-  than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2 at B = 256, L = 4608 on an H100,
-  the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8, L = 32768, 94.8 with 4, 96.7 with
-  8, 98.5 with 16). ``segment``: a segment joins the store, ``segment_depth`` slots deep (None:
-  ``default_segment_depth``)."""
+  ``n_rows`` query rows a KV head: as many as let all of B * Hkv * splits programs run at once (``programs_per_sm``
+  per SM, fewer where their shared memory does not fit), at least 1, counted as the splits of ``split_tiles`` that
+  cover the capacity. More programs than that wait for a slot, and each pays its pipeline's fill and drain (KIVI-2
+  at B = 256, L = 4608 on an H100, the kernel alone: 361.6 µs with 1 split, 412.9 with 2, 469.7 with 4; at B = 8,
+  L = 32768, 94.8 with 4, 96.7 with 8, 98.5 with 16). ``segment``: a segment joins the store, ``segment_depth``
+  slots deep (None: ``default_segment_depth``)."""
   _, batch, kv_heads, tiles = store.k_codes.shape[:4]
   step_tiles = step_tiles or default_step_tiles(store, stages, segment)
   segment_depth = segment_depth or default_segment_depth(store, step_tiles, stages)
