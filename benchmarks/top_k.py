@@ -1,6 +1,5 @@
-"""SpeCache's per-layer selection on a GPU: ``lax.top_k`` (k = 64) and the sort-free ``ranked_top_k`` over rows of
-several lengths and counts, and ``jkv.methods.specache.top_k_positions`` over a layer's candidates at long contexts,
-in microseconds per call.
+"""SpeCache's per-layer selection on a GPU: ``lax.top_k`` (k = 64) over rows of several lengths and counts, and
+``jkv.methods.specache.top_k_positions`` over a layer's candidates at long contexts, in microseconds per call.
 
 Each figure is one jitted loop of ``--reps`` calls (the scores nudged each time, so none is hoisted), the median of
 five runs divided by the calls. Results into results/top_k.json (one record per shape, with the device, jax version
@@ -49,17 +48,15 @@ def main():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jkv.methods.specache import ranked_top_k, top_k_positions
+  from jkv.methods.specache import top_k_positions
 
   rng = np.random.default_rng(0)
   base = dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now(), k=K)
   cases = [("lax.top_k", rows, n) for rows in (8, 16, 32) for n in (256, 513, 1024, 2048, 2049, 4096, 4098, 16384)]
-  cases += [("ranked_top_k", rows, n) for rows in (8, 16, 32) for n in (256, 513, 1024, 2048)]
   cases += [("top_k_positions", rows, n) for rows in (8, 16) for n in (131136, 524352, 1048640)]
   if args.smoke:
     cases = [("lax.top_k", 8, 256), ("top_k_positions", 8, 4160)]
-  fns = {"lax.top_k": lambda y: jax.lax.top_k(y, K)[1], "ranked_top_k": lambda y: ranked_top_k(y, K)[1],
-         "top_k_positions": lambda y: top_k_positions(y, K)}
+  fns = {"lax.top_k": lambda y: jax.lax.top_k(y, K)[1], "top_k_positions": lambda y: top_k_positions(y, K)}
   records = []
   for name, rows, n in cases:
     x = jnp.asarray(rng.random((rows, n), np.float32))

@@ -204,31 +204,6 @@ def gather_rows_pallas(kv, first_layer, idx, interpret: bool = False):
   return out[..., :k, :]
 
 
-RANKED_TOP_K_MOST = 2048  # the longest row a GPU's top k ranks instead of sorting (n^2 comparisons a row)
-
-
-def ranked_top_k(x, k: int):
-  """``lax.top_k(x, k)`` of x [..., n] (values and indices, largest first, equal values in index order), by counting
-  instead of sorting: element i's rank is the number of elements before it in that order, and output r is the
-  element of rank r. Two reductions (n^2 and k n pairs a row), which a GPU runs in a fusion each, where XLA's sort
-  of a short row is one call at a cost that hardly depends on its length (``benchmarks/top_k.py``)."""
-  n = x.shape[-1]
-  i = jnp.arange(n)
-  before = (x[..., None, :] > x[..., :, None]) | ((x[..., None, :] == x[..., :, None]) & (i[None, :] < i[:, None]))
-  rank = jnp.sum(before, axis=-1, dtype=jnp.int32)  # [..., n]: row i counts the j before it
-  at = rank[..., None, :] == jnp.arange(k)[:, None]  # [..., k, n]
-  values = jnp.max(jnp.where(at, x[..., None, :], -jnp.inf), axis=-1).astype(x.dtype)
-  return values, jnp.sum(jnp.where(at, i, 0), axis=-1, dtype=jnp.int32)
-
-
-def short_top_k(x, k: int):
-  """``lax.top_k`` of x [..., n], ranked (``ranked_top_k``) on a GPU where rows are short, else sorted: the same
-  result either way, so how it runs never changes what a step selects."""
-  if jax.default_backend() == "gpu" and x.shape[-1] <= RANKED_TOP_K_MOST:
-    return ranked_top_k(x, k)
-  return jax.lax.top_k(x, k)
-
-
 def top_k_positions(scores, k: int, block: int = 16):
   """Positions [..., k] of the k largest of scores [..., C] (a valid top k; ties in any order), by a tournament of
   small selections instead of one over C. The k blocks of ``block`` positions with the largest maxima hold a top k
@@ -240,14 +215,14 @@ def top_k_positions(scores, k: int, block: int = 16):
   The end of C is padded to whole blocks with -inf, never chosen while C holds k finite scores."""
   C = scores.shape[-1]
   if C <= 2 * k * block:
-    return short_top_k(scores, k)[1]
+    return jax.lax.top_k(scores, k)[1]
   lead, n = scores.shape[:-1], -(-C // block)
   if n * block > C:
     scores = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, n * block - C)], constant_values=-jnp.inf)
   blocks = scores.reshape(lead + (n, block))
   chosen = top_k_positions(jnp.max(blocks, axis=-1), k, block)  # [..., k] block indices
   values = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(lead + (k * block,))
-  _, j = short_top_k(values, k)
+  _, j = jax.lax.top_k(values, k)
   return jnp.take_along_axis(chosen, j // block, axis=-1) * block + j % block
 
 
@@ -727,7 +702,7 @@ class SpeCache(CacheMethod):
     e = jnp.clip(extra, 0, of.shape[-1] - 1)
     values = jnp.where(extra >= 0, jnp.take_along_axis(of, e, axis=-1), store.at(slots, store_bound))
     positions = jnp.where(extra >= 0, jnp.take_along_axis(at, e, axis=-1), slots + first)
-    best, j = short_top_k(values, min(k, values.shape[-1]))  # (fewer on a device whose range is shorter than k)
+    best, j = jax.lax.top_k(values, min(k, values.shape[-1]))  # (fewer on a device whose range is shorter than k)
     idx, past = jnp.take_along_axis(positions, j, axis=-1), store.length
     if first_slot is not None:
       best, idx, n = top_k_across_seq(best, idx, k)
