@@ -7,8 +7,11 @@ defaults generates from the same random weights (2 KV heads, so ``model`` could 
 prompts prefilled whole and in chunks, once on the first GPU alone and once over ``seq``, on one machine. A step
 whose attention merged wrong changes the greedy tokens at once; bf16 rounding that differs by where the devices'
 partials meet may flip a near tie late. Reported per run: the generated tokens that agree before the first
-difference, of all, and how many distinct tokens the run made (so an agreement is not a constant output's).
-Results into results/seq_check_<device>.json.
+difference, of all, and how many distinct tokens the run made (so an agreement is not a constant output's). And the
+prompts' last logits after prefill, over ``seq`` against one device's, as the largest difference relative to the
+largest logit, beside the same between one device's two attention paths (Pallas/cuDNN and XLA's, the same
+attention summed in another order): rounding, the scale a correct merge may differ by. Results into
+results/seq_check_<device>.json.
 
     python benchmarks/seq_check_gpu.py --mesh seq=2          # 2 GPUs (seq=4 on 4)
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/seq_check_gpu.py --smoke   # CPU devices
@@ -36,6 +39,27 @@ def agreement(one: list, split: list) -> tuple[int, int]:
   for a, b in zip(one, split):
     same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
   return same, sum(len(a) for a in one)
+
+
+def prefill_logits(params, cfg, prompts, method, mesh, prefill_chunk, impl="auto"):
+  """The prompts' last-token logits [B, vocab] float32 after ``generate``'s prefill of them (whole or in chunks)."""
+  import numpy as np
+  from jkv import generate as gen
+  from jkv import prefill as prefill_lib
+  from jkv import sharding
+  from jkv.cache import CacheSpec
+  with sharding.use_mesh(mesh):
+    plan = gen.plan_generation(cfg, method, prompts, max_new_tokens=NEW_TOKENS, prefill_chunk=prefill_chunk,
+                               attention_impl=impl, mesh=mesh)
+    cache = sharding.create_cache(method, CacheSpec.for_model(cfg, len(prompts), plan.capacity), plan.impl, mesh)
+    run = prefill_lib.Prefill(plan.prefill, cfg, prefill_lib.pad_prompts(prompts, plan.prefill.width, 0),
+                              [len(p) for p in prompts])
+    return np.asarray(run(sharding.shard_params(params, cfg, mesh), cache)[0])
+
+
+def relative(a, b) -> float:
+  import numpy as np
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def main():
@@ -70,17 +94,23 @@ def main():
       one, split = run(None), run(mesh)
       same, total = agreement(one.tokens, split.tokens)
       distinct = len({t for seq in one.tokens for t in seq})
+      method = make_method(name, **settings)
+      logits = prefill_logits(params, cfg, prompts, method, None, prefill_chunk)
+      seq_error = relative(prefill_logits(params, cfg, prompts, method, mesh, prefill_chunk), logits)
+      impl_error = relative(prefill_logits(params, cfg, prompts, method, None, prefill_chunk, "xla"), logits)
       record = dict(impl=label, method_config=settings, mesh=args.mesh, devices=mesh.devices.size,
                     prompt_lens=[len(p) for p in prompts], prefill_chunk=prefill_chunk,
                     prefill_calls=split.stats["prefill_calls"], attention_impl=split.stats["attention_impl"],
-                    new_tokens=NEW_TOKENS, agreeing_tokens=same,
+                    new_tokens=NEW_TOKENS, agreeing_tokens=same, prefill_logits_error=seq_error,
+                    one_device_xla_logits_error=impl_error,
                     generated_tokens=total, distinct_tokens=distinct,
                     model="smoke" if args.smoke else "random, 2 KV heads", device=device,
                     jax_version=jax.__version__, date=now())
       save(out, [record], lambda r: (r["impl"], r["mesh"], r["prefill_chunk"], r["model"], r["device"]))
       print(f"{label:>10} prefill {'whole' if prefill_chunk is None else f'chunks of {prefill_chunk}':>16} on "
             f"{args.mesh} ({split.stats['prefill_calls']} calls, {split.stats['attention_impl']}): {same}/{total} "
-            f"tokens agree with one device's ({distinct} distinct)", flush=True)
+            f"tokens agree with one device's ({distinct} distinct); prefill logits {seq_error:.2e} off one device's "
+            f"(its XLA path {impl_error:.2e})", flush=True)
 
 
 if __name__ == "__main__":
