@@ -100,7 +100,9 @@ def _attn_out(layer, x, attn, cfg):
 
 
 def _embed(params, tokens, cfg):
-  return params.embedding[tokens].astype(jnp.float32)
+  from jkv import sharding  # here, as jkv.attention imports it: jkv.sharding imports the cache module
+  looked = sharding.vocab_lookup(params.embedding, tokens)
+  return (params.embedding[tokens] if looked is None else looked).astype(jnp.float32)
 
 
 def _logits(params, x, cfg):

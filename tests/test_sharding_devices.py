@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from conftest import random_prompts
 from jkv import cli
@@ -180,6 +181,24 @@ def test_data_parallel_decode_moves_nothing_between_devices(tiny_llama):
   compiled HLO has no collective at all (a cache or parameter array that lost its sharding would add one)."""
   hlo, _ = _decode_hlo(tiny_llama[1], "data=4")
   assert not re.search(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", hlo)
+
+
+@pytest.mark.parametrize("mesh_spec", ["model=4", "data=2,model=2"])
+def test_the_embedding_lookup_reads_each_shards_rows_and_sums_them(mesh_spec):
+  """Under a mesh that splits the vocabulary, ``vocab_lookup`` is ``table[tokens]`` (tokens at every shard's first
+  and last id, random others) and moves one [B, T, E] sum between devices, never the table."""
+  mesh = sharding.make_mesh(mesh_spec)
+  V, E = 64, 24
+  table = jax.random.normal(jax.random.key(3), (V, E), jnp.float32)
+  edges = np.array([[0, 15, 16, 31], [32, 47, 48, 63]], np.int32)
+  tokens = np.concatenate([edges, np.random.default_rng(3).integers(0, V, (2, 5), dtype=np.int32)], axis=1)
+  with sharding.use_mesh(mesh):
+    placed = jax.device_put(table, jax.sharding.NamedSharding(mesh, P("model")))
+    lookup = jax.jit(sharding.vocab_lookup)
+    got = lookup(placed, jnp.asarray(tokens))
+    hlo = lookup.lower(placed, jnp.asarray(tokens)).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[tokens])
+  assert _collective_sizes(hlo) and max(_collective_sizes(hlo)) <= tokens.size * E
 
 
 def test_perplexity_through_compare_on_a_mesh_equals_one_device(tiny_llama):
