@@ -507,7 +507,8 @@ def test_a_cache_saved_on_seq_is_continued_there_as_one_device_would(params, tmp
   """A document prefilled and saved on seq=4 (each array as one device's over the whole capacity, ranges in place),
   then continued by a question on seq=4 and on one device: the tokens of one device's chunked generate of document
   + question, whose chunk boundary falls at the end of the document's whole chunks. On one device ZipCache's pools
-  and SpeCache's prefetched rows are shorter than seq=4 rounded them (what lies past is zeros, cut)."""
+  and SpeCache's prefetched rows are shorter than seq=4 rounded them (what lies past is zeros, cut). And the same
+  document saved on one device, continued on seq=4."""
   settings, capacity, n, head = SAVED[name]
   doc, question = _random_prompts(11, (n, 20))
   run = dict(method=name, settings=settings, capacity=capacity, new_tokens=8, prefill_chunk=head)
@@ -517,6 +518,8 @@ def test_a_cache_saved_on_seq_is_continued_there_as_one_device_would(params, tmp
   want = _generate(params, [doc + question], **run).tokens
   for mesh in ("seq=4", None):
     assert _generate(params, [question], mesh, cache=directory, **run).tokens == want
+  _generate(params, [doc], save_cache=str(tmp_path / "one"), **run)  # saved on one device, continued on seq=4
+  assert _generate(params, [question], "seq=4", cache=str(tmp_path / "one"), **run).tokens == want
 
 
 @on_four_devices
