@@ -12,7 +12,9 @@ tokens, greedy decoding with end-of-sequence disabled. Parts, each one command w
                      tokens/s (with the plan it chose: whole, or the chunk), decode ms/step against the floor (every
                      weight and the cache's held bytes once, at the copy rate measured in the same run), peak memory;
                      ``--profile`` traces the run and records the kernels that take its device time (prefill is most
-                     of it), into results/long_context_profile.json unless ``--out`` says otherwise
+                     of it), into results/long_context_profile.json unless ``--out`` says otherwise; ``--mesh``
+                     and ``--kv-heads`` as decode's (a prompt over ``seq``: each chunk's attention merged across the
+                     devices' ranges), the floor per device
     --part decode    B = 1 decode at each of ``--contexts`` tokens (0: the longest the method holds on this device,
                      ``jkv.memory.longest_context``) for each of ``--methods``, over a synthetic fill: the cache is
                      allocated holding that many tokens without a prefill (records say ``synthetic_fill``), so
@@ -132,43 +134,51 @@ def kernel_part(contexts, chunk, smoke):
 # ------------------------------------------------------------------------------------------------- prefill
 
 
-def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke, profile=False):
+def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke, profile=False, mesh_spec="none",
+                 kv_heads=None):
   import contextlib
   import jax
   import numpy as np
+  from sharded_decode import mesh_devices, random_params
   from jkv import generate as gen
-  from jkv import memory
-  from jkv import params as params_lib
+  from jkv import sharding
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
-  cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens)))
+  cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens),
+                           **({"kv_heads": kv_heads} if kv_heads else {})))
   pool = size_pinned_pool(cfg, labels, lambda m: gen.plan_capacity(cfg, m, [context], new_tokens, min(16, new_tokens)))
-  params = params_lib.init_random(cfg, jax.random.key(0))
-  weight_bytes = memory.tree_bytes(params)
+  mesh, _ = mesh_devices(mesh_spec)
+  if sharding.axis_size(mesh, "data") > 1:
+    raise SystemExit("long_context.py --part prefill runs one sequence: a data axis has nothing to split")
+  params = random_params(cfg, mesh)
+  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
+  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, "seq")
   rate = 1e10 if smoke else copy_rate()
   print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
   records = []
   for label in labels:
     name, options = METHODS[label]
+    fewer_heads = {"kv_heads": kv_heads, "model": f"random Llama-3-8B shape, {kv_heads} KV heads"} if kv_heads else {}
+    base = dict(_base("prefill", label, 1, context, mesh), **fewer_heads)
     t = time.perf_counter()
     trace_dir = tempfile.TemporaryDirectory()
     try:
       with jax.profiler.trace(trace_dir.name) if profile else contextlib.nullcontext():
         res = gen.generate(params, cfg, [prompt], method=make_method(name, **options), max_new_tokens=new_tokens,
                            eos_ids=(), chunk=min(16, new_tokens), prefill_chunk=prefill_chunk,
-                           prefill_tokens=prefill_tokens)
+                           prefill_tokens=prefill_tokens, mesh=mesh)
     except (MemoryError, ValueError) as e:  # the one-line errors: recorded, the next method runs
       print(f"{label}: {type(e).__name__}: {e}", flush=True)
-      records.append(dict(_base("prefill", label, 1, context), error=f"{type(e).__name__}: {e}",
+      records.append(dict(base, error=f"{type(e).__name__}: {e}",
                           prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens))
       continue
     s = res.stats
     ms = 1e3 * s["decode_s"] / s["decode_steps"]
-    floor = 1e3 * (weight_bytes + s["kv_bytes"]) / rate
+    floor = 1e3 * (weight_bytes + s["kv_bytes"] / shards) / rate
     record = dict(
-        _base("prefill", label, 1, context), method_config=s["method_config"], prefill_s=s["prefill_s"],
+        base, method_config=s["method_config"], prefill_s=s["prefill_s"],
         prefill_tokens_per_s=s["prefill_tokens_per_s"], prefill_chunk=s["prefill_chunk"],
         prefill_calls=s["prefill_calls"], prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens,
         decode_ms_per_step=ms, floor_ms_per_step=floor, ratio_to_floor=ms / floor, new_tokens=new_tokens,
@@ -340,8 +350,9 @@ def main():
   parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["kivi2_mma", "dense"])
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--steps", type=int, default=16, help="decode: steps timed per call")
-  parser.add_argument("--mesh", default="none", help="decode: a mesh of GPUs, e.g. model=4 (KV heads split)")
-  parser.add_argument("--kv-heads", type=int, help="decode: the model's KV heads (default the shape's 8)")
+  parser.add_argument("--mesh", default="none", help="prefill, decode: a mesh of GPUs, e.g. model=4 (KV heads "
+                      "split) or seq=2 (tokens split)")
+  parser.add_argument("--kv-heads", type=int, help="prefill, decode: the model's KV heads (default the shape's 8)")
   parser.add_argument("--prefill-chunk", type=int, help="prefill: chunk size (default: the plan's)")
   parser.add_argument("--prefill-tokens", type=int, help="prefill: prompt tokens per call (default: the plan's)")
   parser.add_argument("--profile", action="store_true", help="prefill: trace the run, record its top kernels")
@@ -374,7 +385,8 @@ def main():
                           args.smoke, args.mesh, args.kv_heads)
   else:
     records = prefill_part(1500 if args.smoke else args.context, args.methods, 4 if args.smoke else args.new_tokens,
-                           args.prefill_chunk, args.prefill_tokens, args.smoke, args.profile)
+                           args.prefill_chunk, args.prefill_tokens, args.smoke, args.profile, args.mesh,
+                           args.kv_heads)
   if args.records_to is not None:
     args.records_to.write_text(json.dumps(records))
     return
