@@ -134,26 +134,32 @@ def kernel_part(contexts, chunk, smoke):
 # ------------------------------------------------------------------------------------------------- prefill
 
 
+def one_sequence_over(mesh_spec, cfg, part):
+  """(mesh, its devices, random weights placed on it, each device's weight bytes, the shards of one sequence's
+  cache) for one sequence over ``mesh_spec`` ("none": one GPU): each device holds its share of the weights (split
+  over "model") and of the cache (its KV heads split over "model", its tokens over "seq"); a data axis is refused."""
+  from sharded_decode import mesh_devices, random_params
+  from jkv import sharding
+  mesh, devices = mesh_devices(mesh_spec)
+  if sharding.axis_size(mesh, "data") > 1:
+    raise SystemExit(f"long_context.py --part {part} runs one sequence: a data axis has nothing to split")
+  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, "seq")
+  return mesh, devices, random_params(cfg, mesh), sharding.param_bytes_per_device(cfg, mesh), shards
+
+
 def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smoke, profile=False, mesh_spec="none",
                  kv_heads=None):
   import contextlib
   import jax
   import numpy as np
-  from sharded_decode import mesh_devices, random_params
   from jkv import generate as gen
-  from jkv import sharding
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
   cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens),
                            **({"kv_heads": kv_heads} if kv_heads else {})))
   pool = size_pinned_pool(cfg, labels, lambda m: gen.plan_capacity(cfg, m, [context], new_tokens, min(16, new_tokens)))
-  mesh, _ = mesh_devices(mesh_spec)
-  if sharding.axis_size(mesh, "data") > 1:
-    raise SystemExit("long_context.py --part prefill runs one sequence: a data axis has nothing to split")
-  params = random_params(cfg, mesh)
-  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
-  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, "seq")
+  mesh, _, params, weight_bytes, shards = one_sequence_over(mesh_spec, cfg, "prefill")
   rate = 1e10 if smoke else copy_rate()
   print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
@@ -234,8 +240,7 @@ def top_kernels(trace_dir, top=25) -> list:
 def decode_part(contexts, labels, steps, smoke, mesh_spec="none", kv_heads=None):
   import jax.numpy as jnp
   from profile_decode_step import kernel_events, summarize, trace_decode
-  from sharded_decode import mesh_devices, random_params
-  from jkv import memory, sharding
+  from jkv import memory
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   from jkv.prefill import round_up
@@ -245,14 +250,8 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none", kv_heads=None)
   # The longest context (0) is known only from the device's memory: the pool keeps its limit for it.
   asked = max(contexts)
   pool = size_pinned_pool(cfg, labels, lambda m: asked and round_up(asked + steps, m.capacity_multiple()))
-  mesh, devices = mesh_devices(mesh_spec)
-  if sharding.axis_size(mesh, "data") > 1:
-    raise SystemExit("long_context.py --part decode runs one sequence: a data axis has nothing to split")
-  # On a mesh each device holds its share of the weights (split over "model") and of the cache (its KV heads split
-  # over "model", its tokens over "seq"); the floor and the longest context are per device.
-  params = random_params(cfg, mesh)
-  weight_bytes = sharding.param_bytes_per_device(cfg, mesh)
-  shards = sharding.axis_size(mesh, "model") * sharding.axis_size(mesh, "seq")
+  # The floor and the longest context are per device.
+  mesh, devices, params, weight_bytes, shards = one_sequence_over(mesh_spec, cfg, "decode")
   rate, reads = (1e10, 1e10) if smoke else (copy_rate(), read_rate())
   # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
   device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]
