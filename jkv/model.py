@@ -56,21 +56,30 @@ def _precision(x):
   return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
-def _einsum32(subscripts, x, w):
-  """An einsum accumulated and returned in fp32; x's leading axes are [B, T]."""
+def _einsum32(subscripts, x, w, out_dtype=jnp.float32):
+  """An einsum accumulated in fp32 and returned in ``out_dtype`` (fp32 unless said); x's leading axes are [B, T]."""
   lone = x.shape[0] * x.shape[1] == 1 and x.dtype != jnp.float32
   if lone:
     # XLA drops a lone row's unit axes, and its vector-matrix product has no 16-bit-in, fp32-out form: it converts
     # the whole weight matrix to fp32 on every call, so a B = 1 decode step read its weights at a quarter of the
     # copy rate (H200: 0.72 TB/s against 2.8 with two rows). A second row keeps the matrix product.
     x = jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-  out = jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32, precision=_precision(x))
+  out = jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype, precision=_precision(x))
   return out[:, :1] if lone else out
 
 
 def _matmul(subscripts, x, w):
   """An einsum accumulated in fp32 (what careful bf16 inference does), returned in the activation dtype."""
   return _einsum32(subscripts, x, w).astype(x.dtype)
+
+
+def _into_residual(subscripts, x, w):
+  """x @ w in fp32, for the residual stream. Where ``model`` splits the contraction (the heads of the attention's
+  output product, the MLP's hidden size), each device's partial product is summed across devices in x's dtype, as
+  Megatron and vLLM sum them: the two all-reduces of every layer move half fp32's bytes, [B, T, E] each."""
+  from jkv import sharding  # here, as jkv.attention imports it: jkv.sharding imports the cache module
+  split = sharding.axis_size(sharding.current_mesh(), "model") > 1
+  return _einsum32(subscripts, x, w, x.dtype if split else jnp.float32).astype(jnp.float32)
 
 
 def _qkv(layer, h, positions, cfg):
@@ -90,13 +99,13 @@ def _qkv(layer, h, positions, cfg):
 def _mlp(layer, x, cfg):
   h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)
   gate_up = _matmul("bte,ecf->btcf", h, layer.gate_up)
-  return x + _einsum32("btf,fe->bte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], layer.w_down)
+  return x + _into_residual("btf,fe->bte", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], layer.w_down)
 
 
 def _attn_out(layer, x, attn, cfg):
   B, H, T, g, D = attn.shape
   attn = attn.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D)
-  return x + _einsum32("bthd,hde->bte", attn, layer.o)
+  return x + _into_residual("bthd,hde->bte", attn, layer.o)
 
 
 def _embed(params, tokens, cfg):

@@ -7,7 +7,9 @@ Run it alone with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m pytest -q tests/test_sharding_devices.py``.
 """
 
+import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -150,9 +152,9 @@ def _collective_sizes(hlo: str) -> list:
   return sizes
 
 
-def _decode_hlo(model, mesh_spec):
-  """The optimized HLO of two KIVI decode steps (generate's decode chunk) of 4 sequences on ``mesh_spec``, and
-  the cache it was compiled for."""
+def _decode_hlo(model, mesh_spec, compiled=True):
+  """The optimized HLO of two KIVI decode steps (generate's decode chunk) of 4 sequences on ``mesh_spec`` (not
+  ``compiled``: the program as lowered, before XLA partitions it), and the cache it was compiled for."""
   cfg = model.config
   mesh = sharding.make_mesh(mesh_spec)
   method, B = make_method("kivi", **METHODS["kivi"]), 4
@@ -163,7 +165,8 @@ def _decode_hlo(model, mesh_spec):
     args = (params, cache) + rows(jnp.zeros((B,), jnp.int32), jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), bool),
                                   jnp.zeros((B,), bool), jnp.zeros((B, 2), jnp.int32), jax.random.key(0),
                                   jnp.asarray([-1], jnp.int32), jnp.int32(0))
-    return gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2).compile().as_text(), cache
+    lowered = gen._decode_chunk.lower(*args, cfg=cfg, sampler=Greedy(), steps=2)
+    return (lowered.compile().as_text() if compiled else lowered.as_text()), cache
 
 
 def test_decode_moves_no_cache_array_between_devices(tiny_llama):
@@ -174,6 +177,19 @@ def test_decode_moves_no_cache_array_between_devices(tiny_llama):
   assert sizes, "a tensor-parallel step must sum its partial products across the model axis"
   smallest_shard = min(x.addressable_shards[0].data.size for x in jax.tree.leaves(cache.state))
   assert max(sizes) < smallest_shard
+
+
+def test_tensor_parallel_sums_cross_devices_in_the_model_dtype(tiny_llama):
+  """A bf16 model's products whose contraction ``model`` splits (the attention's output product, the MLP's down
+  product: two a layer) return bf16 [B, 1, E], so the partial products cross devices in bf16; on one device they
+  return fp32. (The compiled CPU program promotes a bf16 all-reduce to fp32, so the program is read as lowered.)"""
+  model = tiny_llama[1]
+  cfg = dataclasses.replace(model.config, dtype="bfloat16")
+  bf16 = types.SimpleNamespace(config=cfg, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))
+  into_residual = lambda mesh: re.findall(r"stablehlo\.dot_general[^\n]*-> tensor<4x1x%dx(\w+)>" % cfg.embed,
+                                          _decode_hlo(bf16, mesh, compiled=False)[0])
+  assert into_residual("data=2,model=2") == ["bf16", "bf16"]  # the layers' scan body, once
+  assert into_residual("data=4") == ["f32", "f32"]
 
 
 def test_data_parallel_decode_moves_nothing_between_devices(tiny_llama):
