@@ -372,6 +372,7 @@ class _Generation:
   def warm(self) -> None:
     """Compile (or find compiled) every call before timing, so the timings are run time alone."""
     B = self.plan.batch
+    sharding.warm_collectives(self.mesh)
     for prefill in self.prefills:
       prefill.warm(_warm, self.params, self.cache)
     _warm(_first_tokens, self._rows((committed(jnp.zeros((B, self.cfg.vocab_size), jnp.float32)), self.sub)),

@@ -59,9 +59,18 @@ def test_tiny_model_on_a_data_by_model_mesh_equals_one_device(tiny_llama, name):
   sharded = _generate(model, prompts, name, mesh="data=2,model=2")
   assert sharded.tokens == one.tokens
   assert sharded.stats["mesh"] == "data=2,model=2" and sharded.stats["kv_bytes"] == one.stats["kv_bytes"]
+  assert sharding.make_mesh("data=2,model=2") in sharding._WARMED_MESHES  # its collectives run before the timing
   # Statistics gathered while decoding count every shard (SpeCache's hit rate over all KV heads).
   hit_rates = [r.stats["method_stats"].get("speculation_hit_rate") for r in (sharded, one)]
   assert hit_rates == [None, None] if name != "specache" else hit_rates[0] == pytest.approx(hit_rates[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["data=2,model=2", "seq=4"])
+def test_each_axis_total_sums_over_that_axis_alone(spec):
+  """generate's compile phase runs one all-reduce over each axis of its mesh (``warm_collectives``: a GPU builds the
+  communicator of a group of devices at its first collective); each runs over its axis's devices, not the mesh's."""
+  mesh = sharding.make_mesh(spec)
+  assert {a: int(sharding.axis_total(mesh, a)) for a in mesh.axis_names} == dict(mesh.shape)
 
 
 @pytest.mark.parametrize("name", ["dense", "kivi"])
