@@ -188,6 +188,7 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
         prefill_tokens_per_s=s["prefill_tokens_per_s"], prefill_chunk=s["prefill_chunk"],
         prefill_calls=s["prefill_calls"], prefill_chunk_asked=prefill_chunk, prefill_tokens_asked=prefill_tokens,
         decode_ms_per_step=ms, floor_ms_per_step=floor, ratio_to_floor=ms / floor, new_tokens=new_tokens,
+        decode_chunk_s=s["decode_chunk_s"],  # 16 steps each: a longer first chunk is a cost of first runs
         kv_bytes=s["kv_bytes"], kv_host_bytes=s["kv_host_bytes"], dense_kv_bytes=s["dense_kv_bytes"],
         pinned_pool_limit_gb=pool,
         capacity=s["capacity"], peak_device_bytes=s["peak_device_bytes"], compile_s=s["compile_s"],

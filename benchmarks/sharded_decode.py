@@ -112,6 +112,7 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
       mesh=spec, devices=len(devices), method="kivi2", method_config=dataclasses.asdict(method), batch=batch,
       computed_largest_batch=largest, prompt_len=prompt_len, new_tokens=new_tokens, capacity=capacity,
       decode_tokens_per_s=s["decode_tokens_per_s"], decode_ms_per_step=1e3 * s["decode_s"] / s["decode_steps"],
+      decode_chunk_s=s["decode_chunk_s"],  # chunk steps each: a longer first chunk is a cost of first runs
       floor_ms_per_step=floor_ms, copy_rate=rate,
       prefill_s=s["prefill_s"], prefill_sub_batch=s["prefill_sub_batch"], compile_s=s["compile_s"],
       compiles=s["compiles"],
@@ -119,10 +120,10 @@ def run(spec, smoke, *, prompt_len, new_tokens, batch_scale, max_batch, chunk):
       weight_bytes_per_device=weight_bytes, device_limit_bytes=limit, peak_device_bytes=peaks,
       attention_impl=s["attention_impl"], device=devices[0].device_kind, jax_version=jax.__version__, date=now(),
       model="random Llama-3-8B shape" if not smoke else "smoke: tiny random model")
-  print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step (floor {floor_ms:.2f}), "
-        f"{s['decode_tokens_per_s']:.1f} "
-        f"decode tok/s, prefill {s['prefill_s']:.1f} s (sub-batch {s['prefill_sub_batch']}), compile "
-        f"{s['compile_s']:.1f} s, kv {s['kv_bytes'] / 2**30:.2f} GiB", flush=True)
+  per_chunk = ", ".join(f"{1e3 * t / chunk:.2f}" for t in s["decode_chunk_s"])
+  print(f"mesh {spec}: B={batch} {record['decode_ms_per_step']:.2f} ms/step (floor {floor_ms:.2f}; chunk by chunk "
+        f"{per_chunk}), {s['decode_tokens_per_s']:.1f} decode tok/s, prefill {s['prefill_s']:.1f} s (sub-batch "
+        f"{s['prefill_sub_batch']}), compile {s['compile_s']:.1f} s, kv {s['kv_bytes'] / 2**30:.2f} GiB", flush=True)
   return record
 
 

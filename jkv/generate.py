@@ -346,6 +346,7 @@ class _Generation:
     self.params = sharding.shard_params(params, cfg, mesh)
     self.params, self.cache = committed((self.params, self._place_cache(method)))
     self.saved = None  # what run_save wrote
+    self.chunk_s = []  # each decode chunk's seconds (run_decode)
     B, S = plan.batch, method.speculative_rows
     self.speculative = S
     key, self.eos, self.pad, no, no_spec, zero_counts, self.first_ids = self._rows(committed((
@@ -414,14 +415,16 @@ class _Generation:
   def run_decode(self, out: list) -> int:
     """Decode chunks until every sequence stopped or ``max_new_tokens`` were produced; appends each chunk's host
     ids to ``out`` and returns the tokens produced (whole chunks: the last may run past the limit)."""
-    produced, c = 1, self.carry
+    produced, c, last = 1, self.carry, time.perf_counter()
     while produced < self.plan.max_new_tokens and not bool(np.all(np.asarray(c.done))):
       self.cache, c.last, c.spec, c.done, c.bad, c.counts, c.key, chunk_out = _decode_chunk(
           *c.decode_args(self.params, self.cache, self.eos, self.pad), cfg=self.cfg, sampler=self.sampler,
           steps=self.plan.chunk)
       # One placement for what the next chunk takes (a mesh's partitioner may return another): one compilation.
       c.last, c.spec, c.done, c.bad, c.counts, c.key = self._rows((c.last, c.spec, c.done, c.bad, c.counts, c.key))
-      out.append(np.asarray(self._rows(chunk_out)))
+      out.append(np.asarray(self._rows(chunk_out)))  # (waits for the chunk: its time is known here)
+      self.chunk_s.append(time.perf_counter() - last)
+      last += self.chunk_s[-1]
       produced += self.plan.chunk
     jax.block_until_ready(self.cache)
     return produced
@@ -451,7 +454,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   tokens, the allocated bytes, prefill/decode times with compilation counted apart, the prefill plan, and the
   device's peak memory where jax reports it. A method that carries a speculative row
   (``CacheMethod.speculative_rows``) gets its pre-decode pass before the first step, timed apart (``pre_decode_s``,
-  once per call, like prefill; ``decode_s`` is the decode steps alone). ``method_stats`` holds what the method
+  once per call, like prefill; ``decode_s`` is the decode steps alone, ``decode_chunk_s`` each chunk's share of it:
+  a first chunk longer than the rest shows a cost of first runs, not of steps). ``method_stats`` holds what the method
   gathered while decoding (``CacheMethod.decode_stats``: SpeCache's ``speculation_hit_rate``) and, for a
   speculative method, ``speculative_token_match`` (how often the speculative token was the real next token).
   Non-finite logits raise a one-line ValueError naming the sequences.
@@ -532,6 +536,7 @@ def _result(run: _Generation, out: list, produced: int, timings: dict) -> Genera
       pre_decode_s=timings["pre_decode_s"],  # a speculative method's pre-decode pass (once, before the first step)
       decode_s=timings["decode_s"],  # the decode steps
       decode_steps=produced - 1,  # steps run: whole chunks, so the last may run past max_new_tokens
+      decode_chunk_s=run.chunk_s,  # each chunk's seconds, plan.chunk steps each
       decode_tokens_per_s=(B * decoded_steps / timings["decode_s"]) if decoded_steps else 0.0,
       compile_s=timings["compile_s"],  # tracing and compiling (near zero when every shape was seen before)
       compiles=timings["compiles"],

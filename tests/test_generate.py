@@ -35,6 +35,9 @@ def test_second_call_with_same_shapes_compiles_nothing(tiny_llama):
                        max_new_tokens=16, chunk=8)
   assert counter.count == 0
   assert res.stats["compiles"] == 0
+  # 15 steps after the first token in chunks of 8: two chunks, timed within the decode's time.
+  chunks = res.stats["decode_chunk_s"]
+  assert len(chunks) == 2 and min(chunks) > 0 and sum(chunks) <= res.stats["decode_s"]
 
 
 def test_stops_each_sequence_at_eos(tiny_llama):
