@@ -180,23 +180,35 @@ def finished_before_interrupt(fn: Callable[[], None]) -> None:
   partial directory its cleanup had removed (a convert interrupted just after it started saving, on 2 loaded cores,
   left files behind 2 times of 25). On a thread of its own the save is never cut in half. A second interrupt stops
   the wait (``jkv`` exits at once then).
+
+  The thread runs ``fn`` only once the caller has said ``go``: an interrupt inside ``Thread.start`` (it waits for
+  the new thread to begin) left the caller not knowing whether ``fn`` would run, and the cleanup ran beside a save
+  that then made the partial directory again (CI's failure; 4 of 9 interrupts sent on the "saving to" line left it,
+  0 of 22 now, 10 of them beside two busy processes).
   """
-  failure, done = [], threading.Event()
+  go, done, cancelled, failure = threading.Event(), threading.Event(), [], []
 
   def run():
+    go.wait()
     try:
-      fn()
+      if not cancelled:
+        fn()
     except BaseException as e:  # raised again in the caller's thread
       failure.append(e)
     finally:
       done.set()
   # An Event, not Thread.join: Python 3.11's join, interrupted, marks the thread stopped (it takes the lock the
   # running thread holds for its release), so a second join returned at once and the cleanup ran beside the save.
-  threading.Thread(target=run, name="jkv-save", daemon=True).start()
   try:
+    threading.Thread(target=run, name="jkv-save", daemon=True).start()
+    go.set()
     done.wait()
   except KeyboardInterrupt:
-    done.wait()
+    if go.is_set():  # fn runs, or ran: wait for its end
+      done.wait()
+    else:  # fn never runs: a thread that started returns at once
+      cancelled.append(True)
+      go.set()
     raise
   if failure:
     raise failure[0]

@@ -304,6 +304,29 @@ def test_ctrl_c_during_convert_removes_the_partial_checkpoint(interrupted):
   assert os.listdir(out.parent) == [], (os.listdir(out.parent), err)
 
 
+@pytest.mark.parametrize("after_start", [True, False], ids=["thread-started", "thread-not-started"])
+def test_an_interrupt_inside_thread_start_waits_for_the_save_or_cancels_it(monkeypatch, after_start):
+  """A save interrupted while ``Thread.start`` waited for its thread: the save ran whole first, or never runs."""
+  import threading
+  start, log = threading.Thread.start, []
+
+  def interrupted_start(thread):
+    if after_start:
+      start(thread)
+    raise KeyboardInterrupt
+
+  def save():
+    log.append("began")
+    time.sleep(0.3)
+    log.append("ended")
+  monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+  with pytest.raises(KeyboardInterrupt):
+    checkpoint.finished_before_interrupt(save)
+  seen = list(log)
+  time.sleep(0.5)
+  assert seen == log and log in ([], ["began", "ended"]), (seen, log)
+
+
 def _wait_for(sent):
   deadline = time.monotonic() + 10
   while not sent and time.monotonic() < deadline:  # sent from another thread
