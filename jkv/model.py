@@ -114,6 +114,20 @@ def _embed(params, tokens, cfg):
   return (params.embedding[tokens] if looked is None else looked).astype(jnp.float32)
 
 
+def _split_tokens(x):
+  """A prompt's or a chunk's rows x [B, T, E] split by token over a ``seq`` mesh axis, so that the projections and
+  the MLP, whose weights every device of ``seq`` holds whole, run on T / n rows on each device; XLA gathers the
+  rows where a call takes them whole (q, k and v for the attention and the cache). Unchanged elsewhere, and where
+  n does not divide T."""
+  from jkv import sharding  # here, as jkv.attention imports it: jkv.sharding imports the cache module
+  mesh = sharding.current_mesh()
+  n = sharding.axis_size(mesh, "seq")
+  if n == 1 or x.shape[1] % n:
+    return x
+  rows = "data" if x.shape[0] % sharding.axis_size(mesh, "data") == 0 else None
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(rows, "seq", None))
+
+
 def _logits(params, x, cfg):
   """fp32 logits, never rounded to bf16: bf16 values near 20 are 0.125 apart, enough to flip a greedy near-tie."""
   x = rms_norm(x, params.final_norm, cfg.norm_eps)
@@ -146,6 +160,8 @@ def forward(params: Params, tokens, positions, cache: KVCache, *, cfg: ModelConf
   """
   method = cache.method
   x = _embed(params, tokens, cfg)
+  if prefill or extend:
+    x = _split_tokens(x)
   if prefill:
     ctx = StepContext(lengths=jnp.sum(positions >= 0, axis=1).astype(jnp.int32), positions=positions,
                       impl=cache.impl)
