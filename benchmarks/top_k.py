@@ -1,4 +1,5 @@
-"""SpeCache's per-layer selection on a GPU: ``lax.top_k`` (k = 64) over rows of several lengths and counts, and
+"""SpeCache's per-layer selection on a GPU: ``lax.top_k`` (k = 64) over rows of several lengths and counts, the same
+by counting ranks (``jkv.methods.specache.top_k`` with every shape allowed), and
 ``jkv.methods.specache.top_k_positions`` over a layer's candidates at long contexts, in microseconds per call.
 
 Each figure is one jitted loop of ``--reps`` calls (the scores nudged each time, so none is hoisted), the median of
@@ -48,15 +49,18 @@ def main():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jkv.methods.specache import top_k_positions
+  from jkv.methods.specache import top_k, top_k_positions
 
   rng = np.random.default_rng(0)
   base = dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__, date=now(), k=K)
   cases = [("lax.top_k", rows, n) for rows in (8, 16, 32) for n in (256, 513, 1024, 2048, 2049, 4096, 4098, 16384)]
+  cases += [("lax.top_k", rows, n) for rows in (64, 128, 256) for n in (513, 1024, 2048)]
+  cases += [("ranks", rows, n) for rows in (8, 16, 32, 64, 128, 256) for n in (513, 1024, 2048)]
   cases += [("top_k_positions", rows, n) for rows in (8, 16) for n in (131136, 524352, 1048640)]
   if args.smoke:
-    cases = [("lax.top_k", 8, 256), ("top_k_positions", 8, 4160)]
-  fns = {"lax.top_k": lambda y: jax.lax.top_k(y, K)[1], "top_k_positions": lambda y: top_k_positions(y, K)}
+    cases = [("lax.top_k", 8, 256), ("ranks", 8, 256), ("top_k_positions", 8, 4160)]
+  fns = {"lax.top_k": lambda y: jax.lax.top_k(y, K)[1], "ranks": lambda y: top_k(y, K, rank_pairs=1 << 62)[1],
+         "top_k_positions": lambda y: top_k_positions(y, K)}
   records = []
   for name, rows, n in cases:
     x = jnp.asarray(rng.random((rows, n), np.float32))

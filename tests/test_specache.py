@@ -21,7 +21,7 @@ from jkv.evaluation import perplexity as ppl_lib
 from jkv.methods import make_method
 from jkv.methods.kivi import Kivi
 from jkv.methods.specache import (SpeCache, gather_host_rows, gather_host_rows_one_by_one,
-                                  gather_rows_pallas, host_write_rows, top_k_positions)
+                                  gather_rows_pallas, host_write_rows, top_k, top_k_positions)
 from jkv.model import forward_no_cache
 from jkv_kernels.attention_reference import gqa_attention_reference
 import quant_oracle
@@ -598,6 +598,20 @@ def test_two_stage_top_k_is_a_top_k(capacity, k):
   got = np.asarray(top_k_positions(jnp.asarray(scores), k))
   want = np.asarray(jax.lax.top_k(jnp.asarray(scores), k)[1])
   np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
+
+
+@pytest.mark.parametrize("shape, k", [((8, 513), 64), ((2, 3, 1024), 64), ((3, 70), 70), ((5, 40), 1)])
+@pytest.mark.parametrize("rank_pairs", [0, 1 << 62], ids=["sort", "ranks"])
+def test_top_k_equals_lax_top_k_with_ties(shape, k, rank_pairs):
+  """``top_k``'s count of ranks gives ``lax.top_k``'s values and positions, ties taken by position, with -inf
+  (padding) and many equal scores among them; k up to the whole row."""
+  rng = np.random.default_rng(sum(shape) + k)
+  scores = rng.integers(0, 30, shape).astype(np.float32)
+  scores[..., ::7] = -np.inf
+  values, positions = top_k(jnp.asarray(scores), k, rank_pairs=rank_pairs)
+  want_values, want_positions = jax.lax.top_k(jnp.asarray(scores), k)
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(positions), np.asarray(want_positions))
 
 
 def test_memory_matches_the_spec_size_column():

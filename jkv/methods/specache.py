@@ -40,7 +40,8 @@ shape): 28.94 ms/step with the buffer, 28.76 ms without, against 23.76 ms for KI
 (benchmarks/README.md and the profile in benchmarks/results name the parts; since KIVI reads its window in place,
 27.57 ms with the buffer against 23.95 for KIVI-2). The two schedules are equal within 1% (no overlap to win on
 one stream); the buffer stays the default, as the paper's pipeline. A top-k over each layer's 32k candidates
-(0.38 ms, a sort) is a tournament of small ones (``top_k_positions``), for every row that needs one at once.
+(0.38 ms, a sort) is a tournament of small ones (``top_k_positions``), for every row that needs one at once, each
+by counting ranks where that costs less than a sort (``top_k``).
 
 ``speculate=False`` is the paper's non-speculative baseline (Table 4's fetch-then-recompute, the upper
 bound on the selection): one row per step and no pre-decode pass; in each layer the real row attends the low-bit
@@ -204,6 +205,27 @@ def gather_rows_pallas(kv, first_layer, idx, interpret: bool = False):
   return out[..., :k, :]
 
 
+# Rows x length^2 at most this many pairs take ``top_k``'s count of ranks instead of a sort (benchmarks/top_k.py).
+RANK_PAIRS = 1 << 23
+
+
+def top_k(scores, k: int, rank_pairs: int = RANK_PAIRS):
+  """The k largest of scores [..., N] and their positions [..., k], largest first, ties by position (as
+  ``lax.top_k``). XLA's sort costs about 8 us a call on an H200 for any rows up to 1024 long, a B = 1 step's
+  three a layer about 0.8 ms; where rows x N^2 is at most ``rank_pairs``, each score's rank is counted instead
+  (the scores above it, and the equal ones before it: distinct ranks 0..N-1), in one fused comparison of every
+  pair, and the k smallest ranks scattered to their slots."""
+  N = scores.shape[-1]
+  if k > N or np.prod(scores.shape[:-1], dtype=np.int64) * N * N > rank_pairs:
+    return jax.lax.top_k(scores, k)
+  at = jnp.arange(N)
+  s, t = scores[..., :, None], scores[..., None, :]
+  rank = jnp.sum((t > s) | ((t == s) & (at < at[:, None])), axis=-1, dtype=jnp.int32)  # [..., N]
+  slot = lambda r: jnp.zeros(k, jnp.int32).at[r].set(at, mode="drop")
+  positions = jax.vmap(slot)(rank.reshape(-1, N)).reshape(scores.shape[:-1] + (k,))
+  return jnp.take_along_axis(scores, positions, axis=-1), positions
+
+
 def top_k_positions(scores, k: int, block: int = 16):
   """Positions [..., k] of the k largest of scores [..., C] (a valid top k; ties in any order), by a tournament of
   small selections instead of one over C. The k blocks of ``block`` positions with the largest maxima hold a top k
@@ -215,14 +237,14 @@ def top_k_positions(scores, k: int, block: int = 16):
   The end of C is padded to whole blocks with -inf, never chosen while C holds k finite scores."""
   C = scores.shape[-1]
   if C <= 2 * k * block:
-    return jax.lax.top_k(scores, k)[1]
+    return top_k(scores, k)[1]
   lead, n = scores.shape[:-1], -(-C // block)
   if n * block > C:
     scores = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, n * block - C)], constant_values=-jnp.inf)
   blocks = scores.reshape(lead + (n, block))
   chosen = top_k_positions(jnp.max(blocks, axis=-1), k, block)  # [..., k] block indices
   values = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(lead + (k * block,))
-  _, j = jax.lax.top_k(values, k)
+  _, j = top_k(values, k)
   return jnp.take_along_axis(chosen, j // block, axis=-1) * block + j % block
 
 
@@ -702,7 +724,7 @@ class SpeCache(CacheMethod):
     e = jnp.clip(extra, 0, of.shape[-1] - 1)
     values = jnp.where(extra >= 0, jnp.take_along_axis(of, e, axis=-1), store.at(slots, store_bound))
     positions = jnp.where(extra >= 0, jnp.take_along_axis(at, e, axis=-1), slots + first)
-    best, j = jax.lax.top_k(values, min(k, values.shape[-1]))  # (fewer on a device whose range is shorter than k)
+    best, j = top_k(values, min(k, values.shape[-1]))  # (fewer on a device whose range is shorter than k)
     idx, past = jnp.take_along_axis(positions, j, axis=-1), store.length
     if first_slot is not None:
       best, idx, n = top_k_across_seq(best, idx, k)
