@@ -604,13 +604,15 @@ def test_two_stage_top_k_is_a_top_k(capacity, k):
 @pytest.mark.parametrize("rank_pairs", [0, 1 << 62], ids=["sort", "ranks"])
 def test_top_k_equals_lax_top_k_with_ties(shape, k, rank_pairs):
   """``top_k``'s count of ranks gives ``lax.top_k``'s values and positions, ties taken by position, with -inf
-  (padding) and many equal scores among them; k up to the whole row."""
+  (padding), many equal scores, subnormals, signed zeros and NaNs among them; k up to the whole row."""
   rng = np.random.default_rng(sum(shape) + k)
-  scores = rng.integers(0, 30, shape).astype(np.float32)
+  scores = rng.integers(0, 30, shape).astype(np.float32) - 10
   scores[..., ::7] = -np.inf
+  scores[..., 3::11] = rng.choice(np.array([1e-40, 3e-41, -1e-40, 0.0, -0.0, np.nan, -np.nan], np.float32),
+                                  scores[..., 3::11].shape)
   values, positions = top_k(jnp.asarray(scores), k, rank_pairs=rank_pairs)
   want_values, want_positions = jax.lax.top_k(jnp.asarray(scores), k)
-  np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+  np.testing.assert_array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32))
   np.testing.assert_array_equal(np.asarray(positions), np.asarray(want_positions))
 
 

@@ -210,16 +210,21 @@ RANK_PAIRS = 1 << 23
 
 
 def top_k(scores, k: int, rank_pairs: int = RANK_PAIRS):
-  """The k largest of scores [..., N] and their positions [..., k], largest first, ties by position (as
-  ``lax.top_k``). XLA's sort costs about 8 us a call on an H200 for any rows up to 1024 long, a B = 1 step's
-  three a layer about 0.8 ms; where rows x N^2 is at most ``rank_pairs``, each score's rank is counted instead
-  (the scores above it, and the equal ones before it: distinct ranks 0..N-1), in one fused comparison of every
-  pair, and the k smallest ranks scattered to their slots."""
+  """The k largest of float scores [..., N] and their positions [..., k], largest first, ties by position, in
+  ``lax.top_k``'s total order (NaN above +inf, -0.0 below 0.0). XLA's sort costs about 8 us a call on an H200 for
+  any rows up to 1024 long, a B = 1 step's three a layer about 0.8 ms; where rows x N^2 is at most
+  ``rank_pairs``, each score's rank is counted instead (the scores above it, and the equal ones before it), in one
+  fused comparison of every pair, and the k smallest ranks scattered to their slots. The pairs compare integer
+  keys of that total order: exact, so the ranks are distinct, 0..N-1, which float comparisons do not promise (a GPU
+  may flush subnormals to zero in one comparison and not in another)."""
   N = scores.shape[-1]
-  if k > N or np.prod(scores.shape[:-1], dtype=np.int64) * N * N > rank_pairs:
+  if (k > N or not jnp.issubdtype(scores.dtype, jnp.floating)
+      or np.prod(scores.shape[:-1], dtype=np.int64) * N * N > rank_pairs):
     return jax.lax.top_k(scores, k)
+  bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+  key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitudes reversed: int order = total order
   at = jnp.arange(N)
-  s, t = scores[..., :, None], scores[..., None, :]
+  s, t = key[..., :, None], key[..., None, :]
   rank = jnp.sum((t > s) | ((t == s) & (at < at[:, None])), axis=-1, dtype=jnp.int32)  # [..., N]
   slot = lambda r: jnp.zeros(k, jnp.int32).at[r].set(at, mode="drop")
   positions = jax.vmap(slot)(rank.reshape(-1, N)).reshape(scores.shape[:-1] + (k,))
