@@ -232,6 +232,8 @@ def test_a_prompts_mlp_runs_on_a_quarter_of_its_tokens_on_each_device(params, T,
   """Over seq=4 each device runs the projections and the MLP, whose weights it holds whole, on its quarter of a
   prompt's tokens (the compiled per-device program's gate/up product has T / 4 rows); where 4 does not divide the
   prompt, on all of them."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("reads the CPU compiler's dot instructions (a GPU's are library calls)")
   mesh = sharding.make_mesh("seq=4")
   with sharding.use_mesh(mesh):
     cache = sharding.create_cache(make_method("dense"), CacheSpec.for_model(CFG, 2, CAPACITY), "xla", mesh)
