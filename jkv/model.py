@@ -121,11 +121,11 @@ def _split_tokens(x):
   n does not divide T."""
   from jkv import sharding  # here, as jkv.attention imports it: jkv.sharding imports the cache module
   mesh = sharding.current_mesh()
-  n = sharding.axis_size(mesh, "seq")
+  n = sharding.axis_size(mesh, sharding.SEQ_AXIS)
   if n == 1 or x.shape[1] % n:
     return x
   rows = "data" if x.shape[0] % sharding.axis_size(mesh, "data") == 0 else None
-  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(rows, "seq", None))
+  return jax.lax.with_sharding_constraint(x, sharding.P(rows, sharding.SEQ_AXIS, None))
 
 
 def _logits(params, x, cfg):

@@ -215,8 +215,8 @@ def top_k(scores, k: int, rank_pairs: int = RANK_PAIRS):
   any rows up to 1024 long, a B = 1 step's three a layer about 0.8 ms; where rows x N^2 is at most
   ``rank_pairs``, each score's rank is counted instead (the scores above it, and the equal ones before it), in one
   fused comparison of every pair, and the k smallest ranks scattered to their slots. The pairs compare integer
-  keys of that total order: exact, so the ranks are distinct, 0..N-1, which float comparisons do not promise (a GPU
-  may flush subnormals to zero in one comparison and not in another)."""
+  keys of that total order, so the ranks are distinct, 0..N-1, whatever the scores; float comparisons do not
+  promise it (a NaN is neither above, below nor equal to anything, so it would share a rank)."""
   N = scores.shape[-1]
   if (k > N or not jnp.issubdtype(scores.dtype, jnp.floating)
       or np.prod(scores.shape[:-1], dtype=np.int64) * N * N > rank_pairs):
