@@ -446,6 +446,7 @@ def cmd_info(args):
     print(f"{'kv bytes/token':>16}: {held.device / n:,.1f} at {n} tokens (dense {dense / n:,.1f}; "
           f"{dense / max(held.device, 1):.2f}x)" + (f"; host {held.host / n:,.1f}" if held.host else ""))
     per = f" per device of mesh {sharding.mesh_label(mesh)}" if mesh is not None else ""
+    per += "" if args.device_gib else memory.allocator_limit_note()
     print(f"{'largest batch':>16}: " + (f"{batch} sequences of {n} tokens in {device_bytes / 2**30:.1f} GiB{per}"
                                          if batch is not None else "unknown (this device reports no memory "
                                                                    "size; give --device-gib)"))

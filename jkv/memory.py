@@ -74,6 +74,18 @@ def available_memory() -> Optional[dict]:
   return device_memory() or (host_memory() if jax.default_backend() == "cpu" else None)
 
 
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # read by XLA when its GPU client starts
+
+
+def allocator_limit_note() -> str:
+  """Where a GPU's memory limit comes from, for the lines that report it: XLA's allocator takes at most 75% of the
+  GPU unless told otherwise (docs/long_context.md: what that costs one sequence on an H100). Empty off a GPU, and
+  where the fraction was set."""
+  if jax.default_backend() != "gpu" or os.environ.get(MEMORY_FRACTION_ENV):
+    return ""
+  return f" (XLA's limit, 75% of the GPU; {MEMORY_FRACTION_ENV}=0.95 before jax starts raises it)"
+
+
 PINNED_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # read by XLA when its GPU client starts
 
 
@@ -417,7 +429,8 @@ class CacheRequest:
       fits += f"; one sequence prefilled in chunks holds at most {longest_context(self.cfg, self.method, **fit)} tokens"
     device = ("each device" if self.mesh is not None else "the device") + f" ({jax.local_devices()[0].device_kind})"
     return DeviceMemoryError(
-        f"out of {memory_kind} memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}; {fits}",
+        f"out of {memory_kind} memory: {problem}; {device} has {_gib(free)} free of {_gib(mem['limit'])}"
+        f"{allocator_limit_note()}; {fits}",
         need_bytes=self.need_bytes, free_bytes=free, largest_batch=batch, largest_capacity=capacity)
 
   def __str__(self) -> str:

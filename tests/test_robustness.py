@@ -264,6 +264,25 @@ def test_on_a_cpu_the_cache_is_held_to_the_machines_memory(tiny_llama, monkeypat
     gen.generate(m.params, m.config, [[3, 4, 5]] * 8, max_new_tokens=1000)
 
 
+def test_a_gpus_refusal_names_the_fraction_that_limits_its_memory(tiny_llama, monkeypatch):
+  """XLA's allocator takes 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: the one-line refusal
+  says so where the variable is unset, and not where it is set or off a GPU."""
+  _, m = tiny_llama
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: dict(limit=4 * GIB, in_use=4 * GIB - (1 << 20),
+                                                                        peak=0))
+  monkeypatch.delenv(memory.MEMORY_FRACTION_ENV, raising=False)
+  for backend, env, named in (("gpu", None, True), ("gpu", "0.9", False), ("cpu", None, False)):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    if env:
+      monkeypatch.setenv(memory.MEMORY_FRACTION_ENV, env)
+    with pytest.raises(memory.DeviceMemoryError) as caught:
+      gen.generate(m.params, m.config, [[3, 4, 5]] * 8, max_new_tokens=1000)
+    line = str(caught.value)
+    assert "\n" not in line and re.search(r"free of 4\.00 GiB[;(]", line.replace(" (", "(")), line
+    assert ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in line) == named, (backend, env, line)
+    monkeypatch.delenv(memory.MEMORY_FRACTION_ENV, raising=False)
+
+
 @pytest.mark.usefixtures("default_model_once")
 def test_info_counts_a_cpus_largest_batch_in_the_machines_memory(capsys, monkeypatch):
   monkeypatch.setattr(memory, "device_memory", lambda device=None: None)
