@@ -649,6 +649,56 @@ def test_invalid_settings_are_rejected(options, message):
     KVCache.create(make_method("specache", **options), _spec(1, 256))
 
 
+def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny_llama, monkeypatch):
+  """The hit rate of 1 below, step by step: with k >= every candidate, at every step, layer, sequence and KV head
+  the rows fetched (the previous step's speculative choice) hold every position the real row chooses, and neither
+  row's selection leaves a candidate out (a mass that is not finite would: ``_select`` keeps only masses above
+  NOT_A_CANDIDATE). On a failure the message names the steps, layers and positions, and where the selection lost
+  them. (On an H100 and an H200 the hit rate came 0.99878 at 907ecac, with the rank top-k and with sorts alike.)"""
+  _, m = tiny_llama
+  misses, lost, steps = [], [], {}
+
+  def record_misses(layer, idx, ok, top, top_ok):
+    step = steps[int(layer)] = steps.get(int(layer), 0) + 1
+    for b, h in np.ndindex(idx.shape[:2]):
+      missing = set(top[b, h][top_ok[b, h]].tolist()) - set(idx[b, h][ok[b, h]].tolist())
+      if missing:
+        misses.append(f"step {step} layer {int(layer)} sequence {b} head {h}: {sorted(missing)} not fetched")
+
+  def record_lost(candidates, kept, non_finite, bound):
+    if (candidates != kept).any() or non_finite:
+      lost.append(f"bound {bound.tolist()}: candidates {candidates.tolist()}, kept {kept.tolist()}, "
+                  f"{int(non_finite)} masses not finite")
+
+  count_hits, select = SpeCache._count_hits, SpeCache._select
+
+  def count_and_check(self, state, layer, idx, ok, top, top_ok):
+    jax.debug.callback(record_misses, layer, idx, ok, top, top_ok)
+    return count_hits(self, state, layer, idx, ok, top, top_ok)
+
+  def select_and_check(mass, bound, k, first_slot=None):
+    store, held = mass
+    per_slot = store._per_slot()  # [B, H, C, R]
+    candidate = jnp.arange(per_slot.shape[2])[:, None] < bound[:, None, None, :]
+    candidate = candidate if store.mask is None else candidate & store.mask[..., None]
+    below = bound[:, None, :, None]
+    held_candidates = [h & (jnp.broadcast_to(at, m.shape) < below) for at, m, h in held]
+    candidates = jnp.sum(candidate, axis=2) + sum(jnp.sum(c, axis=-1) for c in held_candidates)  # [B, H, R]
+    non_finite = jnp.sum(candidate & ~jnp.isfinite(per_slot)) + sum(
+        jnp.sum(c & ~jnp.isfinite(m)) for c, (_, m, _) in zip(held_candidates, held))
+    idx, ok = select(mass, bound, k, first_slot)
+    jax.debug.callback(record_lost, candidates, jnp.sum(ok, axis=-1), non_finite, bound)
+    return idx, ok
+
+  monkeypatch.setattr(SpeCache, "_count_hits", count_and_check)
+  monkeypatch.setattr(SpeCache, "_select", staticmethod(select_and_check))
+  prompts = random_prompts(m.config.vocab_size, [40, 90], seed=7)
+  res = gen.generate(m.params, m.config, prompts, method=SpeCache(fetch_rows=512, residual=32), max_new_tokens=24,
+                     eos_ids=(), chunk=8)
+  assert res.stats["decode_steps"] == 24
+  assert not misses and not lost, "\n".join(misses[:10] + lost[:10])
+
+
 def test_generate_and_perplexity_through_the_model(tiny_llama):
   """Model level, against the no-cache forward pass: with k >= every candidate, generate's greedy tokens are the
   argmax of exact logits at every step (two rows per step, pre-decode, a key flush at R = 32 on the way) and
