@@ -41,6 +41,7 @@ benchmarks/README.md.
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -60,15 +61,17 @@ METHODS = {"dense": ("dense", {}), "kivi2_mma": ("kivi", {"bits": 2, "mma": True
            "specache1_no_hit_rate": ("specache", {"bits": 1, "exact_chunks": False, "hit_rate": False})}
 RECORD_KEY = lambda r: (r["part"], r["impl"], r["batch"], r["context"], r.get("prefill_chunk_asked"),
                         r.get("prefill_tokens_asked"), r.get("context_asked"), r["device"],
-                        r.get("mesh"), r.get("kv_heads"))
+                        r.get("mesh"), r.get("kv_heads"), r.get("memory_fraction"))
 
 
 def _base(part, impl, batch, context, mesh=None):
   import jax
+  from jkv import memory
   devices = 1 if mesh is None else mesh.devices.size
+  # XLA's allocator takes the fraction of the GPU this names (75% when unset): it bounds the plans and the longest.
   return dict(part=part, impl=impl, batch=batch, context=context, devices=devices,
               mesh=None if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1),
-              device=jax.devices()[0].device_kind,
+              device=jax.devices()[0].device_kind, memory_fraction=os.environ.get(memory.MEMORY_FRACTION_ENV),
               jax_version=jax.__version__, date=now(), model="random Llama-3-8B shape", synthetic_fill=False)
 
 
@@ -265,7 +268,8 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none", kv_heads=None)
     for asked in contexts:
       context = asked or memory.longest_context(cfg, method, device_bytes=device_bytes, weight_bytes=weight_bytes,
                                                 mesh=mesh)
-      base = dict(_base("decode", label, 1, context, mesh), context_asked=asked or "longest", synthetic_fill=True)
+      base = dict(_base("decode", label, 1, context, mesh), context_asked=asked or "longest", synthetic_fill=True,
+                  device_limit_bytes=device_bytes)
       if kv_heads:
         base.update(kv_heads=kv_heads, model=f"random Llama-3-8B shape, {kv_heads} KV heads")
       try:
@@ -326,7 +330,8 @@ def markdown_table(records) -> str:
       result = (f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows "
                 f"{r['kivi2_held_rows_ms']:.2f} ms")
     elif r["part"] == "decode":
-      result = r.get("error", "synthetic fill" + (", the longest" if r["context_asked"] == "longest" else "")
+      longest = ", the longest" + (f" at {r['memory_fraction']} of the GPU" if r.get("memory_fraction") else "")
+      result = r.get("error", "synthetic fill" + (longest if r["context_asked"] == "longest" else "")
                      + (f"; {r['ratio_to_read_floor']:.2f}x the read-rate floor" if "ratio_to_read_floor" in r else ""))
     else:
       result = r.get("error", "ran")

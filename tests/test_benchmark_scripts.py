@@ -249,6 +249,8 @@ def test_long_context_decode(smoke):
   assert all(r["part"] == "decode" and r["synthetic_fill"] and r["decode_ms_per_step"] > 0 for r in (short, longest))
   assert short["context"] == 64 and longest["context"] > 64 and longest["kv_bytes"] <= 8 << 20
   assert longest["kv_bytes"] > short["kv_bytes"] and longest["floor_ms_per_step"] > short["floor_ms_per_step"]
+  # The limit the longest was sized in, and XLA's memory fraction (unset here: its default), are on the record.
+  assert longest["kv_bytes"] < longest["device_limit_bytes"] and longest["memory_fraction"] is None
   assert "the longest" in out
 
 
