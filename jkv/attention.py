@@ -101,11 +101,17 @@ def prompt_attention(q, k, v, positions, *, flash: bool):
     [B, H, T, g, D] in q.dtype (rows of padding tokens are unspecified).
 
   Under a device mesh (``jkv.sharding.use_mesh``) it runs per shard of sequences and KV heads: cuDNN's kernel,
-  like every kernel, on local shapes.
+  like every kernel, on local shapes. With ``flash``, over a ``seq`` axis whose size divides T, each device
+  computes its range's rows (``jkv.context_parallel.prompt_attention_by_ranges``); without, every device all of
+  them, which keeps the reference's rounding (one device's, to the bit, where tests compare the two).
   """
   from jkv import sharding  # here: jkv.sharding imports the cache module, which the methods importing this need
   mesh = sharding.current_mesh()
   if mesh is not None and sharding.splits(mesh, q.shape[0], q.shape[1]):
+    n = sharding.axis_size(mesh, sharding.SEQ_AXIS)
+    if flash and n > 1 and q.shape[2] % n == 0:
+      from jkv.context_parallel import prompt_attention_by_ranges  # it imports this module
+      return prompt_attention_by_ranges(q, k, v, positions, mesh, impl="pallas" if flash else "xla")
     heads = sharding.P("data", "model")
     run = sharding.shard_map(functools.partial(_prompt_attention, flash=flash), mesh=mesh,
                              in_specs=(heads, heads, heads, sharding.P("data")), out_specs=heads)

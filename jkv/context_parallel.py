@@ -11,9 +11,11 @@ shard's own frame (lengths and positions less the range's first slot).
 - Decode: every device attends the new rows over the slots it holds (``attend``: partial o and its log-sum-exp in
   fp32), and the partials merge exactly, max-shifted by their log-sum-exps (``jkv.attention.merge_partials``),
   after one all-gather over ``seq`` per layer of o [B, H, T, g, D] and lse [B, H, T, g].
-- Prefill: the whole prompt's attention is the model's (exact, replicated over ``seq``), and each device stores the
-  rows its range holds. A prompt chunk (``extend``, chunked prefill) attends every device's held rows, merged the
-  same way (``chunk_attention``'s ``merge_held``), and then itself, causally and exactly.
+- Prefill: each device computes the prompt's attention for the rows of its range, over every key before them and
+  causally over its own (``prompt_attention_by_ranges``; where n does not divide the prompt, and off cuDNN's path,
+  every device all of it), and stores the rows its range holds. A prompt chunk (``extend``, chunked prefill)
+  attends every device's held rows, merged the same way (``chunk_attention``'s ``merge_held``), and then itself,
+  causally and exactly.
 
 Every call gets ctx in the frame of the device's state (lengths and positions less its first slot, which
 ``ctx.first_slot`` gives, so a method can count a position the whole sequence's way) and a chunk reads the
@@ -55,7 +57,7 @@ import jax.numpy as jnp
 
 from jkv.attention import merge_partials, normalized_partial
 from jkv.cache import CacheMethod, CacheSpec, StepContext
-from jkv.chunk_attention import chunk_attention
+from jkv.chunk_attention import HeldRows, chunk_attention
 from jkv.sharding import SEQ_AXIS, PerShard, axis_size, mesh_label
 from jkv_kernels.attention_reference import MASK_VALUE
 
@@ -92,6 +94,32 @@ def range_start(size: int):
   """Inside ``SeqShard``'s calls: the first index of this device's range of an axis split over ``seq`` into ranges of
   ``size`` entries (int32 scalar)."""
   return jax.lax.axis_index(SEQ_AXIS) * size
+
+
+def prompt_attention_by_ranges(q, k, v, positions, mesh, *, impl: str):
+  """A whole prompt's causal attention over the mesh's ``seq`` axis (n devices), split by rows: device i computes
+  the rows of its range [i T/n, (i + 1) T/n), over every key before the range (``chunk_attention``'s held rows:
+  the whole k and v, of which the first i T/n count) and causally over its own, where the alternative is every
+  device computing every row. Device i does (2i + 1) / n^2 of the whole work, so the last one's (2n - 1) / n^2
+  bounds the call: 3/4 on seq=2, 7/16 on seq=4.
+
+  q [B, H, T, g, D], k and v [B, H, T, D] (post-RoPE, whole on every device of ``seq``), positions [B, T] int32
+  (-1 for padding, which follows a prompt's tokens: a real row's earlier keys are all real); n divides T, the data
+  axis B and the model axis H. ``impl`` as ``chunk_attention``'s. Returns [B, H, T, g, D] in q.dtype, its rows split
+  over ``seq`` (padding rows unspecified)."""
+  from jkv import sharding  # here: jkv.sharding imports the cache module, which imports this module's users
+  rows = q.shape[2] // axis_size(mesh, SEQ_AXIS)
+
+  def per_device(q, k, v, positions):
+    start = range_start(rows)
+    own = lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=2)
+    held = HeldRows(k, v, jnp.full(q.shape[:1], start, jnp.int32))
+    return chunk_attention(q, own(k), own(v), positions, held, impl=impl)
+
+  by_rows, whole = sharding.P("data", "model", SEQ_AXIS), sharding.P("data", "model")
+  run = sharding.shard_map(per_device, mesh=mesh, in_specs=(by_rows, whole, whole, sharding.P("data", SEQ_AXIS)),
+                           out_specs=by_rows)
+  return run(q, k, v, positions)
 
 
 def top_k_across_seq(values, positions, k: int):

@@ -22,7 +22,7 @@ from jkv import generate as gen
 from jkv import memory
 from jkv import prefill as prefill_lib
 from jkv import sharding
-from jkv.attention import decode_attention
+from jkv.attention import decode_attention, prompt_attention, prompt_mask
 from jkv.cache import CacheSpec
 from jkv.config import ModelConfig
 from jkv.context_parallel import merge_across_seq
@@ -197,6 +197,31 @@ def test_merging_the_devices_partials_is_softmax_over_all_their_rows():
   np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
   assert np.all(np.asarray(o)[2, :, 0] == 0)  # the row that saw no key
+
+
+@on_four_devices
+@pytest.mark.parametrize("mesh", ["seq=4", "seq=2,model=2"])
+def test_a_prompts_attention_split_by_rows_is_causal_attention(mesh, monkeypatch):
+  """``prompt_attention`` over seq: each device's range of rows over every key before it and causally over its own
+  (``prompt_attention_by_ranges``, which it calls with ``flash``) is causal attention over the whole prompt, for
+  every real row of right-padded prompts of lengths that end in each range, one of them padding in every range but
+  the first. (fp32 on the CPU: ``chunk_attention``'s XLA path where a GPU's bf16 takes cuDNN's.)"""
+  calls = []
+  by_ranges = context_parallel.prompt_attention_by_ranges
+  monkeypatch.setattr(context_parallel, "prompt_attention_by_ranges", lambda *a, **kw: calls.append(1) or by_ranges(
+      *a, **kw))
+  B, H, T, g, D = 4, 2, 32, 3, 16
+  keys = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(keys[0], (B, H, T, g, D), jnp.float32)
+  k, v = (2 * jax.random.normal(key, (B, H, T, D), jnp.float32) for key in keys[1:])
+  lengths = np.array([32, 19, 5, 26])
+  positions = jnp.asarray(np.where(np.arange(T)[None] < lengths[:, None], np.arange(T)[None], -1), jnp.int32)
+  with sharding.use_mesh(sharding.make_mesh(mesh)):
+    out = jax.jit(functools.partial(prompt_attention, flash=True))(q, k, v, positions)
+  want = gqa_attention_reference(q, k, v, prompt_mask(positions))
+  real = np.asarray(positions >= 0)[:, None, :, None, None]
+  np.testing.assert_allclose(np.where(real, out, 0), np.where(real, want, 0), rtol=1e-5, atol=1e-5)
+  assert calls == [1]
 
 
 @on_four_devices
