@@ -111,7 +111,7 @@ def prompt_attention(q, k, v, positions, *, flash: bool):
     n = sharding.axis_size(mesh, sharding.SEQ_AXIS)
     if flash and n > 1 and q.shape[2] % n == 0:
       from jkv.context_parallel import prompt_attention_by_ranges  # it imports this module
-      return prompt_attention_by_ranges(q, k, v, positions, mesh, impl="pallas" if flash else "xla")
+      return prompt_attention_by_ranges(q, k, v, positions, mesh, impl="pallas")
     heads = sharding.P("data", "model")
     run = sharding.shard_map(functools.partial(_prompt_attention, flash=flash), mesh=mesh,
                              in_specs=(heads, heads, heads, sharding.P("data")), out_specs=heads)

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jkv.attention import merge_partials, normalized_partial
 from jkv.cache import CacheMethod, CacheSpec, StepContext
 from jkv.chunk_attention import HeldRows, chunk_attention
-from jkv.sharding import SEQ_AXIS, PerShard, axis_size, mesh_label
+from jkv.sharding import SEQ_AXIS, P, PerShard, axis_size, mesh_label, shard_map
 from jkv_kernels.attention_reference import MASK_VALUE
 
 
@@ -107,7 +107,6 @@ def prompt_attention_by_ranges(q, k, v, positions, mesh, *, impl: str):
   (-1 for padding, which follows a prompt's tokens: a real row's earlier keys are all real); n divides T, the data
   axis B and the model axis H. ``impl`` as ``chunk_attention``'s. Returns [B, H, T, g, D] in q.dtype, its rows split
   over ``seq`` (padding rows unspecified)."""
-  from jkv import sharding  # here: jkv.sharding imports the cache module, which imports this module's users
   rows = q.shape[2] // axis_size(mesh, SEQ_AXIS)
 
   def per_device(q, k, v, positions):
@@ -116,9 +115,8 @@ def prompt_attention_by_ranges(q, k, v, positions, mesh, *, impl: str):
     held = HeldRows(k, v, jnp.full(q.shape[:1], start, jnp.int32))
     return chunk_attention(q, own(k), own(v), positions, held, impl=impl)
 
-  by_rows, whole = sharding.P("data", "model", SEQ_AXIS), sharding.P("data", "model")
-  run = sharding.shard_map(per_device, mesh=mesh, in_specs=(by_rows, whole, whole, sharding.P("data", SEQ_AXIS)),
-                           out_specs=by_rows)
+  by_rows, whole = P("data", "model", SEQ_AXIS), P("data", "model")
+  run = shard_map(per_device, mesh=mesh, in_specs=(by_rows, whole, whole, P("data", SEQ_AXIS)), out_specs=by_rows)
   return run(q, k, v, positions)
 
 
