@@ -156,21 +156,29 @@ def prefill_part(context, labels, new_tokens, prefill_chunk, prefill_tokens, smo
   import jax
   import numpy as np
   from jkv import generate as gen
+  from jkv import memory
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   shape = SMOKE if smoke else LLAMA3_8B
-  cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens),
+  asked = context
+  # Random weights: RoPE runs at any position, so the longest (0) needs no limit known before the device is.
+  cfg = ModelConfig(**dict(shape, max_position=max(shape["max_position"], context + new_tokens) if asked else 1 << 27,
                            **({"kv_heads": kv_heads} if kv_heads else {})))
-  pool = size_pinned_pool(cfg, labels, lambda m: gen.plan_capacity(cfg, m, [context], new_tokens, min(16, new_tokens)))
+  pool = size_pinned_pool(cfg, labels, lambda m: asked and gen.plan_capacity(cfg, m, [asked], new_tokens,
+                                                                              min(16, new_tokens)))
   mesh, _, params, weight_bytes, shards = one_sequence_over(mesh_spec, cfg, "prefill")
   rate = 1e10 if smoke else copy_rate()
   print(f"copy rate {rate / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB", flush=True)
-  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
   records = []
   for label in labels:
     name, options = METHODS[label]
+    # The longest prompt the method holds on this device, as `jkv info` reports it; a real prompt of that length.
+    context = asked or memory.longest_context(cfg, make_method(name, **options), weight_bytes=weight_bytes,
+                                              device_bytes=memory.device_memory()["limit"], mesh=mesh)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
     fewer_heads = {"kv_heads": kv_heads, "model": f"random Llama-3-8B shape, {kv_heads} KV heads"} if kv_heads else {}
-    base = dict(_base("prefill", label, 1, context, mesh), **fewer_heads)
+    base = dict(_base("prefill", label, 1, context, mesh), **({} if asked else {"context_asked": "longest"}),
+                **fewer_heads)
     t = time.perf_counter()
     trace_dir = tempfile.TemporaryDirectory()
     try:
@@ -329,12 +337,13 @@ def markdown_table(records) -> str:
     if r["part"] == "kernel":
       result = (f"{r['ms']:.1f} ms, {r['tflops']:.0f} TFLOP/s (C={r['chunk']}); held rows "
                 f"{r['kivi2_held_rows_ms']:.2f} ms")
-    elif r["part"] == "decode":
-      longest = ", the longest" + (f" at {r['memory_fraction']} of the GPU" if r.get("memory_fraction") else "")
-      result = r.get("error", "synthetic fill" + (longest if r["context_asked"] == "longest" else "")
+    longest = ("" if r.get("context_asked") != "longest" else
+               ", the longest" + (f" at {r['memory_fraction']} of the GPU" if r.get("memory_fraction") else ""))
+    if r["part"] == "decode":
+      result = r.get("error", "synthetic fill" + longest
                      + (f"; {r['ratio_to_read_floor']:.2f}x the read-rate floor" if "ratio_to_read_floor" in r else ""))
-    else:
-      result = r.get("error", "ran")
+    elif r["part"] == "prefill":
+      result = r.get("error", "ran" + longest)
     impl = (r["impl"] + (f" on {r['mesh']}" if r.get("mesh") else "")
             + (f", {r['kv_heads']} KV heads" if r.get("kv_heads") else ""))
     lines.append(f"| {r['part']} | {impl} | {r['context']} | {fmt(r, 'prefill_s', '.2f')} | "
@@ -351,7 +360,8 @@ def main():
   parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576],
                       help="kernel: held tokens; decode: tokens held (0: the longest that fits)")
   parser.add_argument("--chunk", type=int, default=8192, help="kernel: the chunk's tokens")
-  parser.add_argument("--context", type=int, default=131072, help="prefill: the prompt's tokens")
+  parser.add_argument("--context", type=int, default=131072,
+                      help="prefill: the prompt's tokens (0: the longest the method holds on this device)")
   parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["kivi2_mma", "dense"])
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--steps", type=int, default=16, help="decode: steps timed per call")

@@ -11,7 +11,7 @@ looks at the end-of-sequence flags once per chunk, never per token.
 import dataclasses
 import functools
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +72,15 @@ class GenerateResult:
 
 
 def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_tokens: int, chunk: int,
-                  capacity: Optional[int] = None, continued: bool = False) -> int:
+                  capacity: Optional[int] = None, continued: bool = False,
+                  fits: Optional[Callable[[int], bool]] = None) -> int:
   """Cache capacity for these prompts, or a one-line ValueError when they cannot fit. A new prompt's length is
-  bucketed to a power of two (the width its whole prefill pads to, one compilation for many lengths); ``continued``
-  prompts (lengths counting what a loaded cache holds) are not: they run in chunks on top of it, and the
-  continuation's plan grows the capacity to what its chunks write (a 128k document continued by a question would
-  otherwise double its cache)."""
+  bucketed to a power of two (the width its whole prefill pads to, one compilation for many lengths), unless the
+  bucket's cache does not fit the device (``fits(capacity)``: False): such a prompt cannot be prefilled whole anyway,
+  its chunks pad to whole chunks, not to the bucket, and at the longest context ``jkv info`` reports the bucket is up
+  to twice the prompt. ``continued`` prompts (lengths counting what a loaded cache holds) are not bucketed either:
+  they run in chunks on top of it, and the continuation's plan grows the capacity to what its chunks write (a 128k
+  document continued by a question would otherwise double its cache)."""
   multiple = method.capacity_multiple()
   if multiple > cfg.max_position:  # a group or window longer than any sequence: a cache of that many tokens, unused
     raise ValueError(f"cache method {method.name!r} holds tokens in blocks of {multiple} (its settings), more than the "
@@ -95,7 +98,10 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
                        f"capacity of {capacity} tokens")
     capacity = round_up(capacity, multiple)
   else:
-    capacity = round_up((longest if continued else bucket(longest)) + round_up(max_new_tokens, chunk), multiple)
+    decoded = round_up(max_new_tokens, chunk)
+    capacity = round_up((longest if continued else bucket(longest)) + decoded, multiple)
+    if fits is not None and not fits(capacity):
+      capacity = round_up(longest + decoded, multiple)
   return capacity
 
 
@@ -289,8 +295,9 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   if save_cache is not None:
     saved_cache.check_target(save_cache)
     heads = saved_cache.heads(method, lengths)
+  fits = lambda c: memory.cache_fits(cfg, method, len(prompts), c, mesh, max_decode(max_new_tokens, chunk, saved))
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
-                      chunk, capacity, continued=saved is not None)
+                      chunk, capacity, continued=saved is not None, fits=fits)
   sharding.check_mesh(mesh, cfg, len(prompts))
   context_parallel.check(method, mesh)
   cap = context_parallel.split_capacity(cap, method, mesh, requested=capacity)

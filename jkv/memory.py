@@ -438,6 +438,14 @@ class CacheRequest:
             f"{self.method.name} ({_gib(self.need_bytes)})")
 
 
+def cache_fits(cfg: ModelConfig, method: CacheMethod, batch: int, capacity: int, mesh=None,
+               max_decode: Optional[int] = None) -> bool:
+  """Whether the cache of ``batch`` sequences of ``capacity`` tokens fits the free memory now (``guard``'s test; on
+  a mesh one device's share); True where the memory is not known."""
+  mem = available_memory()
+  return mem is None or cache_bytes(method, cfg, batch, capacity, mesh, max_decode) <= mem["limit"] - mem["in_use"]
+
+
 @contextlib.contextmanager
 def guard(request: CacheRequest):
   """Around the allocation and use of a cache: refuse the request (``DeviceMemoryError``) when its cache alone

@@ -312,6 +312,28 @@ def test_the_default_plan_chunks_when_not_one_prompt_fits_the_free_memory(tiny_l
   assert plan.capacity >= plan.width + method.chunk_multiple()
 
 
+def test_a_prompt_whose_buckets_cache_does_not_fit_is_held_at_its_own_length(tiny_llama, monkeypatch):
+  """A new prompt's capacity is its power-of-two bucket where that fits; where only its own length does (the longest
+  context ``jkv info`` reports, 429,967 tokens of dense on an H100, was refused for its 524,288 bucket), generate
+  holds it at its own length, prefills it in chunks and gives the tokens the unconstrained run gives."""
+  _, m = tiny_llama
+  cfg, method = m.config, make_method("dense")
+  prompts = random_prompts(cfg.vocab_size, [700], seed=11)
+  free = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=6, eos_ids=())
+  bucketed = gen.plan_capacity(cfg, method, [700], 6, 6)
+  tight = prefill_lib.round_up(706, method.capacity_multiple())
+  assert bucketed >= 1024 and free.stats["capacity"] == bucketed
+  cache = lambda capacity: memory.cache_bytes(method, cfg, 1, capacity, max_decode=6)
+  monkeypatch.setattr(memory, "RESERVE_BYTES", 0)
+  # Room for the cache at its own length and 64 tokens more (a chunked plan's last chunk may grow it a little).
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: dict(
+      limit=(1 << 30) + cache(tight + 64), in_use=1 << 30, peak=1 << 30))
+  assert not memory.cache_fits(cfg, method, 1, bucketed, max_decode=6)
+  held = gen.generate(m.params, cfg, prompts, method=method, max_new_tokens=6, eos_ids=())
+  assert tight <= held.stats["capacity"] <= tight + 64 and held.stats["prefill_calls"] > 1
+  assert held.tokens == free.tokens
+
+
 def test_longest_context_is_the_last_capacity_that_fits():
   """The longest single sequence on an 80 GiB device at the Llama-3-8B shape: its cache, a chunk's held rows, the
   reserve and a minimal chunk's activations fit beside the weights, and one more chunk multiple does not; KIVI-2's
