@@ -125,11 +125,32 @@ def _prompt_attention(q, k, v, positions, *, flash: bool):
   B, H, T, g, D = q.shape
   # No lengths: a prompt's padding follows its tokens, so a real row's causal keys are all real, and cuDNN's padding
   # mask costs (benchmarks/attention_core.py). XLA's version materializes [B, heads, T, T] logits: 32 GiB at 8k
-  # tokens, B=8.
-  out = jax.nn.dot_product_attention(
-      q.transpose(0, 2, 1, 3, 4).reshape(B, T, H * g, D), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-      is_causal=True, implementation="cudnn")
-  return out.reshape(B, T, H, g, D).transpose(0, 2, 1, 3, 4)
+  # tokens, B=8. The keys and values go in the cache's [batch, heads, tokens, dim] layout: handed over tokens first
+  # (``jax.nn.dot_product_attention``'s only layout), they made XLA lay the whole stacked cache out tokens first
+  # inside the layer loop, a transposed copy of it in and out of every prefill call (26 GiB of dense's keys at 430k
+  # tokens), to spare one layer's transpose of the prompt's rows.
+  o, _ = cudnn_attention(q.transpose(0, 1, 3, 2, 4).reshape(B, H * g, T, D), k, v, causal=True)
+  return o.reshape(B, H, g, T, D).transpose(0, 1, 3, 2, 4)
+
+
+def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None):
+  """cuDNN's flash attention in the [batch, heads, tokens, dim] layout with its log-sum-exp in fp32.
+
+  q [B, N, T, D], k and v [B, K, S, D] (N a multiple of K; 16-bit); kv_lengths [B] int32 or None (every key
+  row): keys past a sequence's length are not keys (cuDNN's padding mask, which skips them but costs on the rest:
+  ``held_attention``). Returns o [B, N, T, D] in q.dtype and the natural log-sum-exp of each row's scaled logits
+  [B, N, T] float32. ``jax.nn.dot_product_attention`` rounds that log-sum-exp to the output dtype (bf16 is 0.125
+  apart near 20: a merge weight off by up to 6%) and takes only the [batch, tokens, heads, dim] layout (a transpose
+  of every held row), so this calls the function it wraps."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the wrapped function; no public form keeps fp32
+  if kv_lengths is None:
+    mask, lengths = (cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK), (None, None)
+  else:
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    lengths = (jnp.full(q.shape[:1], q.shape[2], jnp.int32), kv_lengths)
+  o, lse = cudnn.dot_product_attention(q, k, v, None, None, *lengths, scale=q.shape[-1] ** -0.5,
+                                       mask_type=mask, qkv_layout="BNTH", return_residual=True)
+  return o, lse.astype(jnp.float32).reshape(q.shape[:3])
 
 
 # ------------------------------------------------------------------------------------------------- decode

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jkv.attention import block_size, blockwise_partials, merge_partials, normalized_partial
+from jkv.attention import block_size, blockwise_partials, cudnn_attention, merge_partials, normalized_partial
 from jkv_kernels.attention_reference import MASK_VALUE
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -132,23 +132,3 @@ def held_attention(q, held: HeldRows, attend):
 
   bulk_steps = jnp.minimum(jnp.min(held.count) // step, n)
   return jax.lax.switch(bulk_steps, [functools.partial(bulk_then_rest, s) for s in range(n + 1)])
-
-
-def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None):
-  """cuDNN's flash attention in the [batch, heads, tokens, dim] layout with its log-sum-exp in fp32.
-
-  q [B, N, T, D], k and v [B, K, S, D] (N a multiple of K; 16-bit); kv_lengths [B] int32 or None (every key
-  row): keys past a sequence's length are not keys (cuDNN's padding mask, which skips them but costs on the rest:
-  ``held_attention``). Returns o [B, N, T, D] in q.dtype and the natural log-sum-exp of each row's scaled logits
-  [B, N, T] float32. ``jax.nn.dot_product_attention`` rounds that log-sum-exp to the output dtype (bf16 is 0.125
-  apart near 20: a merge weight off by up to 6%) and takes only the [batch, tokens, heads, dim] layout (a transpose
-  of every held row), so this calls the function it wraps."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the wrapped function; no public form keeps fp32
-  if kv_lengths is None:
-    mask, lengths = (cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK), (None, None)
-  else:
-    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    lengths = (jnp.full(q.shape[:1], q.shape[2], jnp.int32), kv_lengths)
-  o, lse = cudnn.dot_product_attention(q, k, v, None, None, *lengths, scale=q.shape[-1] ** -0.5,
-                                       mask_type=mask, qkv_layout="BNTH", return_residual=True)
-  return o, lse.astype(jnp.float32).reshape(q.shape[:3])
