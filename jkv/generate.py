@@ -76,11 +76,12 @@ def plan_capacity(cfg: ModelConfig, method: CacheMethod, prompt_lens, max_new_to
                   fits: Optional[Callable[[int], bool]] = None) -> int:
   """Cache capacity for these prompts, or a one-line ValueError when they cannot fit. A new prompt's length is
   bucketed to a power of two (the width its whole prefill pads to, one compilation for many lengths), unless the
-  bucket's cache does not fit the device (``fits(capacity)``: False): such a prompt cannot be prefilled whole anyway,
-  its chunks pad to whole chunks, not to the bucket, and at the longest context ``jkv info`` reports the bucket is up
-  to twice the prompt. ``continued`` prompts (lengths counting what a loaded cache holds) are not bucketed either:
-  they run in chunks on top of it, and the continuation's plan grows the capacity to what its chunks write (a 128k
-  document continued by a question would otherwise double its cache)."""
+  bucket leaves too little of the device (``fits(capacity)``: False; ``plan_generation``'s: its cache does not fit,
+  or the chunks its prefill would take are shorter than ``memory.LONG_PROMPT_CHUNK``): such a prompt is prefilled
+  in chunks, which pad to whole chunks, not to the bucket, and at the longest context ``jkv info`` reports the
+  bucket is up to twice the prompt. ``continued`` prompts (lengths counting what a loaded cache holds) are not
+  bucketed either: they run in chunks on top of it, and the continuation's plan grows the capacity to what its
+  chunks write (a 128k document continued by a question would otherwise double its cache)."""
   multiple = method.capacity_multiple()
   if multiple > cfg.max_position:  # a group or window longer than any sequence: a cache of that many tokens, unused
     raise ValueError(f"cache method {method.name!r} holds tokens in blocks of {multiple} (its settings), more than the "
@@ -295,18 +296,26 @@ def plan_generation(cfg: ModelConfig, method: CacheMethod, prompts, *, max_new_t
   if save_cache is not None:
     saved_cache.check_target(save_cache)
     heads = saved_cache.heads(method, lengths)
-  fits = lambda c: memory.cache_fits(cfg, method, len(prompts), c, mesh, max_decode(max_new_tokens, chunk, saved))
+  split = heads is not None and heads != lengths
+  first = heads if split else lengths
+  decode = max_decode(max_new_tokens, chunk, saved)
+  options = dict(prefill_tokens=prefill_tokens, chunk=prefill_chunk, mesh=mesh)
+
+  def fits(capacity: int) -> bool:  # a new prompt's bucket (plan_capacity); chunks asked for are taken as asked
+    if not memory.cache_fits(cfg, method, len(prompts), capacity, mesh, decode):
+      return False
+    if prefill_chunk is not None or prefill_tokens is not None:
+      return True
+    planned = prefill_lib.plan(cfg, method, first, capacity, max_decode=decode, **options)
+    return not planned.chunked or planned.chunk >= memory.LONG_PROMPT_CHUNK
+
   cap = plan_capacity(cfg, method, [h + n for h, n in zip(held or [0] * len(lengths), lengths)], max_new_tokens,
                       chunk, capacity, continued=saved is not None, fits=fits)
   sharding.check_mesh(mesh, cfg, len(prompts))
   context_parallel.check(method, mesh)
   cap = context_parallel.split_capacity(cap, method, mesh, requested=capacity)
-  split = heads is not None and heads != lengths
-  first = heads if split else lengths
-  options = dict(prefill_tokens=prefill_tokens, chunk=prefill_chunk, mesh=mesh)
   if saved is None:
-    prefill = prefill_lib.plan(cfg, method, first, cap, max_decode=max_decode(max_new_tokens, chunk, saved),
-                               **options)
+    prefill = prefill_lib.plan(cfg, method, first, cap, max_decode=decode, **options)
   else:
     prefill = prefill_lib.plan_continuation(cfg, method, held, first, cap, **options)
     saved.check_method(method.for_impl(CacheSpec.for_model(cfg, len(prompts), prefill.capacity), impl))

@@ -33,6 +33,11 @@ RESERVE_BYTES = 6 << 30
 # blocks fit in one at its defaults.
 MIN_CHUNK = 256
 
+# The chunk a long prompt's plan keeps room for (``longest_context``; ``jkv.generate.plan_capacity``'s bucket). With
+# room for MIN_CHUNK alone, dense's longest prompt on an H100 (429,942 tokens) was planned as 1,680 calls of 256
+# tokens and did not finish in 270 s (2026-12-07); 2048 query tokens over 32 heads are 512 of cuDNN's 128-row tiles.
+LONG_PROMPT_CHUNK = 2048
+
 
 def prefill_bytes_per_token(cfg: ModelConfig) -> int:
   """Peak live activation bytes per prompt token within one layer of prefill (an upper estimate).
@@ -316,8 +321,8 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
   ``weight_bytes``: its cache at that capacity holding a prompt (a multiple of the method's ``chunk_multiple``;
   a few decoded tokens more fit in ``RESERVE_BYTES``), a chunked prefill's
   held rows (one layer's keys and values in the model dtype, ``held_rows_bytes``), ``RESERVE_BYTES``, and twice the
-  activations of a chunk of ``MIN_CHUNK`` tokens (the prefill plan leaves half the free memory to them), with its
-  host arrays within ``host_bytes`` where given (``pinned_host_limit``); 0 when not even one chunk fits. The
+  activations of a chunk of ``LONG_PROMPT_CHUNK`` tokens (the prefill plan leaves half the free memory to them), with
+  its host arrays within ``host_bytes`` where given (``pinned_host_limit``); 0 when not even one chunk fits. The
   model's own context limit is not applied (a random model's RoPE runs at any position; a real checkpoint's
   ``max_position`` still bounds what ``generate`` takes). A binary search up to ``limit`` tokens."""
   step = method.chunk_multiple()
@@ -327,7 +332,7 @@ def longest_context(cfg: ModelConfig, method: CacheMethod, *, device_bytes: int,
   def fits(n: int) -> bool:
     tokens = n * step
     need = (cache_bytes(method, cfg, 1, tokens, mesh, max_decode=0) + held_rows_bytes(cfg, 1, tokens) // shards
-            + RESERVE_BYTES + 2 * MIN_CHUNK * prefill_bytes_per_token(cfg))
+            + RESERVE_BYTES + 2 * LONG_PROMPT_CHUNK * prefill_bytes_per_token(cfg))
     return need + weight_bytes <= device_bytes and _host_fits(method, cfg, 1, tokens, mesh, host_bytes)
 
   return _largest(fits, limit // step) * step

@@ -336,8 +336,8 @@ def test_a_prompt_whose_buckets_cache_does_not_fit_is_held_at_its_own_length(tin
 
 def test_longest_context_is_the_last_capacity_that_fits():
   """The longest single sequence on an 80 GiB device at the Llama-3-8B shape: its cache, a chunk's held rows, the
-  reserve and a minimal chunk's activations fit beside the weights, and one more chunk multiple does not; KIVI-2's
-  is several times dense's (its cache is about 5x smaller)."""
+  reserve and the activations of chunks of ``LONG_PROMPT_CHUNK`` tokens fit beside the weights, and one more chunk
+  multiple does not; KIVI-2's is several times dense's (its cache is about 5x smaller)."""
   cfg = ModelConfig(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
                     kv_heads=8, head_dim=128, max_position=8192, dtype="bfloat16")
   device, weights = 80 << 30, 15 << 30
@@ -348,7 +348,7 @@ def test_longest_context_is_the_last_capacity_that_fits():
     # The cache of a prompt (nothing decoded after it), or of any mix of prompt and decoded tokens.
     need = lambda t, decode=0: (memory.cache_bytes(method, cfg, 1, t, max_decode=decode)
                                 + memory.held_rows_bytes(cfg, 1, t) + memory.RESERVE_BYTES
-                                + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+                                + 2 * memory.LONG_PROMPT_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
     step = method.chunk_multiple()
     assert n % step == 0 and need(n) <= device < need(n + step)
     found[name] = n
@@ -357,6 +357,22 @@ def test_longest_context_is_the_last_capacity_that_fits():
   # hold about twice as long a one as pools sized for any mix of prompt and decoded tokens.
   any_mix = memory._largest(lambda m: need(m * step, None) <= device, n // step) * step
   assert 1.7 < found["zipcache"] / any_mix < 2.1
+
+
+@pytest.mark.parametrize("method_name, settings", [("dense", {}), ("kivi", dict(bits=2, mma=True))])
+def test_the_longest_prompt_is_planned_in_long_chunks(method_name, settings, monkeypatch):
+  """A prompt of the longest context, on an H100's memory at 95% (75.22 GiB, 14.96 GiB of Llama-3-8B weights in
+  use), is prefilled in chunks of about ``LONG_PROMPT_CHUNK`` tokens at its own length, not in ``MIN_CHUNK``s (dense:
+  1,680 calls of 256 tokens; KIVI-2 in its 2^21-token bucket, 256 too) or in a bucket that leaves less room."""
+  cfg = ModelConfig(architecture="llama", vocab_size=128256, embed=4096, ffw_size=14336, num_layers=32, q_heads=32,
+                    kv_heads=8, head_dim=128, max_position=1 << 27, dtype="bfloat16")
+  limit, weights = int(75.22 * (1 << 30)), int(14.96 * (1 << 30))
+  monkeypatch.setattr(memory, "device_memory", lambda device=None: dict(limit=limit, in_use=weights, peak=weights))
+  method = make_method(method_name, **settings)
+  n = memory.longest_context(cfg, method, device_bytes=limit, weight_bytes=weights)
+  prefill = gen.plan_generation(cfg, method, [[2] * n], max_new_tokens=16, chunk=16).prefill
+  assert prefill.chunked and 0.9 * memory.LONG_PROMPT_CHUNK <= prefill.chunk <= memory.LONG_PROMPT_CHUNK
+  assert prefill.capacity < prefill_lib.bucket(n) and prefill.capacity - n < 2 * prefill.chunk
 
 
 # ------------------------------------------------------------------------------------------------- generate

@@ -116,8 +116,8 @@ def test_a_devices_bytes_count_the_largest_range_where_seq_does_not_divide_the_c
 
 def test_the_longest_context_over_seq_counts_each_devices_share_of_the_held_rows():
   """On seq=4 each device holds a quarter of the cache and dequantizes a quarter of a chunk's held rows: the
-  longest context fits those, the reserve and a minimal chunk's activations beside the weights on each device, and
-  one more block does not; about 4x one device's at the Llama-3-8B shape."""
+  longest context fits those, the reserve and a long prompt's chunk activations beside the weights on each device,
+  and one more block does not; about 4x one device's at the Llama-3-8B shape."""
   mesh = _abstract_seq4()
   cfg = dataclasses.replace(CFG, embed=4096, ffw_size=14336, num_layers=32, q_heads=32, kv_heads=8, head_dim=128,
                             dtype="bfloat16")
@@ -125,7 +125,8 @@ def test_the_longest_context_over_seq_counts_each_devices_share_of_the_held_rows
   free = dict(device_bytes=device, weight_bytes=weights)
   n = memory.longest_context(cfg, method, mesh=mesh, **free)
   per_device = lambda t: (memory.cache_bytes(method, cfg, 1, t, mesh) + memory.held_rows_bytes(cfg, 1, t) // 4
-                          + memory.RESERVE_BYTES + 2 * memory.MIN_CHUNK * memory.prefill_bytes_per_token(cfg) + weights)
+                          + memory.RESERVE_BYTES + 2 * memory.LONG_PROMPT_CHUNK * memory.prefill_bytes_per_token(cfg)
+                          + weights)
   step = method.chunk_multiple()
   assert per_device(n) <= device < per_device(n + step)
   assert 3.5 < n / memory.longest_context(cfg, method, **free) < 4.5
