@@ -265,8 +265,11 @@ def decode_part(contexts, labels, steps, smoke, mesh_spec="none", kv_heads=None)
   # The floor and the longest context are per device.
   mesh, devices, params, weight_bytes, shards = one_sequence_over(mesh_spec, cfg, "decode")
   rate, reads = (1e10, 1e10) if smoke else (copy_rate(), read_rate())
-  # A smoke run's "longest" fits 8 MiB of cache beside the reserve: a CPU has no device memory to ask.
-  device_bytes = memory.RESERVE_BYTES + weight_bytes + (8 << 20) if smoke else memory.device_memory()["limit"]
+  # A smoke run's "longest" fits 8 MiB of cache beside the reserve and a long prompt's chunk: a CPU has no device
+  # memory to ask.
+  chunk_bytes = 2 * memory.LONG_PROMPT_CHUNK * memory.prefill_bytes_per_token(cfg)
+  device_bytes = (memory.RESERVE_BYTES + weight_bytes + chunk_bytes + (8 << 20) if smoke
+                  else memory.device_memory()["limit"])
   print(f"copy rate {rate / 1e12:.2f} TB/s, read rate {reads / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} "
         "GiB", flush=True)
   records = []

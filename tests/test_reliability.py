@@ -339,6 +339,9 @@ def program_interrupts(monkeypatch):
   """``_ProgramInterrupts`` entered without touching the real SIGINT handler; SIGINTs it sends land in a list."""
   interrupts, sent = cli._ProgramInterrupts(), []
   monkeypatch.setattr(signal, "signal", lambda *a: signal.default_int_handler)
+  # As Python's own at start, whatever the runner left: a job started in the background by a shell without job
+  # control (a CI's `cmd &`) ignores SIGINT, and ``_ProgramInterrupts`` leaves an ignored SIGINT alone.
+  monkeypatch.setattr(signal, "getsignal", lambda signum: signal.default_int_handler)
   monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
   with interrupts:
     yield interrupts, sent
