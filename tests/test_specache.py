@@ -655,11 +655,13 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
   selection chooses each of its candidates once (a mass that is not finite would be left out: ``_select`` keeps
   only masses above NOT_A_CANDIDATE; a position chosen twice takes the place of another). On a failure the message
   names the layers, sequences, heads and positions missed, and the selections that left candidates out, with how
-  many they chose twice. (On an H100 and an H200 the hit rate came 0.99878 at 907ecac, with the rank top-k and with
-  sorts alike; on an H100 at 847fa49 this test found real rows choosing 72 to 81 distinct positions of 96
-  candidates, none of them with a mass that was not finite.)"""
+  many they chose twice, the candidates the selection's inputs hold in more than one source (the store, the window,
+  the fetched rows), and what the CPU's selection makes of the first failing selection's inputs (the same twice, or
+  none: then the device's compiled selection differs from the CPU's on them). (On an H100 and an H200 the hit rate
+  came 0.99878 at 907ecac, with the rank top-k and with sorts alike; on an H100 at 847fa49 this test found real rows
+  choosing 72 to 81 distinct positions of 96 candidates, none of them with a mass that was not finite.)"""
   _, m = tiny_llama
-  misses, lost, tracing = [], [], {}
+  misses, lost, tracing, failed_inputs = [], [], {}, []
 
   def record_misses(layer, idx, ok, top, top_ok):
     for b, h in np.ndindex(idx.shape[:2]):
@@ -667,15 +669,23 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
       if missing:
         misses.append(f"layer {int(layer)} sequence {b} head {h}: the real row chose {sorted(missing)}, not fetched")
 
-  def record_selection(layer, candidates, chosen, chosen_ok, bound, non_finite):
-    # candidates [B, H, R, N]: the positions that are candidates, -1 elsewhere (a position at most once).
+  def record_selection(layer, candidates, chosen, chosen_ok, bound, non_finite, sizes, inputs):
+    # candidates [B, H, R, N]: the positions that are candidates, -1 elsewhere, from the store, the window and the
+    # fetched rows in turn (``sizes`` entries each).
+    sources = np.repeat(["store", "window", "fetched"][:len(sizes)], sizes)
     for b, h, r in np.ndindex(candidates.shape[:3]):
-      real = set(candidates[b, h, r][candidates[b, h, r] >= 0].tolist())
+      row = candidates[b, h, r]
+      real, entries = set(row[row >= 0].tolist()), row[row >= 0]
       picked = chosen[b, h, r][chosen_ok[b, h, r]].tolist()
       if set(picked) != real or len(picked) != len(real) or non_finite:
+        at, count = np.unique(entries, return_counts=True)
+        held_twice = sorted({"+".join(sources[row == p]) for p in at[count > 1]})
         lost.append(f"layer {int(layer)} sequence {b} head {h} row {r} bound {int(bound[b, r])}: {len(real)} "
                     f"candidates, {len(set(picked))} chosen ({len(picked) - len(set(picked))} twice, "
-                    f"{len(set(picked) - real)} not candidates), {int(non_finite)} masses not finite")
+                    f"{len(set(picked) - real)} not candidates), {int(non_finite)} masses not finite, "
+                    f"{int(np.sum(count > 1))} candidates in two sources {held_twice}")
+        if not failed_inputs:
+          failed_inputs.append((inputs, chosen))
 
   count_hits, select, step_of = SpeCache._count_hits, SpeCache._select, SpeCache._step
 
@@ -700,7 +710,9 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
     non_finite = jnp.sum(candidate & ~jnp.isfinite(per_slot)) + sum(
         jnp.sum(c & ~jnp.isfinite(m)) for c, (_, m, _) in zip(held_candidates, held))
     idx, ok = select(mass, bound, k, first_slot)
-    jax.debug.callback(record_selection, tracing.get("layer", -1), positions, idx, ok, bound, non_finite)
+    sizes = (C,) + tuple(c.shape[-1] for c in held_candidates)
+    jax.debug.callback(lambda *a: record_selection(*a[:-1], sizes=sizes, inputs=(a[-1], k)), tracing.get("layer", -1),
+                       positions, idx, ok, bound, non_finite, (mass, bound))
     return idx, ok
 
   monkeypatch.setattr(SpeCache, "_count_hits", count_and_check)
@@ -710,7 +722,16 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
   res = gen.generate(m.params, m.config, prompts, method=SpeCache(fetch_rows=512, residual=32), max_new_tokens=24,
                      eos_ids=(), chunk=8)
   assert res.stats["decode_steps"] == 24
-  assert not misses and not lost, "\n".join(misses[:10] + lost[:10])
+  replayed = []
+  if failed_inputs:  # the same inputs through the CPU's selection
+    ((mass, bound), k), chosen = failed_inputs[0]
+    with jax.default_device(jax.devices("cpu")[0]):
+      idx, ok = jax.jit(select, static_argnums=2)(jax.tree.map(jnp.asarray, mass), jnp.asarray(bound), k)
+    twice = sum(len(x[o]) - len(set(x[o].tolist())) for x, o in zip(np.asarray(idx).reshape(-1, k),
+                                                                    np.asarray(ok).reshape(-1, k)))
+    replayed = [f"the first failing selection's inputs on the CPU: {twice} chosen twice, the same positions as on "
+                f"{jax.devices()[0].platform}: {np.array_equal(np.asarray(idx), chosen)}"]
+  assert not misses and not lost, "\n".join(misses[:10] + lost[:10] + replayed)
 
 
 def test_generate_and_perplexity_through_the_model(tiny_llama):
