@@ -85,8 +85,9 @@ def main() -> int:
   slug = re.sub(r"[^a-z0-9]+", "_", info["device"].lower()).strip("_")
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *args.pytest_args]
-  if args.workers:
-    command += ["-n", str(args.workers)] + (["-p", "pin_worker_gpu"] if args.gpus else [])
+  command += ["-n", str(args.workers)]  # always: pyproject's addopts run two workers unless told otherwise
+  if args.workers and args.gpus:
+    command += ["-p", "pin_worker_gpu"]
   start = time.perf_counter()
   try:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
