@@ -194,7 +194,7 @@ def baseline_inputs(q, segments):
 
 def run_tests(timeout_s: int = 300) -> dict:
   """The GPU test classes (compiled kernels) and the quantizer tests, in a subprocess; returns the summary."""
-  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_quantization.py",
+  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_quantization.py",
              "tests/test_dequant_attention.py", "tests/test_quantize_pack.py", "-k", "Gpu or test_quantization"]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
   start = time.perf_counter()

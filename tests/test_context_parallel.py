@@ -86,8 +86,8 @@ def test_on_four_cpu_devices():
   if FOUR_DEVICES:
     pytest.skip("this process is the one with 4 devices")
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
-                         "not test_on_four_cpu_devices", os.path.abspath(__file__)], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                         "-k", "not test_on_four_cpu_devices", os.path.abspath(__file__)], cwd=ROOT,
                         env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -34,7 +34,8 @@ GIB = 1 << 30
 @pytest.mark.skipif(FOUR, reason="this process has the devices: the tests below run here")
 def test_on_four_cpu_devices():
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                         __file__],
                         env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

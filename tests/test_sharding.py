@@ -163,7 +163,8 @@ def test_sharded_suite_on_four_cpu_devices():
   xla_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
   xla_flags += " --xla_backend_optimization_level=0"
   halves = [FIRST_HALF, f"not ({FIRST_HALF})"]
-  procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", select,
+  procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k",
+                             select,
                              os.path.join(ROOT, "tests", "test_sharding_devices.py")],
                             cwd=ROOT, env=dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
