@@ -33,7 +33,7 @@ RESERVE_BYTES = 6 << 30
 # blocks fit in one at its defaults.
 MIN_CHUNK = 256
 
-# The chunk a long prompt's plan keeps room for (``longest_context``; ``jkv.generate.plan_capacity``'s bucket). With
+# The chunk a long prompt's plan keeps room for (``longest_context``; a bucket in ``generate.plan_generation``). With
 # room for MIN_CHUNK alone, dense's longest prompt on an H100 (429,942 tokens) was planned as 1,680 calls of 256
 # tokens and did not finish in 270 s (2026-12-07); 2048 query tokens over 32 heads are 512 of cuDNN's 128-row tiles.
 LONG_PROMPT_CHUNK = 2048
