@@ -1,0 +1,121 @@
+"""SpeCache's speculation hit rate with k past every candidate (which must be exactly 1), in several forms of the
+same program: where a GPU loses it (docs/methods/specache.md, 'Open on GPUs').
+
+The model and prompts are ``tests/test_specache.py``'s ``test_generate_and_perplexity_through_the_model``'s: the
+tiny random Llama of ``tests/conftest.py``'s ``tiny_llama`` (built by transformers, loaded by jkv in float32), two
+prompts of 40 and 90 tokens, 24 new tokens, SpeCache(fetch_rows=512, residual=32). Each form runs in a process of
+its own (XLA's flags are read at start; the patches stay in it) and prints one JSON line; the driver merges them
+into ``results/specache_hit_rate_forms.json`` with the device, jax version and date. On one H100 (2026-12-07, jax
+0.11.2, scratch versions of the first two forms) the plain program gave 0.998779 and the one with a debug callback
+on the selection's inputs and outputs gave 1.0.
+
+    python benchmarks/specache_hit_rate_forms.py            # every form
+    python benchmarks/specache_hit_rate_forms.py --form plain
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+FORMS = {
+    "plain": "generate as it is",
+    "callback": "a debug callback on each selection's inputs and outputs (keeps them alive and in order)",
+    "barrier": "an optimization barrier on each selection's inputs",
+    "fetch_at_use": "SpeCache(prefetch=False): each layer fetches its rows when it attends",
+    "rows_one_by_one": "the fetched rows copied one by one (gather_host_rows_one_by_one), not the Pallas kernel",
+    "device_copy": "the 16-bit copy in device memory instead of pinned host memory",
+    "no_command_buffers": "XLA_FLAGS=--xla_gpu_enable_command_buffer= (no CUDA graphs)",
+}
+XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer="}
+OUT = pathlib.Path(__file__).parent / "results" / "specache_hit_rate_forms.json"
+
+
+def tiny_llama():
+  import torch
+  import transformers
+  from jkv.load import load_model
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                    num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=2048, eos_token_id=1, bos_token_id=0)
+  hf = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+  path = tempfile.mkdtemp()
+  hf.save_pretrained(path)
+  return load_model(path, "float32")
+
+
+def patch(form: str) -> dict:
+  """Apply ``form``'s change to SpeCache; returns the method's options."""
+  import dataclasses
+  import jax
+  from jkv.methods import specache as sp
+  select = sp.SpeCache._select
+  if form == "callback":
+    def selected(mass, bound, k, first_slot=None):
+      idx, ok = select(mass, bound, k, first_slot)
+      jax.debug.callback(lambda *_: None, idx, ok, mass, bound)
+      return idx, ok
+    sp.SpeCache._select = staticmethod(selected)
+  elif form == "barrier":
+    sp.SpeCache._select = staticmethod(
+        lambda mass, bound, k, first_slot=None: select(*jax.lax.optimization_barrier((mass, bound)), k, first_slot))
+  elif form == "rows_one_by_one":
+    sp.gather_rows_pallas = sp.gather_host_rows_one_by_one
+  elif form == "device_copy":
+    abstract = sp.SpeCache.abstract
+    sp.SpeCache.abstract = lambda self, spec: (lambda s: s.replace(
+        host_kv=dataclasses.replace(s.host_kv, memory_kind="device")))(abstract(self, spec))
+    sp.to_host = sp.to_device = lambda x: x
+  return {"prefetch": False} if form == "fetch_at_use" else {}
+
+
+def run_form(form: str) -> dict:
+  import jax
+  import numpy as np
+  from jkv import generate as gen
+  from jkv.methods.specache import SpeCache
+  options = patch(form)
+  m = tiny_llama()
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(2, m.config.vocab_size, n).tolist() for n in (40, 90)]
+  res = gen.generate(m.params, m.config, prompts, method=SpeCache(fetch_rows=512, residual=32, **options),
+                     max_new_tokens=24, eos_ids=(), chunk=8)
+  return {"form": form, "what": FORMS[form], "hit_rate": res.stats["method_stats"]["speculation_hit_rate"],
+          "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--form", choices=sorted(FORMS), help="run this form alone and print its record")
+  parser.add_argument("--out", type=pathlib.Path, default=OUT)
+  args = parser.parse_args()
+  if args.form:
+    print(json.dumps(run_form(args.form)))
+    return
+  records = []
+  for form in FORMS:
+    env = dict(os.environ)
+    if form in XLA_FLAGS:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_FLAGS[form]).strip()
+    proc = subprocess.run([sys.executable, __file__, "--form", form], env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    record = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+        "form": form, "what": FORMS[form], "error": proc.stderr.strip().splitlines()[-1:]}
+    print(f"{form:20s} {record.get('hit_rate', record.get('error'))}", flush=True)
+    records.append(record)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(records, indent=1))
+  if os.environ.get("OUT"):  # the device machine's folder of files to bring back
+    (pathlib.Path(os.environ["OUT"]) / args.out.name).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+  main()
