@@ -2,7 +2,7 @@
 same program: where a GPU loses it (docs/methods/specache.md, 'Open on GPUs').
 
 The model and prompts are ``tests/test_specache.py``'s ``test_generate_and_perplexity_through_the_model``'s: the
-tiny random Llama of ``tests/conftest.py``'s ``tiny_llama`` (built by transformers, loaded by jkv in float32), two
+tiny random Llama of ``tests/tiny_llama.py`` (built by transformers, loaded by jkv in float32), two
 prompts of 40 and 90 tokens, 24 new tokens, SpeCache(fetch_rows=512, residual=32). Each form runs in a process of
 its own (XLA's flags are read at start; the patches stay in it) and prints one JSON line; the driver merges them
 into ``results/specache_hit_rate_forms.json`` with the device, jax version and date. On one H100 (2026-12-07, jax
@@ -35,19 +35,11 @@ OUT = pathlib.Path(__file__).parent / "results" / "specache_hit_rate_forms.json"
 
 
 def tiny_llama():
-  import torch
-  import transformers
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+  from tiny_llama import save_tiny_llama
   from jkv.load import load_model
-  torch.manual_seed(0)
-  config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                                    num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                                    max_position_embeddings=2048, eos_token_id=1, bos_token_id=0)
-  hf = transformers.LlamaForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in hf.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
   path = tempfile.mkdtemp()
-  hf.save_pretrained(path)
+  save_tiny_llama(path)
   return load_model(path, "float32")
 
 

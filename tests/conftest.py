@@ -26,6 +26,7 @@ import transformers
 from jkv import hub
 from jkv import load as load_lib
 from jkv.load import load_model
+from tiny_llama import save_tiny_llama
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,22 +88,10 @@ def hf_default_model():
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-  """A tiny random Llama with KIVI-compatible heads (D=64), saved by transformers and loaded by jkv.
-
-  Weights are scaled up from the init's 0.02 so attention is peaked enough for comparisons to mean something.
-  Returns (transformers model, jkv Model).
-  """
-  torch.manual_seed(0)
-  config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                                    num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                                    max_position_embeddings=2048, eos_token_id=1, bos_token_id=0)
-  hf = transformers.LlamaForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in hf.named_parameters():
-      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+  """``tiny_llama.save_tiny_llama``'s model, saved by transformers and loaded by jkv in float32. Returns
+  (transformers model, jkv Model)."""
   path = tmp_path_factory.mktemp("tiny_llama")
-  hf.save_pretrained(path)
-  return hf, load_model(str(path), "float32")
+  return save_tiny_llama(path), load_model(str(path), "float32")
 
 
 def random_prompts(vocab, lengths, seed=0):
