@@ -4,7 +4,7 @@ same program: where a GPU loses it (docs/methods/specache.md, 'Open on GPUs').
 The model and prompts are ``tests/test_specache.py``'s ``test_generate_and_perplexity_through_the_model``'s: the
 tiny random Llama of ``tests/tiny_llama.py`` (built by transformers, loaded by jkv in float32), two
 prompts of 40 and 90 tokens, 24 new tokens, SpeCache(fetch_rows=512, residual=32). Each form runs in a process of
-its own (XLA's flags are read at start; the patches stay in it) and prints one JSON line; the driver merges them
+its own (XLA's flags are read at start; the patches stay in it) and prints one JSON line; the driver writes them
 into ``results/specache_hit_rate_forms.json`` with the device, jax version and date. On one H100 (2026-12-07, jax
 0.11.2, scratch versions of the first two forms) the plain program gave 0.998779 and the one with a debug callback
 on the selection's inputs and outputs gave 1.0.
