@@ -25,6 +25,8 @@ FORMS = {
     "plain": "generate as it is",
     "callback": "a debug callback on each selection's inputs and outputs (keeps them alive and in order)",
     "barrier": "an optimization barrier on each selection's inputs",
+    "fetched_read_once": "an optimization barrier on the step's read of its layer's fetched positions (one snapshot "
+                         "for the window's exclusion, the selection and the hit count, before _keep updates them)",
     "fetch_at_use": "SpeCache(prefetch=False): each layer fetches its rows when it attends",
     "rows_one_by_one": "the fetched rows copied one by one (gather_host_rows_one_by_one), not the Pallas kernel",
     "device_copy": "the 16-bit copy in device memory instead of pinned host memory",
@@ -58,6 +60,9 @@ def patch(form: str) -> dict:
   elif form == "barrier":
     sp.SpeCache._select = staticmethod(
         lambda mass, bound, k, first_slot=None: select(*jax.lax.optimization_barrier((mass, bound)), k, first_slot))
+  elif form == "fetched_read_once":
+    fetched = sp.SpeCache._fetched
+    sp.SpeCache._fetched = staticmethod(lambda state, layer: jax.lax.optimization_barrier(fetched(state, layer)))
   elif form == "rows_one_by_one":
     sp.gather_rows_pallas = sp.gather_host_rows_one_by_one
   elif form == "device_copy":

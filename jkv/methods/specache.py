@@ -534,7 +534,7 @@ class SpeCache(CacheMethod):
       return out, (state if fetched is None else self._keep(state, layer, *fetched[:2]))
     fetched = None
     if k_rows:
-      idx, ok = state.fetched_idx[layer], state.fetched_ok[layer]
+      idx, ok = self._fetched(state, layer)
       if self.prefetch:
         rows = state.fetched_kv[layer]
       else:  # rows at positions < bK, on the host since an earlier step ended
@@ -736,6 +736,11 @@ class SpeCache(CacheMethod):
       past = n * store.length
     ok = best > NOT_A_CANDIDATE
     return jnp.where(ok, idx, past + jnp.arange(k)).astype(jnp.int32), ok
+
+  @staticmethod
+  def _fetched(state, layer):
+    """The positions [B, H, k] the previous step chose for this layer's step, and which are real (``_keep``'s)."""
+    return state.fetched_idx[layer], state.fetched_ok[layer]
 
   @staticmethod
   def _keep(state, layer, idx, ok):
