@@ -423,9 +423,9 @@ class SpeCache(CacheMethod):
   def held_rows(self, state, layer, lengths) -> HeldRows:
     """What a prompt chunk attends. With ``exact_chunks`` the host copy's held rows of the layer, moved to the
     device: a chunked prompt's tokens then attend each other exactly, as a whole prompt's do. On a GPU the Pallas
-    copy reads the host array in place, each sequence's held rows only (``jkv_kernels.host_layer_copy``); on a CPU one slice
-    of the host array moves whole. Else the low-bit copy as the next step reads it (KIVI's ``held_rows``): nothing
-    moves from host memory for a chunk."""
+    copy reads the host array in place, each sequence's held rows only (``jkv_kernels.host_layer_copy``); on a CPU
+    one slice of the host array moves whole. Else the low-bit copy as the next step reads it (KIVI's
+    ``held_rows``): nothing moves from host memory for a chunk."""
     if not self.exact_chunks:
       return self.low_bit.held_rows(state.low, layer, lengths)
     if jax.default_backend() == "cpu":  # how the rows move, never which rows (as ``gather_host_rows``)
