@@ -67,8 +67,11 @@ def patch(form: str) -> dict:
     sp.gather_rows_pallas = sp.gather_host_rows_one_by_one
   elif form == "device_copy":
     abstract = sp.SpeCache.abstract
-    sp.SpeCache.abstract = lambda self, spec: (lambda s: s.replace(
-        host_kv=dataclasses.replace(s.host_kv, memory_kind="device")))(abstract(self, spec))
+
+    def on_device(self, spec):
+      state = abstract(self, spec)
+      return state.replace(host_kv=dataclasses.replace(state.host_kv, memory_kind="device"))
+    sp.SpeCache.abstract = on_device
     sp.to_host = sp.to_device = lambda x: x
   return {"prefetch": False} if form == "fetch_at_use" else {}
 
