@@ -31,6 +31,9 @@ FORMS = {
     "rows_one_by_one": "the fetched rows copied one by one (gather_host_rows_one_by_one), not the Pallas kernel",
     "device_copy": "the 16-bit copy in device memory instead of pinned host memory",
     "no_command_buffers": "XLA_FLAGS=--xla_gpu_enable_command_buffer= (no CUDA graphs)",
+    "sorts": "every top k by lax.top_k (XLA's sort), no rank counting",
+    "rank_keys_once": "the rank top-k's integer keys behind an optimization barrier (each score's key computed once "
+                      "for both sides of the pairwise comparison)",
 }
 XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer="}
 OUT = pathlib.Path(__file__).parent / "results" / "specache_hit_rate_forms.json"
@@ -63,6 +66,12 @@ def patch(form: str) -> dict:
   elif form == "fetched_read_once":
     fetched = sp.SpeCache._fetched
     sp.SpeCache._fetched = staticmethod(lambda state, layer: jax.lax.optimization_barrier(fetched(state, layer)))
+  elif form == "sorts":
+    top_k = sp.top_k
+    sp.top_k = lambda scores, k: top_k(scores, k, rank_pairs=0)
+  elif form == "rank_keys_once":
+    keys = sp.order_keys
+    sp.order_keys = lambda scores: jax.lax.optimization_barrier(keys(scores))
   elif form == "rows_one_by_one":
     sp.gather_rows_pallas = sp.gather_host_rows_one_by_one
   elif form == "device_copy":
