@@ -9,8 +9,9 @@ into ``results/specache_hit_rate_forms.json`` with the device, jax version and d
 0.11.2, scratch versions of the first two forms) the plain program gave 0.998779 and the one with a debug callback
 on the selection's inputs and outputs gave 1.0.
 
-    python benchmarks/specache_hit_rate_forms.py            # every form
-    python benchmarks/specache_hit_rate_forms.py --form plain
+    python benchmarks/specache_hit_rate_forms.py                              # every form
+    python benchmarks/specache_hit_rate_forms.py --forms plain verify_triton  # these, in this order
+    python benchmarks/specache_hit_rate_forms.py --form plain                 # one, in this process
 """
 import argparse
 import datetime
@@ -31,11 +32,18 @@ FORMS = {
     "rows_one_by_one": "the fetched rows copied one by one (gather_host_rows_one_by_one), not the Pallas kernel",
     "device_copy": "the 16-bit copy in device memory instead of pinned host memory",
     "no_command_buffers": "XLA_FLAGS=--xla_gpu_enable_command_buffer= (no CUDA graphs)",
+    "verify_triton": "XLA_FLAGS=--xla_gpu_verify_triton_fusion_numerics=true (XLA checks each of its Triton fusions "
+                     "against its reference emitter as it compiles)",
+    "no_triton_multi_output": "XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
+    "no_priority_fusion": "XLA_FLAGS=--xla_disable_hlo_passes=priority-fusion (XLA's main fusion pass off)",
     "sorts": "every top k by lax.top_k (XLA's sort), no rank counting",
     "rank_keys_once": "the rank top-k's integer keys behind an optimization barrier (each score's key computed once "
                       "for both sides of the pairwise comparison)",
 }
-XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer="}
+XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer=",
+             "verify_triton": "--xla_gpu_verify_triton_fusion_numerics=true",
+             "no_triton_multi_output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
+             "no_priority_fusion": "--xla_disable_hlo_passes=priority-fusion"}
 OUT = pathlib.Path(__file__).parent / "results" / "specache_hit_rate_forms.json"
 
 
@@ -104,27 +112,32 @@ def run_form(form: str) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--form", choices=sorted(FORMS), help="run this form alone and print its record")
+  parser.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=list(FORMS),
+                      help="the forms to run, in this order (default: every form)")
   parser.add_argument("--out", type=pathlib.Path, default=OUT)
   args = parser.parse_args()
   if args.form:
     print(json.dumps(run_form(args.form)))
     return
   records = []
-  for form in FORMS:
+  for form in args.forms:
     env = dict(os.environ)
     if form in XLA_FLAGS:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_FLAGS[form]).strip()
     proc = subprocess.run([sys.executable, __file__, "--form", form], env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     record = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-        "form": form, "what": FORMS[form], "error": proc.stderr.strip().splitlines()[-1:]}
-    print(f"{form:20s} {record.get('hit_rate', record.get('error'))}", flush=True)
+        "form": form, "what": FORMS[form], "error": proc.stderr.strip().splitlines()[-3:]}
+    flagged = [line for line in proc.stderr.splitlines() if "numerics" in line or "does not match" in line]
+    if flagged:  # what XLA's own checks said (verify_triton)
+      record["xla_said"] = flagged[:5]
+    print(f"{form:24s} {record.get('hit_rate', record.get('error'))}", flush=True)
     records.append(record)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(records, indent=1))
-  if os.environ.get("OUT"):  # the device machine's folder of files to bring back
-    (pathlib.Path(os.environ["OUT"]) / args.out.name).write_text(json.dumps(records, indent=1))
-
+    # Written after every form, so that a run cut short keeps what it measured.
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1))
+    if os.environ.get("OUT"):  # the device machine's folder of files to bring back
+      (pathlib.Path(os.environ["OUT"]) / args.out.name).write_text(json.dumps(records, indent=1))
 
 if __name__ == "__main__":
   main()
