@@ -36,6 +36,8 @@ FORMS = {
                      "against its reference emitter as it compiles)",
     "no_triton_multi_output": "XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
     "no_priority_fusion": "XLA_FLAGS=--xla_disable_hlo_passes=priority-fusion (XLA's main fusion pass off)",
+    "held_barrier": "the window's and fetched rows' candidates behind an optimization barrier once concatenated "
+                    "(no concatenate, reduce, concatenate chain for one fusion: jax#40588's pattern)",
     "sorts": "every top k by lax.top_k (XLA's sort), no rank counting",
     "rank_keys_once": "the rank top-k's integer keys behind an optimization barrier (each score's key computed once "
                       "for both sides of the pairwise comparison)",
@@ -77,6 +79,10 @@ def patch(form: str) -> dict:
   elif form == "sorts":
     top_k = sp.top_k
     sp.top_k = lambda scores, k: top_k(scores, k, rank_pairs=0)
+  elif form == "held_barrier":
+    held_candidates = sp.SpeCache._held_candidates
+    sp.SpeCache._held_candidates = staticmethod(
+        lambda held, bound: jax.lax.optimization_barrier(held_candidates(held, bound)))
   elif form == "rank_keys_once":
     keys = sp.order_keys
     sp.order_keys = lambda scores: jax.lax.optimization_barrier(keys(scores))

@@ -718,13 +718,7 @@ class SpeCache(CacheMethod):
     on every device (``top_k_across_seq``)."""
     store, held = mass
     first = 0 if first_slot is None else first_slot
-    below = bound[:, None, :, None]
-    at = jnp.concatenate([jnp.broadcast_to(pos, of.shape) for pos, of, _ in held], axis=-1)  # [B, H, R, E]
-    of = jnp.concatenate([jnp.where(is_held & (jnp.broadcast_to(pos, m.shape) < below), m, NOT_A_CANDIDATE)
-                          for pos, m, is_held in held], axis=-1)
-    pad = -of.shape[-1] % SELECT_RUN
-    at = jnp.pad(at, ((0, 0),) * 3 + ((0, pad),))
-    of = jnp.pad(of, ((0, 0),) * 3 + ((0, pad),), constant_values=NOT_A_CANDIDATE)
+    at, of = SpeCache._held_candidates(held, bound)
     store_bound = bound - first  # the store's slots count from its first
     store_runs = store.block_max(SELECT_RUN, store_bound)  # [B, H, R, n]
     runs = jnp.concatenate([store_runs, jnp.max(of.reshape(of.shape[:3] + (-1, SELECT_RUN)), axis=-1)], axis=-1)
@@ -741,6 +735,19 @@ class SpeCache(CacheMethod):
       past = n * store.length
     ok = best > NOT_A_CANDIDATE
     return jnp.where(ok, idx, past + jnp.arange(k)).astype(jnp.int32), ok
+
+  @staticmethod
+  def _held_candidates(held, bound):
+    """The window's and the fetched rows' positions and masses (``_attend``'s held) as one row each, padded to whole
+    runs of ``SELECT_RUN``: at [B, H, R, E] int32 and of [B, H, R, E] float32, NOT_A_CANDIDATE where a position is
+    not held or not below bound [B, R]."""
+    below = bound[:, None, :, None]
+    at = jnp.concatenate([jnp.broadcast_to(pos, m.shape) for pos, m, _ in held], axis=-1)
+    of = jnp.concatenate([jnp.where(is_held & (jnp.broadcast_to(pos, m.shape) < below), m, NOT_A_CANDIDATE)
+                          for pos, m, is_held in held], axis=-1)
+    pad = -of.shape[-1] % SELECT_RUN
+    return (jnp.pad(at, ((0, 0),) * 3 + ((0, pad),)),
+            jnp.pad(of, ((0, 0),) * 3 + ((0, pad),), constant_values=NOT_A_CANDIDATE))
 
   @staticmethod
   def _fetched(state, layer):
