@@ -656,8 +656,8 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
   only masses above NOT_A_CANDIDATE; a position chosen twice takes the place of another). On a failure the message
   names the layers, sequences, heads and positions missed, and the selections that left candidates out, with how
   many they chose twice, the candidates the selection's inputs hold in more than one source (the store, the window,
-  the fetched rows), and what the CPU's selection makes of the first failing selection's inputs (the same twice, or
-  none: then the device's compiled selection differs from the CPU's on them). (On an H100 and an H200 the hit rate
+  the fetched rows), and what ``_select`` compiled alone, on the CPU and on the test's device, makes of the first
+  failing selection's inputs (the same twice, or none: then the step's compiled selection differs on them). (On an H100 and an H200 the hit rate
   came 0.99878 at 907ecac, with the rank top-k and with sorts alike; on an H100 at 847fa49 this test found real rows
   choosing 72 to 81 distinct positions of 96 candidates, none of them with a mass that was not finite.)"""
   _, m = tiny_llama
@@ -723,14 +723,15 @@ def test_with_k_past_every_candidate_each_step_fetches_the_real_rows_choice(tiny
                      eos_ids=(), chunk=8)
   assert res.stats["decode_steps"] == 24
   replayed = []
-  if failed_inputs:  # the same inputs through the CPU's selection
+  if failed_inputs:  # the same inputs through the CPU's selection, and through the device's compiled alone
     ((mass, bound), k), chosen = failed_inputs[0]
-    with jax.default_device(jax.devices("cpu")[0]):
-      idx, ok = jax.jit(select, static_argnums=2)(jax.tree.map(jnp.asarray, mass), jnp.asarray(bound), k)
-    twice = sum(len(x[o]) - len(set(x[o].tolist())) for x, o in zip(np.asarray(idx).reshape(-1, k),
-                                                                    np.asarray(ok).reshape(-1, k)))
-    replayed = [f"the first failing selection's inputs on the CPU: {twice} chosen twice, the same positions as on "
-                f"{jax.devices()[0].platform}: {np.array_equal(np.asarray(idx), chosen)}"]
+    for device in (jax.devices("cpu")[0], jax.devices()[0]):
+      with jax.default_device(device):
+        idx, ok = jax.jit(select, static_argnums=2)(jax.tree.map(jnp.asarray, mass), jnp.asarray(bound), k)
+      twice = sum(len(x[o]) - len(set(x[o].tolist())) for x, o in zip(np.asarray(idx).reshape(-1, k),
+                                                                      np.asarray(ok).reshape(-1, k)))
+      replayed.append(f"the first failing selection's inputs through _select alone on {device.platform}: {twice} "
+                      f"chosen twice, the same positions as in the step: {np.array_equal(np.asarray(idx), chosen)}")
   assert not misses and not lost, "\n".join(misses[:10] + lost[:10] + replayed)
 
 
