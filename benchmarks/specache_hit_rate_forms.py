@@ -12,12 +12,14 @@ on the selection's inputs and outputs gave 1.0.
     python benchmarks/specache_hit_rate_forms.py                              # every form
     python benchmarks/specache_hit_rate_forms.py --forms plain verify_triton  # these, in this order
     python benchmarks/specache_hit_rate_forms.py --form plain                 # one, in this process
+    python benchmarks/specache_hit_rate_forms.py --forms plain --hlo /tmp/hlo # with its XLA Triton fusions
 """
 import argparse
 import datetime
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -115,12 +117,27 @@ def run_form(form: str) -> dict:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def triton_fusions(dump: pathlib.Path) -> dict:
+  """XLA's Triton fusions in the largest optimized module ``--xla_dump_to`` wrote into ``dump`` (generate's decode
+  chunk): how many, and those whose computation holds a concatenate (jax#40588's pattern), by name."""
+  modules = sorted(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+  if not modules:
+    return {}
+  text = modules[-1].read_text()
+  called = re.findall(r'calls=%?([\w.\-]+).*?"kind":"__triton', text)
+  bodies = dict(re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", text, flags=re.M | re.S))
+  concat = [name for name in called if "concatenate(" in bodies.get(name, "")]
+  return {"module": modules[-1].name, "triton_fusions": len(called), "with_concatenate": concat}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--form", choices=sorted(FORMS), help="run this form alone and print its record")
   parser.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=list(FORMS),
                       help="the forms to run, in this order (default: every form)")
   parser.add_argument("--out", type=pathlib.Path, default=OUT)
+  parser.add_argument("--hlo", type=pathlib.Path, help="dump each form's optimized HLO under this folder and record "
+                                                       "its Triton fusions (``triton_fusions``)")
   args = parser.parse_args()
   if args.form:
     print(json.dumps(run_form(args.form)))
@@ -130,6 +147,8 @@ def main():
     env = dict(os.environ)
     if form in XLA_FLAGS:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_FLAGS[form]).strip()
+    if args.hlo:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={args.hlo / form}").strip()
     proc = subprocess.run([sys.executable, __file__, "--form", form], env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     record = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
@@ -137,6 +156,8 @@ def main():
     flagged = [line for line in proc.stderr.splitlines() if "numerics" in line or "does not match" in line]
     if flagged:  # what XLA's own checks said (verify_triton)
       record["xla_said"] = flagged[:5]
+    if args.hlo:
+      record["hlo"] = triton_fusions(args.hlo / form)
     print(f"{form:24s} {record.get('hit_rate', record.get('error'))}", flush=True)
     records.append(record)
     # Written after every form, so that a run cut short keeps what it measured.
@@ -144,6 +165,7 @@ def main():
     args.out.write_text(json.dumps(records, indent=1))
     if os.environ.get("OUT"):  # the device machine's folder of files to bring back
       (pathlib.Path(os.environ["OUT"]) / args.out.name).write_text(json.dumps(records, indent=1))
+
 
 if __name__ == "__main__":
   main()
