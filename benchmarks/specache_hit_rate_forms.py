@@ -24,6 +24,10 @@ import subprocess
 import sys
 import tempfile
 
+XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer=",
+             "verify_triton": "--xla_gpu_verify_triton_fusion_numerics=true",
+             "no_triton_multi_output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
+             "no_priority_fusion": "--xla_disable_hlo_passes=priority-fusion"}
 FORMS = {
     "plain": "generate as it is",
     "callback": "a debug callback on each selection's inputs and outputs (keeps them alive and in order)",
@@ -33,21 +37,17 @@ FORMS = {
     "fetch_at_use": "SpeCache(prefetch=False): each layer fetches its rows when it attends",
     "rows_one_by_one": "the fetched rows copied one by one (gather_host_rows_one_by_one), not the Pallas kernel",
     "device_copy": "the 16-bit copy in device memory instead of pinned host memory",
-    "no_command_buffers": "XLA_FLAGS=--xla_gpu_enable_command_buffer= (no CUDA graphs)",
-    "verify_triton": "XLA_FLAGS=--xla_gpu_verify_triton_fusion_numerics=true (XLA checks each of its Triton fusions "
-                     "against its reference emitter as it compiles)",
-    "no_triton_multi_output": "XLA_FLAGS=--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
-    "no_priority_fusion": "XLA_FLAGS=--xla_disable_hlo_passes=priority-fusion (XLA's main fusion pass off)",
+    "no_command_buffers": f"XLA_FLAGS={XLA_FLAGS['no_command_buffers']} (no CUDA graphs)",
+    "verify_triton": f"XLA_FLAGS={XLA_FLAGS['verify_triton']} (XLA checks each of its Triton fusions against its "
+                     "reference emitter as it compiles)",
+    "no_triton_multi_output": f"XLA_FLAGS={XLA_FLAGS['no_triton_multi_output']}",
+    "no_priority_fusion": f"XLA_FLAGS={XLA_FLAGS['no_priority_fusion']} (XLA's main fusion pass off)",
     "held_barrier": "the window's and fetched rows' candidates behind an optimization barrier once concatenated "
                     "(no concatenate, reduce, concatenate chain for one fusion: jax#40588's pattern)",
     "sorts": "every top k by lax.top_k (XLA's sort), no rank counting",
     "rank_keys_once": "the rank top-k's integer keys behind an optimization barrier (each score's key computed once "
                       "for both sides of the pairwise comparison)",
 }
-XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer=",
-             "verify_triton": "--xla_gpu_verify_triton_fusion_numerics=true",
-             "no_triton_multi_output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
-             "no_priority_fusion": "--xla_disable_hlo_passes=priority-fusion"}
 OUT = pathlib.Path(__file__).parent / "results" / "specache_hit_rate_forms.json"
 
 
