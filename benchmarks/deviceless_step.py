@@ -200,8 +200,10 @@ def main():
   parser.add_argument("--steps", type=int, default=16)
   parser.add_argument("--smoke", action="store_true", help="the tiny model of the smoke runs")
   parser.add_argument("--target", choices=sorted(TARGETS), default="h100")
-  parser.add_argument("--form", action="append", default=[], choices=sorted(set(forms.FORMS) - set(forms.XLA_FLAGS)),
-                      help="apply one of specache_hit_rate_forms.py's program changes first (repeatable)")
+  parser.add_argument("--form", action="append", default=[],
+                      choices=sorted(set(forms.FORMS) - set(forms.XLA_FLAGS) - set(forms.PASSES_OFF)),
+                      help="apply one of specache_hit_rate_forms.py's program changes first (repeatable; its forms "
+                           "that turn XLA passes off are --compiler-option xla_disable_hlo_passes=... here)")
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option on top of MODEL_COMPILER_OPTIONS (repeatable)")
   parser.add_argument("--list", action="store_true", help="print every kernel of each method's layer")

@@ -26,8 +26,14 @@ import tempfile
 
 XLA_FLAGS = {"no_command_buffers": "--xla_gpu_enable_command_buffer=",
              "verify_triton": "--xla_gpu_verify_triton_fusion_numerics=true",
-             "no_triton_multi_output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=false",
-             "no_priority_fusion": "--xla_disable_hlo_passes=priority-fusion"}
+             "no_triton_multi_output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=false"}
+# XLA passes turned off through jkv's own compiler options: the model's jitted functions pass
+# xla_disable_hlo_passes (MODEL_COMPILER_OPTIONS), which replaces the list XLA_FLAGS gives (checked by compiling for
+# an H100 with benchmarks/deviceless_step.py's device: 82 fusions either way with priority-fusion in XLA_FLAGS, 501
+# with it here).
+PASSES_OFF = {"no_priority_fusion": "priority-fusion",
+              "no_block_level_triton": "fusion-block-level-rewriter",
+              "no_xla_triton": "triton-softmax-rewriter,fusion-block-level-rewriter"}
 FORMS = {
     "plain": "generate as it is",
     "callback": "a debug callback on each selection's inputs and outputs (keeps them alive and in order)",
@@ -41,7 +47,10 @@ FORMS = {
     "verify_triton": f"XLA_FLAGS={XLA_FLAGS['verify_triton']} (XLA checks each of its Triton fusions against its "
                      "reference emitter as it compiles)",
     "no_triton_multi_output": f"XLA_FLAGS={XLA_FLAGS['no_triton_multi_output']}",
-    "no_priority_fusion": f"XLA_FLAGS={XLA_FLAGS['no_priority_fusion']} (XLA's main fusion pass off)",
+    "no_priority_fusion": "XLA's main fusion pass off (priority-fusion)",
+    "no_block_level_triton": "XLA's fusion-block-level-rewriter off: no reduction or loop fusion becomes a Triton "
+                             "fusion (the top k's rank counts are Triton reductions on an H100)",
+    "no_xla_triton": "no Triton fusion of XLA's own: fusion-block-level-rewriter and triton-softmax-rewriter off",
     "held_barrier": "the window's and fetched rows' candidates behind an optimization barrier once concatenated "
                     "(no concatenate, reduce, concatenate chain for one fusion: jax#40588's pattern)",
     "sorts": "every top k by lax.top_k (XLA's sort), no rank counting",
@@ -64,6 +73,11 @@ def patch(form: str) -> dict:
   """Apply ``form``'s change to SpeCache; returns the method's options."""
   import dataclasses
   import jax
+  if form in PASSES_OFF:  # read when jkv.generate's functions are jitted
+    if "jkv.generate" in sys.modules:
+      raise RuntimeError(f"form {form} must be applied before jkv.generate is imported")
+    from jkv.xla_options import MODEL_COMPILER_OPTIONS
+    MODEL_COMPILER_OPTIONS["xla_disable_hlo_passes"] += "," + PASSES_OFF[form]
   from jkv.methods import specache as sp
   select = sp.SpeCache._select
   if form == "callback":
@@ -104,9 +118,9 @@ def patch(form: str) -> dict:
 def run_form(form: str) -> dict:
   import jax
   import numpy as np
+  options = patch(form)
   from jkv import generate as gen
   from jkv.methods.specache import SpeCache
-  options = patch(form)
   m = tiny_llama()
   rng = np.random.default_rng(7)
   prompts = [rng.integers(2, m.config.vocab_size, n).tolist() for n in (40, 90)]

@@ -13,7 +13,7 @@ HLO = """HloModule jit__decode_chunk
 
 %branch_a (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
-  ROOT %loop_add_fusion.9 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add.9, metadata={op_name="jit(_decode_chunk)/while/body/add"}
+  ROOT %loop_add_fusion.9 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add.9
 }
 
 %branch_b (p: f32[4]) -> f32[4] {
@@ -25,11 +25,12 @@ HLO = """HloModule jit__decode_chunk
 %layer_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
   %t = (s32[], f32[4]{0}) parameter(0)
   %x = f32[4]{0} get-tuple-element(%t), index=1
-  %input_reduce_fusion.2 = f32[] fusion(%x), kind=kCustom, calls=%fused_reduce.2, metadata={op_name="jit(_decode_chunk)/while/body/eval_jaxpr/cache_step/reduce_sum"}, backend_config={"fusion_backend_config":{"kind":"__triton"}}
-  %pallas_call.0 = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(_decode_chunk)/while/body/cache_step/decode_attention"}
+  %input_reduce_fusion.2 = f32[] fusion(%x), kind=kCustom, calls=%fused_reduce.2, {REDUCE_METADATA}
+  %pallas_call.0 = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
   %loop_select_fusion = f32[4]{0} fusion(%pallas_call.0, %x), kind=kLoop, calls=%fused_select
   %pick = s32[] constant(0)
-  %conditional.1 = f32[4]{0} conditional(%pick, %loop_select_fusion, %loop_select_fusion), branch_computations={%branch_a, %branch_b}
+  %conditional.1 = f32[4]{0} conditional(%pick, %loop_select_fusion, %loop_select_fusion),
+      branch_computations={%branch_a, %branch_b}
   %i = s32[] get-tuple-element(%t), index=0
   ROOT %tuple.1 = (s32[], f32[4]{0}) tuple(%i, %conditional.1)
 }
@@ -45,7 +46,8 @@ HLO = """HloModule jit__decode_chunk
   %t = (s32[], f32[4]{0}) parameter(0)
   %loop_broadcast_fusion = f32[4]{0} fusion(), kind=kLoop, calls=%fused_broadcast
   %while.2 = (s32[], f32[4]{0}) while(%t), condition=%layer_cond, body=%layer_body
-  ROOT %input_scatter_fusion = (s32[], f32[4]{0}) fusion(%while.2, %loop_broadcast_fusion), kind=kInput, calls=%fused_scatter
+  ROOT %input_scatter_fusion = (s32[], f32[4]{0}) fusion(%while.2, %loop_broadcast_fusion), kind=kInput,
+      calls=%fused_scatter
 }
 
 %step_cond (t: (s32[], f32[4])) -> pred[] {
@@ -59,7 +61,8 @@ ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {
   %a = (s32[], f32[4]{0}) parameter(0)
   ROOT %while.1 = (s32[], f32[4]{0}) while(%a), condition=%step_cond, body=%step_body
 }
-"""
+""".replace("{REDUCE_METADATA}", 'metadata={op_name="jit(_decode_chunk)/while/body/eval_jaxpr/cache_step/reduce_sum"}, '
+            'backend_config={"fusion_backend_config":{"kind":"__triton"}}')
 
 
 def test_loops_find_the_layer_and_step_bodies_and_their_kernels():
