@@ -220,9 +220,11 @@ def top_k(scores, k: int, rank_pairs: int = RANK_PAIRS):
   ``lax.top_k``'s total order (NaN above +inf, -0.0 below 0.0). XLA's sort costs about 8 us a call on an H200 for
   any rows up to 1024 long, a B = 1 step's three a layer about 0.8 ms; where rows x N^2 is at most
   ``rank_pairs``, each score's rank is counted instead (the scores above it, and the equal ones before it), in one
-  fused comparison of every pair, and the k smallest ranks scattered to their slots. The pairs compare integer
-  keys of that total order, so the ranks are distinct, 0..N-1, whatever the scores; float comparisons do not
-  promise it (a NaN is neither above, below nor equal to anything, so it would share a rank)."""
+  fused comparison of every pair, and slot j takes the position whose rank is j, by a sum over the row (a scatter
+  needs a zeroed buffer and a copy of it: two more kernels a call on a GPU, ``benchmarks/deviceless_step.py``,
+  three calls a SpeCache layer). The pairs compare integer keys of that total order, so the ranks are distinct,
+  0..N-1, whatever the scores; float comparisons do not promise it (a NaN is neither above, below nor equal to
+  anything, so it would share a rank)."""
   N = scores.shape[-1]
   if (k > N or not jnp.issubdtype(scores.dtype, jnp.floating)
       or np.prod(scores.shape[:-1], dtype=np.int64) * N * N > rank_pairs):
@@ -231,8 +233,8 @@ def top_k(scores, k: int, rank_pairs: int = RANK_PAIRS):
   at = jnp.arange(N)
   s, t = key[..., :, None], key[..., None, :]
   rank = jnp.sum((t > s) | ((t == s) & (at < at[:, None])), axis=-1, dtype=jnp.int32)  # [..., N]
-  slot = lambda r: jnp.zeros(k, jnp.int32).at[r].set(at, mode="drop")
-  positions = jax.vmap(slot)(rank.reshape(-1, N)).reshape(scores.shape[:-1] + (k,))
+  hit = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, N]: one position a slot
+  positions = jnp.sum(jnp.where(hit, at, 0), axis=-1, dtype=jnp.int32)
   return jnp.take_along_axis(scores, positions, axis=-1), positions
 
 
