@@ -177,11 +177,11 @@ def commit() -> str:
 
 def table(records) -> str:
   """A markdown table of the records: kernels a layer, a step, and where they come from."""
-  rows = ["| method | batch | context | forms | kernels a layer (in its conditionals' branches) | a step (outside the "
-          "layers) | a layer's kinds |", "| --- | ---: | ---: | --- | ---: | ---: | --- |"]
+  rows = ["| method | batch | context | forms | commit | kernels a layer (in its conditionals' branches) | a step "
+          "(outside the layers) | a layer's kinds |", "| --- | ---: | ---: | --- | --- | ---: | ---: | --- |"]
   for r in records:
     kinds = ", ".join(f"{n} {k}" for k, n in r["layer_summary"].items())
-    rows.append(f"| {r['method']} | {r['batch']} | {r['context']:,} | {' '.join(r['forms']) or '-'} | "
+    rows.append(f"| {r['method']} | {r['batch']} | {r['context']:,} | {' '.join(r['forms']) or '-'} | {r['commit']} | "
                 f"{r['kernels_per_layer']} ({' + '.join(map(str, r['layer_branch_kernels'].values())) or '-'}) | "
                 f"{r['kernels_per_step']:,} ({r['kernels_per_step_outside_layers']}) | "
                 f"{kinds} |")
@@ -191,7 +191,7 @@ def table(records) -> str:
 def main():
   import specache_hit_rate_forms as forms
   from profile_decode_step import METHODS
-  from records import save
+  from records import save, write_readme_section
   from jkv.xla_options import MODEL_COMPILER_OPTIONS
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["dense", "kivi2_mma", "specache1"])
@@ -209,10 +209,14 @@ def main():
   parser.add_argument("--list", action="store_true", help="print every kernel of each method's layer")
   parser.add_argument("--hlo", type=pathlib.Path, help="write each method's optimized HLO into this folder")
   parser.add_argument("--out", type=pathlib.Path, default=OUT, help="merge the records into this JSON list")
-  parser.add_argument("--table", action="store_true", help="print the table of the records in --out and stop")
+  parser.add_argument("--table", action="store_true",
+                      help="print the table of the records in --out, write it into benchmarks/README.md, and stop")
   args = parser.parse_args()
   if args.table:
-    print(table(json.loads(args.out.read_text())))
+    text = table(json.loads(args.out.read_text()))
+    write_readme_section("deviceless_step", text, "## Kernels a decode step launches, compiled without a GPU "
+                         "(`deviceless_step.py`)")
+    print(text)
     return
 
   device = target_device(args.target)
@@ -236,7 +240,7 @@ def main():
     print(f"{label} B={args.batch} context={args.context}: {record['kernels_per_layer']} kernels a layer "
           f"{record['layer_summary']}, {record['kernels_per_step']} a step", flush=True)
     for k in record["layer"] if args.list else []:
-      print(f"  {k['op']:12s} {k['kind']:22s} {k['name'][:34]:34s} {k['what'][:90]}")
+      print(f"  {k['op']:12s} {k['kind']:22s} {k['name'][:40]:40s} {k['what'][:90]}")
   save(args.out, records, RECORD_KEY)
   print(table(records))
 
