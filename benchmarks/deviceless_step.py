@@ -165,7 +165,8 @@ def compile_record(label: str, args, device, extra: dict) -> tuple:
       kernels_per_layer=len(layer), kernels_per_step=per_step, kernels_per_step_outside_layers=len(step),
       layer_branch_kernels={k: len(v) for k, v in layer_branches.items()},
       step_branch_kernels={k: len(v) for k, v in step_branches.items()},
-      layer_summary=summary(layer), step_summary=summary(step), layer=layer, step=step)
+      layer_summary=summary(layer), step_summary=summary(step), layer=layer, layer_branches=layer_branches,
+      step=step)
   return record, hlo
 
 
@@ -239,8 +240,11 @@ def main():
       (args.hlo / f"{label}.hlo.txt").write_text(hlo)
     print(f"{label} B={args.batch} context={args.context}: {record['kernels_per_layer']} kernels a layer "
           f"{record['layer_summary']}, {record['kernels_per_step']} a step", flush=True)
-    for k in record["layer"] if args.list else []:
-      print(f"  {k['op']:12s} {k['kind']:22s} {k['name'][:40]:40s} {k['what'][:90]}")
+    listed = [("layer", record["layer"])] + [(f"branch {b}", ks) for b, ks in record["layer_branches"].items()]
+    for where, ks in listed if args.list else []:
+      print(f" {where}:")
+      for k in ks:
+        print(f"  {k['op']:12s} {k['kind']:22s} {k['name'][:40]:40s} {k['what'][:90]}")
   save(args.out, records, RECORD_KEY)
   print(table(records))
 
