@@ -340,21 +340,29 @@ def merge_partials(partials):
 
 def _joined_segments(layer, segments):
   """Segments the Hopper kernel can read, joined into one of this layer's [B, H, S1 + S2 + ..., D] (per-head masks)
-  where there are several of one type (OTT's buffer and pools): one copy of their few rows, so that the kernel
-  reads them all in its softmax instead of a second kernel reading the rest (OTT at its defaults, B = 8,
-  L = 32768, H100: benchmarks/README.md). The others follow, in their order."""
-  readable = [seg for seg in segments if mgpu_decode_attention.reads_segment(seg[0], seg[1])]
-  if len(readable) < 2 or len({seg[0].dtype for seg in readable}) > 1:
-    return segments
+  where there are several of one type (OTT's buffer and pools; SpeCache's window, fetched rows and own rows): one
+  copy of their few rows, so that the kernel reads them all in its softmax instead of a second kernel reading the
+  rest (OTT at its defaults, B = 8, L = 32768, H100: benchmarks/README.md). The others follow, in their order.
+
+  Returns (segments, parts): parts[j] lists the (original index, first slot, slots) of the segments in segments[j]
+  (one whole segment where nothing was joined), so that a mass over segments[j] is cut back into theirs."""
+  size = lambda i: segments[i][0].shape[-2]
+  unjoined = segments, tuple(((i, 0, size(i)),) for i in range(len(segments)))
+  readable = [i for i, seg in enumerate(segments) if mgpu_decode_attention.reads_segment(seg[0], seg[1])]
+  if len(readable) < 2 or len({segments[i][0].dtype for i in readable}) > 1:
+    return unjoined
   at_layer = lambda x: x[layer] if x.ndim == 5 else x
-  batch, heads = at_layer(readable[0][0]).shape[:2]
+  batch, heads = at_layer(segments[readable[0]][0]).shape[:2]
   per_head = lambda mask: jnp.broadcast_to(mask if mask.ndim == 4 else mask[:, None],
                                            (batch, heads) + mask.shape[-2:])
-  joined = tuple(jnp.concatenate([f(seg[i]) for seg in readable], axis=-2 if i < 2 else -1)
+  joined = tuple(jnp.concatenate([f(segments[j][i]) for j in readable], axis=-2 if i < 2 else -1)
                  for i, f in enumerate((at_layer, at_layer, per_head)))
   if not mgpu_decode_attention.reads_segment(joined[0], joined[1]):
-    return segments
-  return (joined,) + tuple(seg for seg in segments if not any(seg is r for r in readable))
+    return unjoined
+  starts = [sum(size(j) for j in readable[:n]) for n in range(len(readable))]
+  others = [i for i in range(len(segments)) if i not in readable]
+  parts = (tuple((j, start, size(j)) for j, start in zip(readable, starts)),)
+  return (joined,) + tuple(segments[i] for i in others), parts + tuple(((i, 0, size(i)),) for i in others)
 
 
 def _summed_mass(layer, stores, masses):
@@ -372,39 +380,45 @@ def _kernel_segment_mass(mask, rows, probabilities):
 def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse, rows, store_mass):
   """``decode_attention`` on a Hopper GPU: the tensor-core kernel over the MMA-packed stores (all in one launch, or
   one a launch where their slot weights are asked), with the longest segment it reads in place (KIVI's window;
-  OTT's buffer and pools joined); the rest through the Triton kernel, one softmax merged exactly. Token mass: the
-  stores' and the kernel's segment's from the slot weights the kernel writes out (of the mass rows alone, where
-  the kernel can: ``mgpu_decode_attention.logit_columns``), the other segments' from a second pass over them in
-  XLA (they are a few rows), each against the merged lse."""
+  OTT's buffer and pools, SpeCache's window, fetched rows and own rows, joined: ``_joined_segments``); the rest
+  through the Triton kernel, one softmax merged exactly. Token mass: the stores' and the kernel's segment's from
+  the slot weights the kernel writes out (of the mass rows alone, where the kernel can:
+  ``mgpu_decode_attention.logit_columns``; a joined segment's cut back into its segments'), the other segments'
+  from a second pass over them in XLA (they are a few rows), each against the merged lse. Joining SpeCache's
+  three segments took a layer of its B = 1, 128k step from 52 kernels to 44 compiled for an H100
+  (``benchmarks/deviceless_step.py``): the Triton kernel, its merge and the second pass gone."""
   all_segments = segments
-  if not rows:  # (with token mass too would be sound, the mass comes from the original segments, but unmeasured)
-    segments = _joined_segments(layer, segments)
+  segments, parts = _joined_segments(layer, segments)
   readable = [i for i, (k, v, _) in enumerate(segments) if mgpu_decode_attention.reads_segment(k, v)]
   fused = max(readable, key=lambda i: segments[i][0].shape[-2], default=None)  # the most tokens in the kernel
   segment = segments[fused] if fused is not None else None
   if rows and store_mass:  # the slot weights come from one store per launch
-    parts = [mgpu_decode_attention.mgpu_decode_partial(q, layer, store, segment=segment if i == 0 else None,
-                                                       logit_rows=rows) for i, store in enumerate(mma_stores)]
+    partials = [mgpu_decode_attention.mgpu_decode_partial(q, layer, store, segment=segment if i == 0 else None,
+                                                          logit_rows=rows) for i, store in enumerate(mma_stores)]
   else:  # every store in one launch (ZipCache's pools)
-    parts = [mgpu_decode_attention.mgpu_decode_partial(q, layer, mma_stores, segment=segment)]
-  weights = [part[3] for part in parts] if rows and store_mass else []
-  segment_weights = parts[0][4] if rows and store_mass and segment is not None else None
-  parts = [part[:3] for part in parts]
-  segments = tuple(segment for i, segment in enumerate(segments) if i != fused)
-  if stores or segments:
-    parts.append(normalized_partial(*dequant_attention.decode_attention(q, layer, stores, segments,
-                                                                         return_lse=True)))
-  o, lse = merge_partials(parts)
+    partials = [mgpu_decode_attention.mgpu_decode_partial(q, layer, mma_stores, segment=segment)]
+  weights = [part[3] for part in partials] if rows and store_mass else []
+  segment_weights = partials[0][4] if rows and store_mass and segment is not None else None
+  partials = [part[:3] for part in partials]
+  rest = tuple(segment for i, segment in enumerate(segments) if i != fused)
+  if stores or rest:
+    partials.append(normalized_partial(*dequant_attention.decode_attention(q, layer, stores, rest,
+                                                                            return_lse=True)))
+  o, lse = merge_partials(partials)
   out = (o.astype(q.dtype),) + ((lse,) if return_lse else ())
   if rows:
     lse_rows = lse[:, :, rows]  # [B, H, R, g]
     of_stores = tuple(TokenMass(p, jnp.exp(m - lse_rows[:, :, None]), store.slot_mask(layer))
                       for store, (p, m) in zip(mma_stores, weights))
-    of_segments = tuple(
-        _kernel_segment_mass(mask, rows, mgpu_decode_attention.slot_probabilities(segment_weights, lse_rows))
-        if i == fused and segment_weights is not None
-        else _token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows, matmul=False)
-        for i, (k, v, mask) in enumerate(all_segments))
+    kernel_mass = None if segment_weights is None else _kernel_segment_mass(
+        segment[2], rows, mgpu_decode_attention.slot_probabilities(segment_weights, lse_rows))
+    of_segments = [None] * len(all_segments)
+    for j, members in enumerate(parts):
+      for i, start, size in members:
+        k, v, mask = all_segments[i]
+        of_segments[i] = (kernel_mass[..., start:start + size] if j == fused and kernel_mass is not None
+                          else _token_mass(q, _segment_source(layer, k, v, mask, None), lse, rows, matmul=False))
+    of_segments = tuple(of_segments)
     out += ((of_stores, of_segments),)
   return out if len(out) > 1 else out[0]
 

@@ -405,36 +405,67 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Mosaic GPU")
-@pytest.mark.parametrize("holes", [False, True])
-def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments(holes):
+@pytest.mark.parametrize("holes, joined", [(False, False), (True, False), (True, True)])
+def test_an_mma_store_on_the_hopper_kernel_merges_with_the_segments(holes, joined):
   """impl "pallas" on a Hopper GPU: the tensor-core kernel over the MmaStore and the first segment (2 * 2 * 24
   rows of D: it reads them in place), the Triton kernel over the second (2 * 2 * 5 rows: it does not), merged by
   log-sum-exp, against the plain reference over the library-layout store (bf16: 16-bit rounding); with holes and
-  a value channel scale too. The token mass of the query row: the store's and the first segment's from the slot
-  weights the kernel writes out, the second's from XLA, each against the merged lse."""
+  a value channel scale too. The token mass of the query row: the store's and the kernel's segment's from the slot
+  weights the kernel writes out, the second's from XLA, each against the merged lse. ``joined``: a third segment
+  the kernel reads too (2 * 2 * 8 rows, its mask per head), joined with the first into one it reads, whose mass is
+  cut back into theirs (SpeCache's window, fetched rows and own rows)."""
   from jkv_kernels.dequant_attention import decode_attention_reference
   from jkv_kernels.mma_layout import pack_mma_store
   rng = np.random.default_rng(22)
   q, store, segment = _store_and_segments_for_mma(rng, jnp.bfloat16, holes)
   short = (segment[0][:, :, :5] * 2, segment[1][:, :, 3:8], jnp.asarray(rng.random((2, 2, 1, 5)) < 0.5))
-  o, lse, mass = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=(segment, short),
+  segments = (segment, short)
+  if joined:
+    segments += ((segment[1][:, :, 8:16], segment[0][:, :, :8] * 0.5, jnp.asarray(rng.random((2, 2, 1, 8)) < 0.7)),)
+  o, lse, mass = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),), segments=segments,
                                   impl="pallas", return_lse=True, token_mass_rows=(0,))
-  o_ref, lse_ref, mass_ref = decode_attention_reference(q, jnp.int32(1), (store,), (segment, short),
+  o_ref, lse_ref, mass_ref = decode_attention_reference(q, jnp.int32(1), (store,), segments,
                                                         return_lse=True, token_mass_rows=(0,))
   o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref, np.float64)
   assert np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref) <= 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
-  assert [len(m) for m in mass] == [1, 2]
+  assert [len(m) for m in mass] == [1, len(segments)]
   for got, want in zip(jax.tree.leaves(mass), jax.tree.leaves(mass_ref), strict=True):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-4
   o_alone, (none, of_segments) = decode_attention(q, jnp.int32(1), stores=(pack_mma_store(store),),
-                                                  segments=(segment, short), impl="pallas", token_mass_rows=(0,),
+                                                  segments=segments, impl="pallas", token_mass_rows=(0,),
                                                   store_mass=False)  # the kernel writes no logits
   assert none == ()
   np.testing.assert_allclose(np.asarray(o_alone, np.float64), o, rtol=1e-6, atol=1e-6)
-  for got, want, rtol in zip(of_segments, mass[1], (2.0**-10, 1e-5), strict=True):  # fp16 p in the kernel's
+  # fp16 p in the kernel's segment (the joined one's segments all come from it), XLA's float32 for the rest
+  rtols = (2.0**-10, 1e-5) + ((2.0**-10,) if joined else ())
+  for got, want, rtol in zip(of_segments, mass[1], rtols, strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=1e-6)
+
+
+def test_readable_segments_join_into_one_and_their_parts_are_named():
+  """``attention._joined_segments``: the segments the Hopper kernel reads (16-bit, rows a multiple of 8) become
+  one, their keys and values at the layer concatenated and their masks per head, followed by the others; parts
+  names each original segment's place, so a mass over the joined one cuts back into theirs."""
+  rng = np.random.default_rng(5)
+  L, B, H, T = 3, 2, 2, 2
+  bf = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  window = (bf(L, B, H, 12, 64), bf(L, B, H, 12, 64), jnp.asarray(rng.random((B, H, T, 12)) < 0.5))
+  odd = (bf(B, H, 3, 64), bf(B, H, 3, 64), jnp.asarray(rng.random((B, T, 3)) < 0.5))  # 12 rows of D: not read
+  fetched = (bf(B, H, 4, 64), bf(B, H, 4, 64), jnp.asarray(rng.random((B, T, 4)) < 0.5))  # mask shared by heads
+  segments, parts = attention._joined_segments(jnp.int32(2), (window, odd, fetched))
+  assert parts == (((0, 0, 12), (2, 12, 4)), ((1, 0, 3),))
+  (k, v, mask), rest = segments[0], segments[1:]
+  np.testing.assert_array_equal(np.asarray(k, np.float32), np.concatenate(
+      [np.asarray(window[0][2], np.float32), np.asarray(fetched[0], np.float32)], axis=2))
+  np.testing.assert_array_equal(np.asarray(v, np.float32), np.concatenate(
+      [np.asarray(window[1][2], np.float32), np.asarray(fetched[1], np.float32)], axis=2))
+  np.testing.assert_array_equal(np.asarray(mask), np.concatenate(
+      [np.asarray(window[2]), np.broadcast_to(np.asarray(fetched[2])[:, None], (B, H, T, 4))], axis=-1))
+  assert len(rest) == 1 and rest[0] is odd
+  alone, alone_parts = attention._joined_segments(jnp.int32(0), (window, odd))  # one readable: nothing joined
+  assert alone == (window, odd) and alone_parts == (((0, 0, 12),), ((1, 0, 3),))
 
 
 def test_reference_store_holes_and_channel_scale_by_brute_force():
