@@ -134,7 +134,8 @@ def summary(found) -> dict:
 
 
 RECORD_KEY = lambda r: (r["method"], r["batch"], r["context"], tuple(r["forms"]), json.dumps(r["compiler_options"],
-                                                                                     sort_keys=True), r["jax_version"])
+                                                                                     sort_keys=True),
+                        r["jax_version"], r["commit"])  # a change's record beside the one before it
 OUT = HERE / "results" / "deviceless_step.json"
 
 
