@@ -172,9 +172,11 @@ def compile_record(label: str, args, device, extra: dict) -> tuple:
 
 
 def commit() -> str:
-  """The tree's commit, "-dirty" when it has changes (what the compiled program is jkv's code at)."""
-  return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=HERE, capture_output=True,
-                        text=True).stdout.strip()
+  """The commit of the jkv that was imported (the compiled program is its code), "-dirty" when its tree has
+  changes."""
+  import jkv
+  return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                        cwd=pathlib.Path(jkv.__file__).resolve().parent, capture_output=True, text=True).stdout.strip()
 
 
 def table(records) -> str:
