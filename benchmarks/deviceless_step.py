@@ -4,7 +4,8 @@ jax's CUDA plugin compiles for a GPU it does not have, given the GPU's descripti
 ``targets/h100_sxm.txtpb``, what a GPU run's ``--xla_dump_to`` writes as ``*.gpu_target_config.pbtxt``), through
 ``jax.experimental.topologies``. This script builds jkv.generate's decode chunk (``jkv.generate._decode_chunk``)
 over abstract arguments (the random Llama-3-8B shape's parameters, a method's cache at batch B and ``--context``
-tokens, as ``benchmarks/profile_decode_step.py`` runs them; nothing is allocated), compiles it with jkv's
+tokens with ``benchmarks/long_context.py``'s settings, as ``benchmarks/profile_decode_step.py`` builds it; nothing is
+allocated), compiles it with jkv's
 MODEL_COMPILER_OPTIONS for that GPU and reads the optimized HLO: every kernel of the layer loop's body (fusions,
 custom calls: the Pallas kernels, cuBLAS, copies), with its kind and the jax operations it came from, counted per
 layer and per step. No time is measured: a kernel count is what the profiler's trace would list, not what it would
@@ -139,18 +140,24 @@ RECORD_KEY = lambda r: (r["method"], r["batch"], r["context"], tuple(r["forms"])
 OUT = HERE / "results" / "deviceless_step.json"
 
 
+def methods() -> dict:
+  """The settings of ``long_context.py``'s B = 1 decode records (their times are what these counts explain), and
+  SpeCache-1 with nothing fetched beside them."""
+  from long_context import METHODS
+  return {**METHODS, "specache1_k0": ("specache", dict(METHODS["specache1"][1], fetch_rows=0))}
+
+
 def compile_record(label: str, args, device, extra: dict) -> tuple:
   """Compile ``label``'s decode chunk for ``device`` (forms and options already applied); returns its record and
   the optimized HLO."""
   from generate_decode import LLAMA3_8B, SMOKE
-  from profile_decode_step import METHODS
   from jkv.config import ModelConfig
   from jkv.methods import make_method
   from jkv.sampling import Greedy
   from jkv.xla_options import MODEL_COMPILER_OPTIONS
   from jkv import generate as gen
   cfg = ModelConfig(**(SMOKE if args.smoke else LLAMA3_8B))
-  name, options = METHODS[label]
+  name, options = methods()[label]
   abstract, impl = abstract_args(cfg, make_method(name, **options), args.batch, args.context, args.steps, device)
   hlo = gen._decode_chunk.lower(*abstract, cfg=cfg, sampler=Greedy(), steps=args.steps).compile(extra or None).as_text()
   found = loops(hlo)
@@ -172,11 +179,13 @@ def compile_record(label: str, args, device, extra: dict) -> tuple:
 
 
 def commit() -> str:
-  """The commit of the jkv that was imported (the compiled program is its code), "-dirty" when its tree has
-  changes."""
+  """The last commit that changed the jkv imported (its ``jkv`` and ``pallas_kernels``: the compiled program is
+  their code), "-dirty" when they have changes not committed."""
   import jkv
-  return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                        cwd=pathlib.Path(jkv.__file__).resolve().parent, capture_output=True, text=True).stdout.strip()
+  root = pathlib.Path(jkv.__file__).resolve().parents[1]
+  git = lambda *a: subprocess.run(["git", *a, "--", "jkv", "pallas_kernels"], cwd=root, capture_output=True,
+                                  text=True).stdout.strip()
+  return git("log", "-1", "--format=%h") + ("-dirty" if git("status", "--porcelain") else "")
 
 
 def table(records) -> str:
@@ -194,11 +203,10 @@ def table(records) -> str:
 
 def main():
   import specache_hit_rate_forms as forms
-  from profile_decode_step import METHODS
   from records import save, write_readme_section
   from jkv.xla_options import MODEL_COMPILER_OPTIONS
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["dense", "kivi2_mma", "specache1"])
+  parser.add_argument("--methods", nargs="+", choices=sorted(methods()), default=["dense", "kivi2_mma", "specache1"])
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--context", type=int, default=131072)
   parser.add_argument("--steps", type=int, default=16)

@@ -385,7 +385,7 @@ def _hopper_decode_attention(q, layer, mma_stores, stores, segments, return_lse,
   the slot weights the kernel writes out (of the mass rows alone, where the kernel can:
   ``mgpu_decode_attention.logit_columns``; a joined segment's cut back into its segments'), the other segments'
   from a second pass over them in XLA (they are a few rows), each against the merged lse. Joining SpeCache's
-  three segments took a layer of its B = 1, 128k step from 52 kernels to 44 compiled for an H100
+  three segments took a layer of its B = 1, 128k step from 56 kernels to 48 compiled for an H100
   (``benchmarks/deviceless_step.py``): the Triton kernel, its merge and the second pass gone."""
   all_segments = segments
   segments, parts = _joined_segments(layer, segments)
