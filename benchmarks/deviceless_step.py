@@ -111,8 +111,8 @@ def kernels(lines) -> list:
 
 def loops(hlo: str) -> dict:
   """The decode chunk's loops by the kernels their bodies launch: the step loop's body (``step``) and the layer
-  loop's (``layer``: the body with the most kernels), with the conditionals' branches each holds
-  (``branches``: {computation: kernels})."""
+  loop's (``layer``: the body with the most kernels), with the conditionals' branches and the inner loops' bodies
+  each holds ({computation: kernels}; an inner loop's name starts "loop " and its kernels run once a trip)."""
   comps = computations(hlo)
   bodies = [b for b in re.findall(r"body=%?([\w.\-]+)", hlo) if b in comps]
   counted = {b: kernels(comps[b]) for b in bodies}
@@ -124,7 +124,8 @@ def loops(hlo: str) -> dict:
     names = re.findall(r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)",
                        "\n".join(comps[body]))
     flat = [n.strip().lstrip("%") for group in names for part in group for n in part.split(",") if n.strip()]
-    return {n: kernels(comps[n]) for n in flat if n in comps}
+    inner = [n for n in re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", "\n".join(comps[body])) if n != layer]
+    return {n: kernels(comps[n]) for n in flat if n in comps} | {f"loop {n}": counted[n] for n in inner}
   return {"layer": (layer, counted[layer], branches(layer)),
           "step": (step, counted.get(step, []), branches(step) if step else {})}
 

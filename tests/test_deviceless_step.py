@@ -1,7 +1,7 @@
 """benchmarks/deviceless_step.py's reading of an optimized HLO module: the layer loop's and the step loop's kernels
 (the compile for a GPU itself needs jax's CUDA plugin, which CI does not install). The module below is written by
 hand in the shape XLA:GPU gives a decode chunk: a step loop whose body holds a layer loop, the layer body a
-conditional."""
+conditional and an inner loop."""
 
 import pathlib
 import sys
@@ -22,6 +22,11 @@ HLO = """HloModule jit__decode_chunk
   ROOT %custom-call.1 = f32[4]{0} custom-call(%copy.3), custom_call_target="mosaic_gpu_v2"
 }
 
+%inner_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  ROOT %loop_tuple_fusion = (s32[], f32[4]{0}) fusion(%t), kind=kLoop, calls=%fused_tuple
+}
+
 %layer_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
   %t = (s32[], f32[4]{0}) parameter(0)
   %x = f32[4]{0} get-tuple-element(%t), index=1
@@ -32,7 +37,8 @@ HLO = """HloModule jit__decode_chunk
   %conditional.1 = f32[4]{0} conditional(%pick, %loop_select_fusion, %loop_select_fusion),
       branch_computations={%branch_a, %branch_b}
   %i = s32[] get-tuple-element(%t), index=0
-  ROOT %tuple.1 = (s32[], f32[4]{0}) tuple(%i, %conditional.1)
+  %tuple.1 = (s32[], f32[4]{0}) tuple(%i, %conditional.1)
+  ROOT %while.3 = (s32[], f32[4]{0}) while(%tuple.1), condition=%layer_cond, body=%inner_body
 }
 
 %layer_cond (t: (s32[], f32[4])) -> pred[] {
@@ -75,7 +81,7 @@ def test_loops_find_the_layer_and_step_bodies_and_their_kernels():
       ("loop_select_fusion", "fusion", "kLoop")]
   assert layer[0]["what"] == "cache_step/reduce_sum"  # the jit and loop prefixes dropped
   assert {name: [k["kind"] for k in ks] for name, ks in branches.items()} == {
-      "branch_a": ["kLoop"], "branch_b": ["", "mosaic_gpu_v2"]}
+      "branch_a": ["kLoop"], "branch_b": ["", "mosaic_gpu_v2"], "loop inner_body": ["kLoop"]}
   assert [(k["name"], k["kind"]) for k in step] == [("loop_broadcast_fusion", "kLoop"), ("input_scatter_fusion",
                                                                                          "kInput")]
   assert step_branches == {}
